@@ -1,0 +1,117 @@
+"""ParallelConfig: one point of the search space, checked against a Cluster.
+
+Degrees (DESIGN.md): world size = dp * fsdp * cp * tp * pp. ``dp`` replicates (gradients
+all-reduced), ``fsdp`` shards data-parallel state with ``zero_stage`` 1-3 saying what is sharded
+(dp > 1 and fsdp > 1 together is HSDP); ``ep`` is not a further factor: expert layers re-fold
+the non-pipeline ranks of a stage, so ep divides dp * fsdp * cp * tp. ``micro_batch_size`` is
+per rank; global batch = micro_batch_size * num_microbatches * dp * fsdp.
+Invariant: `ParallelConfig.validate` reports every violated rule at once, with the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Literal
+
+from autopar.errors import ConfigError
+
+if TYPE_CHECKING:
+    from autopar.cluster import Cluster
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "dualpipe_v"]
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "dualpipe_v")
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE = ("none", "selective", "full")
+# Schedules that place more than one model chunk on a pipeline rank.
+_MULTI_CHUNK = {"interleaved_1f1b": "at least 2", "dualpipe_v": "exactly 2"}
+DEGREES = ("dp", "fsdp", "cp", "tp", "pp")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero_stage: int = 0
+    micro_batch_size: int = 1
+    schedule: ScheduleName = "1f1b"
+    virtual_stages: int = 1
+    recompute: Recompute = "none"
+    sequence_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.fsdp * self.cp * self.tp * self.pp
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different samples: dp * fsdp."""
+        return self.dp * self.fsdp
+
+    def problems(self, cluster: Cluster | None = None) -> list[str]:
+        """Every rule this config breaks (empty when valid), each naming the numbers."""
+        out: list[str] = []
+        for name in (*DEGREES, "ep", "micro_batch_size", "virtual_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                out.append(f"{name} must be an integer >= 1, got {value!r}")
+        if out:
+            return out  # the rules below multiply these
+        if self.zero_stage not in (0, 1, 2, 3):
+            out.append(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        elif self.fsdp > 1 and self.zero_stage == 0:
+            out.append(f"fsdp={self.fsdp} shards nothing with zero_stage=0: use zero_stage 1-3")
+        elif self.fsdp == 1 and self.zero_stage > 0:
+            out.append(f"zero_stage={self.zero_stage} needs fsdp > 1 to shard over, got fsdp=1")
+        if self.schedule not in SCHEDULES:
+            out.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        elif self.schedule in _MULTI_CHUNK:
+            rule = _MULTI_CHUNK[self.schedule]
+            ok = self.virtual_stages == 2 if rule == "exactly 2" else self.virtual_stages >= 2
+            if not ok:
+                out.append(
+                    f"schedule {self.schedule} needs {rule} virtual_stages, "
+                    f"got {self.virtual_stages}"
+                )
+        elif self.virtual_stages != 1:
+            out.append(f"virtual_stages={self.virtual_stages} needs an interleaved or V schedule")
+        if self.pp == 1 and self.virtual_stages > 1:
+            out.append(f"virtual_stages={self.virtual_stages} needs pp > 1")
+        if self.recompute not in RECOMPUTE:
+            out.append(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if self.sequence_parallel and self.tp == 1:
+            out.append("sequence_parallel needs tp > 1, got tp=1")
+        non_pipeline = self.dp * self.fsdp * self.cp * self.tp
+        if non_pipeline % self.ep:
+            out.append(
+                f"ep={self.ep} must divide dp*fsdp*cp*tp = {self.dp}*{self.fsdp}*{self.cp}*"
+                f"{self.tp} = {non_pipeline}"
+            )
+        if cluster is not None and self.world_size != cluster.world_size:
+            out.append(
+                f"degrees dp={self.dp} x fsdp={self.fsdp} x cp={self.cp} x tp={self.tp} x "
+                f"pp={self.pp} = {self.world_size}, but the cluster ({cluster.profile.name}) has "
+                f"world size {cluster.world_size}"
+            )
+        return out
+
+    def validate(self, cluster: Cluster | None = None) -> ParallelConfig:
+        """Return self if valid; otherwise raise ConfigError listing every problem."""
+        problems = self.problems(cluster)
+        if problems:
+            raise ConfigError("invalid ParallelConfig:\n  - " + "\n  - ".join(problems))
+        return self
+
+    def as_text(self) -> str:
+        degrees = " ".join(f"{k}={getattr(self, k)}" for k in (*DEGREES, "ep"))
+        extras = f"zero={self.zero_stage} mbs={self.micro_batch_size} {self.schedule}"
+        if self.virtual_stages > 1:
+            extras += f" v={self.virtual_stages}"
+        extras += f" recompute={self.recompute}" + (" +sp" if self.sequence_parallel else "")
+        return f"{degrees} | {extras}"
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)

@@ -1,0 +1,292 @@
+"""Hardware profiles: TOML files in ``hardware_profiles/`` -> `HardwareProfile`.
+
+In: a shipped profile's name (``"dgx_h100"``) or a path to a TOML file in the format of
+``hardware_profiles/README.md``. Out: a frozen `HardwareProfile` holding the cost model's own
+types (`cost_models.compute.DeviceSpec`, `cost_models.comm.Level` / `Torus`).
+Invariant: every number is validated on load; an error names the file, the field path and the
+value, so a profile that loads is one the cost model can price with.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import tomllib
+
+from autopar.errors import ProfileError
+from cost_models.comm import Level, Torus
+from cost_models.compute import DTYPES, DeviceSpec, EfficiencyCurve
+
+SCHEMA_VERSION = 1
+Kind = Literal["gpu", "tpu", "cpu"]
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    description: str
+    kind: Kind
+    spec_device: str
+    device: DeviceSpec
+    devices_per_node: int
+    levels: tuple[Level, ...]  # empty for a torus profile
+    torus: Torus | None
+    sources: Mapping[str, str]  # table path -> the source its numbers cite
+    path: str
+
+    def as_text(self) -> str:
+        d = self.device
+        peaks = ", ".join(f"{k} {v / 1e12:g} TFLOP/s" for k, v in d.peak_flops_per_s.items())
+        lines = [
+            f"{self.name}: {self.description}",
+            f"  device  {d.name}: {d.memory_bytes / 2**30:.1f} GiB at "
+            f"{d.memory_bandwidth_bytes_per_s / 1e12:.2f} TB/s; {peaks}",
+            f"  node    {self.devices_per_node} devices",
+        ]
+        for lv in self.levels:
+            domain = "cluster" if lv.devices_per_domain == 0 else f"{lv.devices_per_domain} dev"
+            inr = (
+                f", in-network reduction x{lv.in_network_reduction_efficiency}"
+                if lv.in_network_reduction_efficiency
+                else ""
+            )
+            lines.append(
+                f"  level   {lv.name:<12} domain {domain:<8} "
+                f"{lv.bandwidth_bytes_per_s / 1e9:7.1f} GB/s/dir, {lv.latency_s * 1e6:.1f} us, "
+                f"eff {lv.efficiency}{inr}"
+            )
+        if self.torus is not None:
+            t = self.torus
+            lines.append(
+                f"  torus   {t.num_dims}D up to {'x'.join(map(str, t.max_shape))}, "
+                f"{t.link_bandwidth_bytes_per_s / 1e9:.1f} GB/s per link per direction, "
+                f"wraparound from size {t.wraparound_min_size}"
+            )
+        return "\n".join(lines)
+
+
+def shipped_profile_names() -> list[str]:
+    """Names of the profiles that ship with autopar, sorted."""
+    root = resources.files("hardware_profiles")
+    return sorted(p.name[: -len(".toml")] for p in root.iterdir() if p.name.endswith(".toml"))
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """Load a shipped profile by name, or any profile TOML by path.
+
+    Raises:
+        ProfileError: unknown name (the message lists the shipped ones), unreadable or
+            malformed file, a missing, negative or out-of-range field.
+    """
+    text, origin = _read(name_or_path)
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ProfileError(f"{origin}: not valid TOML: {e}") from None
+    return _parse(_Fields(origin, data), origin)
+
+
+def _read(name_or_path: str | Path) -> tuple[str, str]:
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.parent != Path("."):
+        if not path.is_file():
+            raise ProfileError(f"{path}: no such hardware profile file")
+        return path.read_text(), str(path)
+    resource = resources.files("hardware_profiles") / f"{name_or_path}.toml"
+    if not resource.is_file():
+        shipped = ", ".join(shipped_profile_names())
+        raise ProfileError(
+            f"unknown hardware profile {str(name_or_path)!r}; shipped profiles: {shipped} "
+            "(or give a path to a .toml file)"
+        )
+    return resource.read_text(), str(resource)
+
+
+class _Fields:
+    """Typed access to a parsed TOML document; errors carry the file and the field path."""
+
+    def __init__(self, origin: str, data: dict[str, Any]) -> None:
+        self.origin = origin
+        self.data = data
+
+    def error(self, path: str, problem: str) -> ProfileError:
+        return ProfileError(f"{self.origin}: field {path}: {problem}")
+
+    def get(self, path: str, *, required: bool = True) -> Any:
+        node: Any = self.data
+        for part in path.replace("]", "").replace("[", ".").split("."):
+            key: Any = int(part) if part.isdigit() else part
+            try:
+                node = node[key]
+            except (KeyError, IndexError, TypeError):
+                if required:
+                    raise self.error(path, "missing") from None
+                return None
+        return node
+
+    def number(self, path: str, *, minimum: float = 0.0, strict: bool = True) -> float:
+        value = self.get(path)
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+            raise self.error(path, f"must be a number, got {value!r}")
+        if value < minimum or (strict and value == minimum):
+            bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+            raise self.error(path, f"must be {bound}, got {value!r}")
+        return float(value)
+
+    def integer(self, path: str, *, minimum: int = 1) -> int:
+        value = self.get(path)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.error(path, f"must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    def string(self, path: str) -> str:
+        value = self.get(path)
+        if not isinstance(value, str):
+            raise self.error(path, f"must be a string, got {value!r}")
+        return value
+
+    def fraction(self, path: str) -> float:
+        value = self.number(path)
+        if value > 1:
+            raise self.error(path, f"must be in (0, 1], got {value!r}")
+        return value
+
+
+def _parse(f: _Fields, origin: str) -> HardwareProfile:
+    version = f.integer("schema_version")
+    if version != SCHEMA_VERSION:
+        raise f.error(
+            "schema_version", f"this autopar reads version {SCHEMA_VERSION}, got {version}"
+        )
+    kind = f.string("kind")
+    if kind not in ("gpu", "tpu", "cpu"):
+        raise f.error("kind", f"must be one of gpu, tpu, cpu, got {kind!r}")
+    sources = {
+        table: f.string(f"{table}.source")
+        for table in ("device", "device.peak_flops_per_s", "node")
+        + tuple(f"device.efficiency.{c}" for c in ("matmul", "attention", "memory"))
+    }
+    levels = _parse_levels(f, sources)
+    torus = _parse_torus(f, sources)
+    if (torus is None) == (not levels):
+        raise f.error("topology", "give either [[topology.levels]] or [topology.torus], not both")
+    return HardwareProfile(
+        name=f.string("name"),
+        description=f.string("description"),
+        kind=kind,  # type: ignore[arg-type]
+        spec_device=f.string("spec_device"),
+        device=_parse_device(f),
+        devices_per_node=f.integer("node.devices"),
+        levels=levels,
+        torus=torus,
+        sources=sources,
+        path=origin,
+    )
+
+
+def _parse_device(f: _Fields) -> DeviceSpec:
+    peaks = f.get("device.peak_flops_per_s")
+    if not isinstance(peaks, dict):
+        raise f.error("device.peak_flops_per_s", "must be a table of dtype = FLOP/s")
+    flops = {}
+    for dtype in peaks:
+        if dtype == "source":
+            continue
+        if dtype not in DTYPES:
+            raise f.error(
+                f"device.peak_flops_per_s.{dtype}",
+                f"unknown dtype {dtype!r}; known dtypes: {', '.join(DTYPES)}",
+            )
+        flops[dtype] = f.number(f"device.peak_flops_per_s.{dtype}")
+    if "fp32" not in flops:
+        raise f.error("device.peak_flops_per_s.fp32", "missing (elementwise ops are priced on it)")
+
+    def curve(op: str) -> EfficiencyCurve:
+        base = f"device.efficiency.{op}"
+        half = f.number(f"{base}.half_size", strict=False)
+        return EfficiencyCurve(f.fraction(f"{base}.max"), half)
+
+    return DeviceSpec(
+        name=f.string("device.name"),
+        memory_bytes=f.number("device.memory_bytes"),
+        memory_bandwidth_bytes_per_s=f.number("device.memory_bandwidth_bytes_per_s"),
+        launch_overhead_s=f.number("device.launch_overhead_s", strict=False),
+        peak_flops_per_s=flops,
+        matmul=curve("matmul"),
+        attention=curve("attention"),
+        memory=curve("memory"),
+    )
+
+
+def _parse_levels(f: _Fields, sources: dict[str, str]) -> tuple[Level, ...]:
+    raw = f.get("topology.levels", required=False)
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not raw:
+        raise f.error("topology.levels", "must be a non-empty array of tables")
+    levels = []
+    for i in range(len(raw)):
+        p = f"topology.levels[{i}]"
+        inr = None
+        if f.get(f"{p}.in_network_reduction", required=False) is not None:
+            inr = f.fraction(f"{p}.in_network_reduction.efficiency")
+            sources[f"{p}.in_network_reduction"] = f.string(f"{p}.in_network_reduction.source")
+        domain = f.integer(f"{p}.devices_per_domain", minimum=0)
+        levels.append(
+            Level(
+                name=f.string(f"{p}.name"),
+                devices_per_domain=domain,
+                bandwidth_bytes_per_s=f.number(f"{p}.bandwidth_bytes_per_s"),
+                latency_s=f.number(f"{p}.latency_s", strict=False),
+                efficiency=f.fraction(f"{p}.efficiency"),
+                in_network_reduction_efficiency=inr,
+            )
+        )
+        sources[p] = f.string(f"{p}.source")
+    _check_level_nesting(f, levels)
+    return tuple(levels)
+
+
+def _check_level_nesting(f: _Fields, levels: list[Level]) -> None:
+    sizes = [lv.devices_per_domain for lv in levels]
+    if sizes[-1] != 0:
+        raise f.error(
+            f"topology.levels[{len(levels) - 1}].devices_per_domain",
+            f"the outermost level must span the whole cluster (0), got {sizes[-1]}",
+        )
+    inner = 1
+    for i, size in enumerate(sizes[:-1]):
+        if size < 1 or size % inner:
+            raise f.error(
+                f"topology.levels[{i}].devices_per_domain",
+                f"must be a positive multiple of the level inside it ({inner}), got {size}",
+            )
+        inner = size
+
+
+def _parse_torus(f: _Fields, sources: dict[str, str]) -> Torus | None:
+    if f.get("topology.torus", required=False) is None:
+        return None
+    p = "topology.torus"
+    num_dims = f.integer(f"{p}.num_dims")
+    shape = f.get(f"{p}.max_shape")
+    if (
+        not isinstance(shape, list)
+        or len(shape) != num_dims
+        or not all(isinstance(d, int) and d >= 1 for d in shape)
+    ):
+        raise f.error(f"{p}.max_shape", f"must be {num_dims} positive integers, got {shape!r}")
+    sources[p] = f.string(f"{p}.source")
+    return Torus(
+        num_dims=num_dims,
+        max_shape=tuple(shape),
+        link_bandwidth_bytes_per_s=f.number(f"{p}.link_bandwidth_bytes_per_s"),
+        latency_s=f.number(f"{p}.latency_s", strict=False),
+        efficiency=f.fraction(f"{p}.efficiency"),
+        wraparound_min_size=f.integer(f"{p}.wraparound_min_size"),
+    )

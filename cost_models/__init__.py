@@ -1,0 +1,10 @@
+"""Torch-free cost models: pure functions from numbers to seconds and bytes.
+
+Modules:
+    compute   roofline time of one op from FLOPs and bytes, with size-dependent efficiency
+    comm      collectives on a group of ranks placed on a hierarchical or torus topology
+    memory    model state, activations, in-flight micro-batches, allocator reserve
+    pipeline  event simulation of pipeline schedules (GPipe, 1F1B, interleaved, ZB, DualPipe-V)
+
+Nothing here imports torch, so the cost model can be used (and tested) without it.
+"""

@@ -1,0 +1,374 @@
+"""Collective communication time on a group of ranks placed on the topology.
+
+Message size S follows nccl-tests: the all-reduce buffer, the all-gather *output*, the
+reduce-scatter *input*, each rank's whole all-to-all send buffer, the broadcast buffer, the
+point-to-point message. A group of n ranks is described by how it lies on the topology
+(`HierarchicalGroup` for GPU/CPU levels, `TorusGroup` for a TPU slice); every algorithm that
+applies is priced and the cheapest is returned (`collective_time`).
+
+Hierarchical topology (alpha-beta per level). Levels l = 0..L, innermost first; r_l is the
+number of group ranks inside one domain of level l (r_L = n) and r_{-1} = 1. A ring crosses a
+level-l boundary once per channel, and each of the r_{l-1} ranks of a level-(l-1) domain has its
+own level-l link (a NIC per GPU), so r_{l-1} channels cross in parallel; the ring's bandwidth is
+that of its slowest crossing (`_ring_bandwidth`):
+
+    B_ring = min_l  eff_l * bw_l * r_{l-1}
+
+    ring       all-reduce       2(n-1) a_L + 2(n-1)/n * S / B_ring
+               all-gather, RS    (n-1) a_L +  (n-1)/n * S / B_ring
+               broadcast         (n-1) a_L +            S / B_ring     (pipelined chain)
+    tree       all-reduce       2 ceil(log2 n) a_L + 2 S / B_ring     (double binary tree)
+               broadcast         ceil(log2 n) a_L +   S / B_ring
+    in-network all-reduce       2 a_L + S / min_l(inr_l * bw_l * r_{l-1})
+               (NVLink SHARP / IB SHARP: every rank sends and receives S once; only where every
+               level the group uses reduces in the switch)
+    hierarchical (L >= 1)       all-reduce = RS inside the level-(L-1) domain (S)
+                                 + all-reduce across domains (S / r_{L-1}, n / r_{L-1} ranks,
+                                   the r_{L-1} shards in parallel, each on its own link)
+                                 + AG inside the domain (S); all-gather and reduce-scatter the
+                                 same two phases; each phase priced by its own cheapest algorithm
+    all-to-all                  (n-1) a_L + max_l ((r_l - r_{l-1}) / n * S) / (eff_l * bw_l)
+                                 (the share of each rank's data bound for ranks reached over
+                                 level l, every level's links working at once)
+    send/recv                   a_L + S / (eff_L * bw_L)
+
+Torus (TPU ICI, `TorusGroup`): the group spans dims of sizes d_i; a dim with wraparound links is
+a bidirectional ring (2 links per chip), without them a line that carries one direction's worth.
+With k_i = 2 if wraparound else 1 and link bandwidth b (per direction):
+
+    all-gather, RS   sum_i (d_i - 1) a + (N-1)/N * S / (eff * b * sum_i k_i)
+    all-reduce       twice that (reduce-scatter then all-gather)
+    broadcast        sum_i (d_i - 1) a + S / (eff * b * sum_i k_i)
+    all-to-all       sum_i (d_i - 1) a + sum_i S * d_i / (4 k_i eff b)   (bisection bound per dim)
+    send/recv        a + S / (eff * b)
+
+The bus bandwidth reported with each estimate is nccl-tests' busbw: S / time times
+2(n-1)/n for all-reduce, (n-1)/n for all-gather, reduce-scatter and all-to-all, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+Collective = Literal[
+    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv"
+]
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+
+
+@dataclass(frozen=True)
+class Level:
+    """One level of a hierarchical topology; bandwidth is per device, per direction."""
+
+    name: str
+    devices_per_domain: int  # 0: the whole cluster
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    efficiency: float
+    in_network_reduction_efficiency: float | None = None
+
+
+@dataclass(frozen=True)
+class Torus:
+    """A TPU slice's inter-chip interconnect; bandwidth is per link, per direction."""
+
+    num_dims: int
+    max_shape: tuple[int, ...]
+    link_bandwidth_bytes_per_s: float
+    latency_s: float
+    efficiency: float
+    wraparound_min_size: int
+
+
+@dataclass(frozen=True)
+class HierarchicalGroup:
+    """A group on levels 0..L: ``ranks_per_domain[l]`` group ranks share one level-l domain."""
+
+    levels: tuple[Level, ...]
+    ranks_per_domain: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.levels) != len(self.ranks_per_domain) or not self.levels:
+            raise ValueError("HierarchicalGroup needs one ranks_per_domain entry per level")
+        if any(r < 1 for r in self.ranks_per_domain):
+            raise ValueError(f"ranks_per_domain must be >= 1, got {self.ranks_per_domain}")
+
+    @property
+    def size(self) -> int:
+        return self.ranks_per_domain[-1]
+
+
+@dataclass(frozen=True)
+class TorusGroup:
+    """A group on a torus: the sizes of the dims it spans and whether each wraps around."""
+
+    torus: Torus
+    dim_sizes: tuple[int, ...]
+    wraparound: tuple[bool, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.dim_sizes)
+
+
+Group = HierarchicalGroup | TorusGroup
+
+
+@dataclass(frozen=True)
+class CommEstimate:
+    collective: str
+    algorithm: str
+    message_bytes: float
+    group_size: int
+    time_s: float
+
+    @property
+    def bus_bandwidth_bytes_per_s(self) -> float:
+        """nccl-tests' busbw: algorithm bandwidth times the collective's volume factor."""
+        if self.time_s <= 0:
+            return math.inf
+        return self.message_bytes / self.time_s * _bus_factor(self.collective, self.group_size)
+
+    def as_text(self) -> str:
+        return (
+            f"{self.collective} of {self.message_bytes / 2**20:.2f} MiB over {self.group_size} "
+            f"ranks: {self.algorithm}, {self.time_s * 1e6:.1f} us, "
+            f"busbw {self.bus_bandwidth_bytes_per_s / 1e9:.1f} GB/s"
+        )
+
+
+def _bus_factor(collective: str, n: int) -> float:
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n
+    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+def collective_time(collective: Collective, message_bytes: float, group: Group) -> CommEstimate:
+    """The cheapest algorithm's estimate for one collective.
+
+    Args:
+        collective: one of COLLECTIVES.
+        message_bytes: S, in the nccl-tests convention (module docstring).
+        group: where the participating ranks lie.
+
+    Returns:
+        A CommEstimate; a group of one rank costs nothing.
+
+    Raises:
+        ValueError: unknown collective, negative size.
+    """
+    options = collective_options(collective, message_bytes, group)
+    return min(options, key=lambda e: e.time_s)
+
+
+def collective_options(
+    collective: Collective, message_bytes: float, group: Group
+) -> list[CommEstimate]:
+    """Every applicable algorithm's estimate, in a fixed order (ties go to the first)."""
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; known: {', '.join(COLLECTIVES)}")
+    if message_bytes < 0:
+        raise ValueError(f"message_bytes must be >= 0, got {message_bytes}")
+    n = group.size
+    if n == 1:
+        return [CommEstimate(collective, "local", message_bytes, 1, 0.0)]
+    if isinstance(group, TorusGroup):
+        times = {"torus": _TORUS[collective](message_bytes, group)}
+    else:
+        times = {
+            name: fn(message_bytes, group)
+            for name, table in _HIER_ALGORITHMS
+            if (fn := table.get(collective)) is not None
+        }
+    return [
+        CommEstimate(collective, name, message_bytes, n, t)
+        for name, t in times.items()
+        if t is not None
+    ]
+
+
+# ---------------------------------------------------------------- hierarchical levels
+
+
+def _ring_bandwidth(g: HierarchicalGroup) -> float:
+    parallel = (1,) + g.ranks_per_domain[:-1]
+    return min(
+        lv.efficiency * lv.bandwidth_bytes_per_s * k
+        for lv, k in zip(g.levels, parallel, strict=True)
+    )
+
+
+def _top_latency(g: HierarchicalGroup) -> float:
+    return g.levels[-1].latency_s
+
+
+def _ring_all_reduce(s: float, g: HierarchicalGroup) -> float:
+    n = g.size
+    return 2 * (n - 1) * _top_latency(g) + 2 * (n - 1) / n * s / _ring_bandwidth(g)
+
+
+def _ring_gather(s: float, g: HierarchicalGroup) -> float:
+    n = g.size
+    return (n - 1) * _top_latency(g) + (n - 1) / n * s / _ring_bandwidth(g)
+
+
+def _ring_broadcast(s: float, g: HierarchicalGroup) -> float:
+    return (g.size - 1) * _top_latency(g) + s / _ring_bandwidth(g)
+
+
+def _tree_all_reduce(s: float, g: HierarchicalGroup) -> float:
+    return 2 * math.ceil(math.log2(g.size)) * _top_latency(g) + 2 * s / _ring_bandwidth(g)
+
+
+def _tree_broadcast(s: float, g: HierarchicalGroup) -> float:
+    return math.ceil(math.log2(g.size)) * _top_latency(g) + s / _ring_bandwidth(g)
+
+
+def _in_network_all_reduce(s: float, g: HierarchicalGroup) -> float | None:
+    if any(lv.in_network_reduction_efficiency is None for lv in g.levels):
+        return None
+    parallel = (1,) + g.ranks_per_domain[:-1]
+    bandwidth = min(
+        lv.in_network_reduction_efficiency * lv.bandwidth_bytes_per_s * k  # type: ignore[operator]
+        for lv, k in zip(g.levels, parallel, strict=True)
+    )
+    return 2 * _top_latency(g) + s / bandwidth
+
+
+def _split(g: HierarchicalGroup) -> tuple[HierarchicalGroup, HierarchicalGroup] | None:
+    """Inner group (one level-(L-1) domain) and outer group (one rank per domain)."""
+    if len(g.levels) < 2:
+        return None
+    inner = HierarchicalGroup(g.levels[:-1], g.ranks_per_domain[:-1])
+    outer_size = g.size // inner.size
+    if outer_size < 2 or inner.size < 2:
+        return None
+    outer = HierarchicalGroup(g.levels[-1:], (outer_size,))
+    return inner, outer
+
+
+def _hier_all_reduce(s: float, g: HierarchicalGroup) -> float | None:
+    parts = _split(g)
+    if parts is None:
+        return None
+    inner, outer = parts
+    return (
+        collective_time("reduce_scatter", s, inner).time_s
+        + collective_time("all_reduce", s / inner.size, outer).time_s
+        + collective_time("all_gather", s, inner).time_s
+    )
+
+
+def _hier_gather(s: float, g: HierarchicalGroup) -> float | None:
+    # all-gather: across domains first (each rank's shard, S/n in, S/r_{L-1} out), then inside
+    # the domain (S out); reduce-scatter is the mirror image with the same volumes.
+    parts = _split(g)
+    if parts is None:
+        return None
+    inner, outer = parts
+    return (
+        collective_time("all_gather", s / inner.size, outer).time_s
+        + collective_time("all_gather", s, inner).time_s
+    )
+
+
+def _all_to_all(s: float, g: HierarchicalGroup) -> float:
+    n = g.size
+    below = (1,) + g.ranks_per_domain[:-1]
+    transfer = max(
+        (r - r_below) / n * s / (lv.efficiency * lv.bandwidth_bytes_per_s)
+        for lv, r, r_below in zip(g.levels, g.ranks_per_domain, below, strict=True)
+    )
+    return (n - 1) * _top_latency(g) + transfer
+
+
+def _send_recv(s: float, g: HierarchicalGroup) -> float:
+    top = g.levels[-1]
+    return top.latency_s + s / (top.efficiency * top.bandwidth_bytes_per_s)
+
+
+# Algorithm registry: name -> {collective: cost function}; priced in this order.
+_HIER_ALGORITHMS = (
+    (
+        "ring",
+        {
+            "all_reduce": _ring_all_reduce,
+            "all_gather": _ring_gather,
+            "reduce_scatter": _ring_gather,
+            "broadcast": _ring_broadcast,
+        },
+    ),
+    ("tree", {"all_reduce": _tree_all_reduce, "broadcast": _tree_broadcast}),
+    ("in_network", {"all_reduce": _in_network_all_reduce}),
+    (
+        "hierarchical",
+        {
+            "all_reduce": _hier_all_reduce,
+            "all_gather": _hier_gather,
+            "reduce_scatter": _hier_gather,
+        },
+    ),
+    ("pairwise", {"all_to_all": _all_to_all}),
+    ("direct", {"send_recv": _send_recv}),
+)
+
+
+# ---------------------------------------------------------------- torus
+
+
+def _torus_links(g: TorusGroup) -> float:
+    t = g.torus
+    directions = sum(2 if w else 1 for w in g.wraparound)
+    return t.efficiency * t.link_bandwidth_bytes_per_s * directions
+
+
+def _torus_hops_latency(g: TorusGroup) -> float:
+    return sum(d - 1 for d in g.dim_sizes) * g.torus.latency_s
+
+
+def _torus_gather(s: float, g: TorusGroup) -> float:
+    n = g.size
+    return _torus_hops_latency(g) + (n - 1) / n * s / _torus_links(g)
+
+
+def _torus_all_reduce(s: float, g: TorusGroup) -> float:
+    return 2 * _torus_gather(s, g)
+
+
+def _torus_broadcast(s: float, g: TorusGroup) -> float:
+    return _torus_hops_latency(g) + s / _torus_links(g)
+
+
+def _torus_all_to_all(s: float, g: TorusGroup) -> float:
+    t = g.torus
+    link = t.efficiency * t.link_bandwidth_bytes_per_s
+    transfer = sum(
+        s * d / (4 * (2 if w else 1) * link)
+        for d, w in zip(g.dim_sizes, g.wraparound, strict=True)
+        if d > 1
+    )
+    return _torus_hops_latency(g) + transfer
+
+
+def _torus_send_recv(s: float, g: TorusGroup) -> float:
+    t = g.torus
+    return t.latency_s + s / (t.efficiency * t.link_bandwidth_bytes_per_s)
+
+
+_TORUS = {
+    "all_reduce": _torus_all_reduce,
+    "all_gather": _torus_gather,
+    "reduce_scatter": _torus_gather,
+    "all_to_all": _torus_all_to_all,
+    "broadcast": _torus_broadcast,
+    "send_recv": _torus_send_recv,
+}
+
+
+def ring_all_reduce_bytes_per_rank(message_bytes: float, n: int) -> float:
+    """Bytes each rank sends in a ring all-reduce: 2(n-1)/n of the message."""
+    return 2 * (n - 1) / n * message_bytes

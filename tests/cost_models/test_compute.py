@@ -1,0 +1,64 @@
+"""Roofline compute model."""
+
+from __future__ import annotations
+
+import pytest
+
+from cost_models.compute import DeviceSpec, EfficiencyCurve, op_time_s
+
+DEVICE = DeviceSpec(
+    name="test",
+    memory_bytes=80e9,
+    memory_bandwidth_bytes_per_s=3e12,
+    launch_overhead_s=5e-6,
+    peak_flops_per_s={"bf16": 1000e12, "fp32": 60e12, "fp8": 2000e12},
+    matmul=EfficiencyCurve(0.8, 1e9),
+    attention=EfficiencyCurve(0.6, 4e9),
+    memory=EfficiencyCurve(0.9, 1e6),
+)
+
+
+def test_efficiency_curve_reaches_half_at_half_size_and_saturates():
+    curve = EfficiencyCurve(0.8, 1e9)
+    assert curve.at(1e9) == pytest.approx(0.4)
+    assert curve.at(1e15) == pytest.approx(0.8, rel=1e-5)
+    assert curve.at(1e6) < 0.001
+
+
+def test_large_matmul_runs_at_max_efficiency():
+    flops = 2 * 8192**3  # 1.1e12
+    t = op_time_s(DEVICE, "matmul", flops, 3 * 8192**2 * 2, "bf16")
+    assert t == pytest.approx(5e-6 + (flops + 1e9) / (1000e12 * 0.8))
+
+
+def test_small_ops_pay_launch_and_low_efficiency():
+    tiny = op_time_s(DEVICE, "matmul", 2 * 64**3, 3 * 64 * 64 * 2, "bf16")
+    assert tiny > DEVICE.launch_overhead_s
+    assert tiny < 2 * DEVICE.launch_overhead_s
+
+
+def test_elementwise_is_memory_bound():
+    n = 1 << 28
+    t = op_time_s(DEVICE, "elementwise", n, 2 * n * 2, "bf16")
+    memory_s = 4 * n / (3e12 * DEVICE.memory.at(4 * n))
+    assert t == pytest.approx(5e-6 + memory_s)
+
+
+def test_dtype_changes_matmul_time():
+    flops = 1e12
+    bf16 = op_time_s(DEVICE, "matmul", flops, 0, "bf16")
+    fp8 = op_time_s(DEVICE, "matmul", flops, 0, "fp8")
+    assert fp8 < bf16
+    # fp16 is not listed: it shares the bf16 tensor-core rate.
+    assert op_time_s(DEVICE, "matmul", flops, 0, "fp16") == bf16
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="unknown dtype 'int4'; known dtypes: fp32"):
+        op_time_s(DEVICE, "matmul", 1e9, 0, "int4")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="has no peak FLOP/s for dtype 'tf32'"):
+        DeviceSpec("no-tf32", 1, 1, 0, {"bf16": 1.0}, *[EfficiencyCurve(1, 0)] * 3).peak("tf32")
+    with pytest.raises(ValueError, match="unknown op class 'conv'"):
+        op_time_s(DEVICE, "conv", 1e9, 0, "bf16")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="efficiency max must be in"):
+        EfficiencyCurve(1.5, 0)
