@@ -1,0 +1,444 @@
+"""Event simulation of pipeline-parallel training schedules.
+
+In: a schedule name, ``p`` pipeline ranks ("stages"), ``m`` micro-batches, ``v`` chunks per rank,
+per-rank times ``f_s`` (forward), ``b_s`` (input-gradient backward) and ``w_s`` (weight-gradient
+backward) for one micro-batch through all of rank ``s``'s layers, and a p2p latency ``c``.
+Out: a ``PipelineResult`` holding every task's start and end, the step time, the bubble and the
+peak number of micro-batch activations each rank holds. Invariant: every rank runs exactly one
+F, one B (and one W where backward is split) per micro-batch and chunk, so its busy time is
+``m (f_s + b_s + w_s)`` whatever the schedule.
+
+Model
+-----
+Virtual stage ``j`` in ``0 .. p v - 1`` is chunk ``k`` of rank ``s`` by the schedule's layout
+(``_looped``: ``j = k p + s``; ``_v_shape``: ``j = s`` for ``k = 0`` and ``j = 2p - 1 - s`` for
+``k = 1``, so rank 0 holds the first and the last chunk). Task durations (``simulate_pipeline``)::
+
+    F = f_s / v,   B = b_s / v,   W = w_s / v        schedules that split backward
+    F = f_s / v,   B = (b_s + w_s) / v,   no W       the others
+
+Dependencies (``_simulate``), with ``c(j, j') = c`` when ``j`` and ``j'`` sit on different
+ranks and 0 otherwise::
+
+    F(i, j) >= end F(i, j - 1) + c(j - 1, j)                          j > 0
+    B(i, j) >= end F(i, j),  and >= end B(i, j + 1) + c(j + 1, j)     j < p v - 1
+    W(i, j) >= end B(i, j)
+
+Rank ``s`` runs its tasks ``t_1, t_2, ...`` in the order its schedule's generator yields
+(``_SCHEDULES``), one at a time (``_simulate``)::
+
+    start(t_n) = max(end(t_{n-1}), ready(t_n)),   end(t_n) = start(t_n) + duration(t_n)
+
+Outputs (``simulate_pipeline``)::
+
+    T         = max over tasks of end                              step_time_s
+    busy_s    = sum of rank s's durations = m (f_s + b_s + w_s)    busy_s
+    bubble    = (T - max_s busy_s) / max_s busy_s                  bubble_fraction
+    peak_s    = max over t of (1/v) #{(i, k) on rank s: F started by t, last backward not
+                ended by t}                                        peak_inflight (_peak_held)
+
+The last backward is W where backward is split: W needs the inputs of every weight-bearing op,
+most of a layer's activations (Qi et al. 2023's M_W against M_B), and torch's stage_backward_input
+keeps that part of the autograd graph, saved tensors included, alive until W. So ZB-H1 holds p
+micro-batches on every rank where 1F1B holds p - s; its "same peak memory as 1F1B" is the max
+over ranks.
+
+Closed forms the simulation reproduces for uniform stages (tests/cost_models/test_pipeline.py):
+GPipe and 1F1B bubble ``(p - 1) / m`` and 1F1B step ``(m + p - 1)(f + b)``; interleaved 1F1B
+``(p - 1) / (v m)`` (Narayanan et al. 2021, sec. 2.2.2) and first-rank peak ``p + (p - 1) / v``
+(Korthikanti et al. 2022); ZB-H1 bubble time ``(p - 1)(f + b - w)`` (Qi et al. 2023, "Zero Bubble
+Pipeline Parallelism", arXiv 2401.10241).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Literal
+
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "dualpipe_v"]
+TaskKind = Literal["F", "B", "W"]
+_Op = tuple[TaskKind, int, int]  # (kind, micro-batch, local chunk) as a rank runs it
+
+
+@dataclass(frozen=True)
+class PipelineTask:
+    """One F, B or W of one micro-batch on one chunk of one rank, placed in time."""
+
+    stage: int
+    microbatch: int
+    chunk: int
+    kind: TaskKind
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    """What one simulated training step of a pipeline schedule costs."""
+
+    schedule: str
+    num_stages: int
+    num_microbatches: int
+    virtual_stages: int
+    step_time_s: float
+    bubble_fraction: float  # (step_time - busiest stage's busy time) / busiest stage's busy time
+    busy_s: tuple[float, ...]  # per stage
+    # Per stage: max over time of micro-batch activations held, in units of one micro-batch's
+    # activations for the whole stage (one chunk of an interleaved or V schedule counts 1/v).
+    peak_inflight_microbatches: tuple[float, ...]
+    tasks: tuple[PipelineTask, ...]  # for Gantt charts
+
+    def as_text(self) -> str:
+        """A header line and one row per stage: busy time, idle time, peak in-flight."""
+        lines = [
+            f"pipeline {self.schedule}: {self.num_stages} stages x {self.virtual_stages} chunks,"
+            f" {self.num_microbatches} micro-batches",
+            f"step {self.step_time_s:.6g} s, bubble {self.bubble_fraction:.2%} of the busiest"
+            " stage's busy time",
+            f"{'stage':>5} {'busy_s':>12} {'idle_s':>12} {'peak_inflight':>14}",
+        ]
+        for stage, (busy, peak) in enumerate(
+            zip(self.busy_s, self.peak_inflight_microbatches, strict=True)
+        ):
+            idle = self.step_time_s - busy
+            lines.append(f"{stage:>5} {busy:>12.6g} {idle:>12.6g} {peak:>14.4g}")
+        return "\n".join(lines)
+
+
+# ---- per-rank orders: one generator per schedule, yielding (kind, micro-batch, chunk) ----
+
+
+def _gpipe(rank: int, p: int, m: int, v: int) -> Iterator[_Op]:
+    """All forwards, then all backwards in micro-batch order (torch's ScheduleGPipe)."""
+    for i in range(m):
+        yield ("F", i, 0)
+    for i in range(m):
+        yield ("B", i, 0)
+
+
+def _one_f_one_b(rank: int, p: int, m: int, v: int) -> Iterator[_Op]:
+    """p - rank - 1 warm-up forwards, then one forward and one backward (PipeDream-Flush)."""
+    warmup = min(m, p - rank - 1)
+    for i in range(warmup):
+        yield ("F", i, 0)
+    for i in range(m - warmup):
+        yield ("F", warmup + i, 0)
+        yield ("B", i, 0)
+    for i in range(m - warmup, m):
+        yield ("B", i, 0)
+
+
+def _interleaved_1f1b(rank: int, p: int, m: int, v: int) -> Iterator[_Op]:
+    """Megatron-LM's interleaved order, as torch's ScheduleInterleaved1F1B (what codegen runs)
+    lays it out: the k-th forward runs chunk (k mod p v) // p on micro-batch (k // p v) p + k mod p,
+    backwards walk the chunks in reverse, warm-up is 2 (p - rank - 1) + (v - 1) p forwards.
+    Megatron alone runs all forwards first when m == p: same step time, more memory."""
+    total = m * v
+    warmup = min(total, 2 * (p - rank - 1) + (v - 1) * p)
+
+    def op(kind: TaskKind, k: int) -> _Op:
+        group, in_group = divmod(k, p * v)
+        chunk = in_group // p
+        return (kind, group * p + k % p, v - 1 - chunk if kind == "B" else chunk)
+
+    for k in range(warmup):
+        yield op("F", k)
+    for k in range(total - warmup):
+        yield op("F", warmup + k)
+        yield op("B", k)
+    for k in range(total - warmup, total):
+        yield op("B", k)
+
+
+def _zero_bubble_h1(rank: int, p: int, m: int, v: int) -> Iterator[_Op]:
+    """ZB-H1: 1F1B's order and warm-up with W split off B; rank s defers its first s W passes
+    to fill the drain bubble (torch's ScheduleInterleavedZeroBubble with one chunk per rank)."""
+    warmup = min(m, p - rank - 1)
+    next_w = 0
+    for i in range(warmup):
+        yield ("F", i, 0)
+    for i in range(m):
+        if warmup + i < m:
+            yield ("F", warmup + i, 0)
+        yield ("B", i, 0)
+        if i >= rank:
+            yield ("W", next_w, 0)
+            next_w += 1
+    for i in range(next_w, m):
+        yield ("W", i, 0)
+
+
+def _dualpipe_v(rank: int, p: int, m: int, v: int) -> Iterator[_Op]:
+    """DualPipe-V (DeepSeek's "cut-in-half" DualPipe), step for step as torch's
+    ScheduleDualPipeV lays it out. Chunk 0 is virtual stage rank, chunk 1 is 2p - 1 - rank.
+    An overlapped F&B pair (which hides the all-to-all of one behind the other's compute) runs
+    here as F then B then W, because this model has no intra-rank communication to hide."""
+    count = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0}
+    pending_w: list[tuple[int, int]] = []  # (micro-batch, chunk) whose W is deferred
+
+    def run(kind: Literal["F", "B", "BW"], chunk: int) -> Iterator[_Op]:
+        key = ("F", chunk) if kind == "F" else ("B", chunk)
+        i = count[key]
+        count[key] = i + 1
+        yield ("F" if kind == "F" else "B", i, chunk)
+        if kind == "BW":  # full backward: input and weight gradient back to back
+            yield ("W", i, chunk)
+        elif kind == "B":
+            pending_w.append((i, chunk))
+
+    def deferred_w() -> Iterator[_Op]:
+        if pending_w:
+            i, chunk = pending_w.pop(0)
+            yield ("W", i, chunk)
+
+    for _ in range(2 * (p - rank - 1)):  # step 1: F0
+        yield from run("F", 0)
+    for _ in range(rank + 1):  # step 2: F0 F1
+        yield from run("F", 0)
+        yield from run("F", 1)
+    for _ in range(p - rank - 1):  # step 3: B1 W F1 (zero bubble)
+        yield from run("B", 1)
+        yield from deferred_w()
+        yield from run("F", 1)
+    for _ in range(m - 2 * p + rank + 1):  # step 4 (main): F0&B1, F1&B0
+        yield from run("F", 0)
+        yield from run("BW", 1)
+        yield from run("F", 1)
+        yield from run("BW", 0)
+    for _ in range(p - rank - 1):  # step 5: B1, F1&B0
+        yield from run("BW", 1)
+        yield from run("F", 1)
+        yield from run("BW", 0)
+    split = False
+    for i in range(rank + 1):  # step 6: B1 B0, the second half split (zero bubble)
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
+        yield from run("B" if split else "BW", 1)
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+        yield from run("B" if split else "BW", 0)
+    for _ in range(p - rank - 1):  # step 7: W B0
+        yield from deferred_w()
+        yield from run("B" if split else "BW", 0)
+    for _ in range(rank + 1):  # step 8: W
+        yield from deferred_w()
+
+
+# ---- layouts of virtual stages on ranks ----
+
+
+def _looped(rank: int, chunk: int, p: int) -> int:
+    return chunk * p + rank
+
+
+def _v_shape(rank: int, chunk: int, p: int) -> int:
+    return rank if chunk == 0 else 2 * p - 1 - rank
+
+
+def _single_chunk(p: int, m: int, v: int) -> str | None:
+    return None if v == 1 else f"needs virtual_stages == 1, got {v}"
+
+
+def _interleaved_rule(p: int, m: int, v: int) -> str | None:
+    if v < 2:
+        return f"needs virtual_stages >= 2, got {v} (use '1f1b' for one chunk per stage)"
+    if m % p:
+        return f"needs num_microbatches ({m}) to be a multiple of num_stages ({p})"
+    return None
+
+
+def _dualpipe_v_rule(p: int, m: int, v: int) -> str | None:
+    if v != 2:
+        return f"needs virtual_stages == 2, got {v}"
+    if m < 2 * p:  # DeepSeek's dualpipev.py and torch's ScheduleDualPipeV require it too
+        return f"needs num_microbatches ({m}) >= 2 * num_stages ({2 * p})"
+    return None
+
+
+@dataclass(frozen=True)
+class _ScheduleSpec:
+    order: Callable[[int, int, int, int], Iterator[_Op]]  # (rank, p, m, v) -> ops
+    layout: Callable[[int, int, int], int]  # (rank, chunk, p) -> virtual stage
+    splits_backward: bool
+    default_virtual_stages: int
+    rule: Callable[[int, int, int], str | None]  # (p, m, v) -> why not, or None
+
+
+_SCHEDULES: MappingProxyType[str, _ScheduleSpec] = MappingProxyType(
+    {
+        "gpipe": _ScheduleSpec(_gpipe, _looped, False, 1, _single_chunk),
+        "1f1b": _ScheduleSpec(_one_f_one_b, _looped, False, 1, _single_chunk),
+        "interleaved_1f1b": _ScheduleSpec(_interleaved_1f1b, _looped, False, 2, _interleaved_rule),
+        "zero_bubble": _ScheduleSpec(_zero_bubble_h1, _looped, True, 1, _single_chunk),
+        "dualpipe_v": _ScheduleSpec(_dualpipe_v, _v_shape, True, 2, _dualpipe_v_rule),
+    }
+)
+
+
+# ---- the shared simulator ----
+
+
+def _simulate(
+    orders: list[list[_Op]],
+    durations: list[dict[str, float]],
+    spec: _ScheduleSpec,
+    v: int,
+    c: float,
+) -> list[list[PipelineTask]]:
+    """Place every rank's tasks in time, advancing each rank as far as its dependencies allow."""
+    p = len(orders)
+    rank_of = {spec.layout(s, k, p): s for s in range(p) for k in range(v)}
+    last = p * v - 1
+    end: dict[tuple[str, int, int], float] = {}  # (kind, micro-batch, virtual stage) -> end
+
+    def hop(a: int, b: int) -> float:
+        return c if rank_of[a] != rank_of[b] else 0.0
+
+    def ready_time(kind: TaskKind, i: int, j: int) -> float | None:
+        """Earliest start its dependencies allow; None while one is pending."""
+        if kind == "F":
+            deps = [("F", i, j - 1, hop(j - 1, j))] if j > 0 else []
+        elif kind == "B":
+            deps = [("F", i, j, 0.0)] + ([("B", i, j + 1, hop(j + 1, j))] if j < last else [])
+        else:
+            deps = [("B", i, j, 0.0)]
+        ready = 0.0
+        for dep_kind, dep_i, dep_j, latency_s in deps:
+            done = end.get((dep_kind, dep_i, dep_j))
+            if done is None:
+                return None
+            ready = max(ready, done + latency_s)
+        return ready
+
+    placed: list[list[PipelineTask]] = [[] for _ in range(p)]
+    while any(len(placed[s]) < len(orders[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while len(placed[s]) < len(orders[s]):
+                kind, i, chunk = orders[s][len(placed[s])]
+                j = spec.layout(s, chunk, p)
+                ready = ready_time(kind, i, j)
+                if ready is None:
+                    break
+                start = max(placed[s][-1].end_s if placed[s] else 0.0, ready)
+                task = PipelineTask(s, i, chunk, kind, start, start + durations[s][kind])
+                placed[s].append(task)
+                end[(kind, i, j)] = task.end_s
+                progressed = True
+        if not progressed:
+            stuck = {
+                s: orders[s][len(placed[s])] for s in range(p) if len(placed[s]) < len(orders[s])
+            }
+            raise RuntimeError(f"pipeline order deadlocks; next tasks per stage: {stuck}")
+    return placed
+
+
+def _peak_held(tasks: list[PipelineTask], splits_backward: bool, v: int) -> float:
+    """Max over time of (#F started - #last-backward ended) / v; releases first on ties."""
+    release_kind = "W" if splits_backward else "B"
+    events = [(t.start_s, 1, 1) for t in tasks if t.kind == "F"]
+    events += [(t.end_s, 0, -1) for t in tasks if t.kind == release_kind]
+    held = peak = 0
+    for _, _, delta in sorted(events):
+        held += delta
+        peak = max(peak, held)
+    return peak / v
+
+
+def _validate(
+    schedule: str, p: int, m: int, v: int, times: dict[str, Sequence[float]], p2p_s: float
+) -> _ScheduleSpec:
+    if schedule not in _SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is not one of {sorted(_SCHEDULES)}")
+    for name, count in (("num_stages", p), ("num_microbatches", m), ("virtual_stages", v)):
+        if not isinstance(count, numbers.Integral) or count < 1:
+            raise ValueError(f"{name} must be a positive integer, got {count!r}")
+    for name, values in times.items():
+        if len(values) != p:
+            raise ValueError(f"{name} has {len(values)} entries, need num_stages={p}")
+        for stage, value in enumerate(values):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name}[{stage}]={value!r} must be finite and >= 0")
+    if not (math.isfinite(p2p_s) and p2p_s >= 0):
+        raise ValueError(f"p2p_s={p2p_s!r} must be finite and >= 0")
+    spec = _SCHEDULES[schedule]
+    why_not = spec.rule(int(p), int(m), int(v))
+    if why_not:
+        raise ValueError(f"schedule={schedule!r} {why_not}")
+    return spec
+
+
+def simulate_pipeline(
+    schedule: Schedule,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    forward_s: Sequence[float],
+    backward_input_s: Sequence[float],
+    backward_weight_s: Sequence[float],
+    p2p_s: float = 0.0,
+    virtual_stages: int | None = None,
+) -> PipelineResult:
+    """Simulate one training step of ``schedule`` and time every task (model: module docstring).
+
+    Args:
+        schedule: "gpipe", "1f1b", "interleaved_1f1b" (Megatron order), "zero_bubble" (ZB-H1)
+            or "dualpipe_v" (DualPipe-V, two chunks per rank in a V).
+        num_stages: pipeline ranks p.
+        num_microbatches: micro-batches m per step.
+        forward_s, backward_input_s, backward_weight_s: per rank, seconds for one micro-batch
+            through all of the rank's layers; schedules that do not split backward run input and
+            weight gradient as one B task.
+        p2p_s: latency of one activation or gradient send between ranks.
+        virtual_stages: chunks per rank v; None takes the schedule's default (2 for
+            interleaved_1f1b and dualpipe_v, else 1).
+
+    Returns:
+        A PipelineResult with the step time, bubble, per-stage busy time and peak in-flight
+        micro-batches, and every task.
+
+    Raises:
+        ValueError: an unknown schedule, a non-positive count, a time list whose length is not
+            num_stages, a negative or non-finite time, or a (p, m, v) the schedule cannot run
+            (interleaved_1f1b needs m % p == 0 and v >= 2; dualpipe_v needs v == 2, m >= 2p).
+
+    Example:
+        >>> r = simulate_pipeline("1f1b", 4, 8, forward_s=[1.0] * 4,
+        ...     backward_input_s=[1.0] * 4, backward_weight_s=[1.0] * 4)
+        >>> r.step_time_s, r.bubble_fraction
+        (33.0, 0.375)
+    """
+    v = virtual_stages
+    if v is None and schedule in _SCHEDULES:
+        v = _SCHEDULES[schedule].default_virtual_stages
+    times = {
+        "forward_s": forward_s,
+        "backward_input_s": backward_input_s,
+        "backward_weight_s": backward_weight_s,
+    }
+    spec = _validate(schedule, num_stages, num_microbatches, v, times, p2p_s)
+    p, m, v = int(num_stages), int(num_microbatches), int(v)
+    orders = [list(spec.order(s, p, m, v)) for s in range(p)]
+    durations = [  # an unsplit schedule's B is input and weight gradient together
+        {"F": f / v, "B": (bi if spec.splits_backward else bi + bw) / v, "W": bw / v}
+        for f, bi, bw in zip(forward_s, backward_input_s, backward_weight_s, strict=True)
+    ]
+    placed = _simulate(orders, durations, spec, v, p2p_s)
+    busy = tuple(sum(durations[s][kind] for kind, _, _ in orders[s]) for s in range(p))
+    step = max((t.end_s for tasks in placed for t in tasks), default=0.0)
+    busiest = max(busy)
+    return PipelineResult(
+        schedule=schedule,
+        num_stages=p,
+        num_microbatches=m,
+        virtual_stages=v,
+        step_time_s=step,
+        bubble_fraction=(step - busiest) / busiest if busiest > 0 else 0.0,
+        busy_s=busy,
+        peak_inflight_microbatches=tuple(_peak_held(t, spec.splits_backward, v) for t in placed),
+        tasks=tuple(
+            sorted((t for tasks in placed for t in tasks), key=lambda t: (t.start_s, t.stage))
+        ),
+    )

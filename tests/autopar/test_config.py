@@ -1,0 +1,62 @@
+"""ParallelConfig validation against a Cluster."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar import Cluster, ConfigError, ParallelConfig
+
+
+@pytest.fixture(scope="module")
+def h100x2() -> Cluster:
+    return Cluster.from_profile("dgx_h100", num_nodes=2)
+
+
+def test_valid_config_passes(h100x2):
+    cfg = ParallelConfig(dp=2, tp=8, sequence_parallel=True)
+    assert cfg.validate(h100x2) is cfg
+    assert ParallelConfig(fsdp=4, zero_stage=3, tp=2, pp=2).validate(h100x2).world_size == 16
+
+
+def test_world_size_mismatch_names_every_degree_and_the_world_size(h100x2):
+    with pytest.raises(ConfigError) as err:
+        ParallelConfig(dp=2, tp=4, pp=4, cp=2).validate(h100x2)
+    message = str(err.value)
+    for part in ("dp=2", "fsdp=1", "cp=2", "tp=4", "pp=4", "= 64", "world size 16", "dgx_h100"):
+        assert part in message
+
+
+def test_every_problem_is_reported_at_once():
+    cfg = ParallelConfig(
+        dp=3, tp=1, ep=2, zero_stage=2, schedule="interleaved_1f1b", sequence_parallel=True
+    )
+    problems = cfg.problems()
+    assert len(problems) == 4, problems
+    text = "\n".join(problems)
+    assert "zero_stage=2 needs fsdp > 1" in text
+    assert "needs at least 2 virtual_stages, got 1" in text
+    assert "sequence_parallel needs tp > 1" in text
+    assert "ep=2 must divide dp*fsdp*cp*tp = 3*1*1*1 = 3" in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"tp": 0}, "tp must be an integer >= 1, got 0"),
+        ({"fsdp": 2}, "fsdp=2 shards nothing with zero_stage=0"),
+        ({"zero_stage": 4, "fsdp": 2}, "zero_stage must be 0, 1, 2 or 3, got 4"),
+        ({"schedule": "pipedream"}, "schedule must be one of"),
+        ({"recompute": "some"}, "recompute must be one of none, selective, full, got 'some'"),
+        ({"pp": 2, "schedule": "dualpipe_v", "virtual_stages": 3}, "needs exactly 2"),
+        ({"virtual_stages": 2}, "needs an interleaved or V schedule"),
+    ],
+)
+def test_single_rule_violations(kwargs, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        ParallelConfig(**kwargs).validate()
+
+
+def test_ep_refolds_non_pipeline_ranks(h100x2):
+    # ep is not a factor of the world size: 8-way expert parallel inside dp=2 x tp=4 x pp=2.
+    cfg = ParallelConfig(dp=2, tp=4, pp=2, ep=8).validate(h100x2)
+    assert cfg.world_size == 16
