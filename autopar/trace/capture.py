@@ -1,0 +1,92 @@
+"""Capture: an nn.Module and one sample's inputs -> a torch.export ExportedProgram.
+
+`torch.export.export(strict=False)` traces with fake tensors, so a model built on the meta device
+is captured without allocating its weights. The model is put in training mode for the capture
+(dropout and friends appear as they will in training) and given back in the mode it had.
+When export fails, the model is run once more, eagerly under a FakeTensorMode with module hooks,
+to find the op and module path that failed, and the error says both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.errors import AutoparError
+
+
+class TraceError(AutoparError, RuntimeError):
+    """The model could not be captured; the message names the op and the module path."""
+
+
+def capture(model: nn.Module, example_inputs: tuple[Any, ...]) -> torch.export.ExportedProgram:
+    """Export ``model`` on ``example_inputs`` (one sample) to an aten-level graph.
+
+    Raises:
+        TraceError: export failed; the message names the failing op and module where found.
+    """
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    with _training_mode(model):
+        try:
+            return torch.export.export(model, example_inputs, strict=False)
+        except Exception as export_error:
+            where = _locate_failure(model, example_inputs)
+            first_line = str(export_error).strip().splitlines()[0][:300]
+            raise TraceError(
+                f"cannot trace {type(model).__name__}: {where or 'no single op found'}; "
+                f"torch.export said: {type(export_error).__name__}: {first_line}"
+            ) from export_error
+
+
+@contextlib.contextmanager
+def _training_mode(model: nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.train()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+class _LastOp(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.op: Any = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.op = func
+        return func(*args, **(kwargs or {}))
+
+
+def _locate_failure(model: nn.Module, example_inputs: tuple[Any, ...]) -> str | None:
+    """Re-run the forward eagerly on fake tensors and report the op and module that raise."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    stack: list[str] = []
+    names = {m: n for n, m in model.named_modules()}
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, _a: stack.append(names[mod])) for m in names
+    ] + [m.register_forward_hook(lambda _m, _a, _o: stack.pop()) for m in names]
+    last = _LastOp()
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+            fake_inputs = tuple(
+                fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
+                for x in example_inputs
+            )
+            with last:
+                model(*fake_inputs)
+    except Exception as e:
+        module = stack[-1] if stack else "<root>"
+        op = last.op if last.op is not None else "a Python-level operation"
+        return f"op {op} in module {module or '<root>'} ({type(e).__name__})"
+    finally:
+        for h in hooks:
+            h.remove()
+    return None

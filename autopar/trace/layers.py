@@ -1,0 +1,101 @@
+"""Layers: group the node table into pipeline-partitionable layers and classes of equal layers.
+
+Blocks are the children of a ModuleList/Sequential that holds two or more modules of one type
+(decoder layers; the outermost such lists, so experts stay inside their layer). A node belongs
+to the outermost block in its module stack; a node outside every block belongs to the outermost
+module on its stack that is not an ancestor of a block (embedding, rotary, final norm, head), and
+ops run by the ancestors themselves (mask building in LlamaModel.forward) form a prologue or an
+epilogue layer by position. Blocks with equal Weisfeiler-Lehman hashes of their labelled
+subgraphs (networkx) form one class; every other layer is a class of its own.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter, defaultdict
+
+import networkx as nx
+from torch import nn
+
+from autopar.trace.nodes import RawNode
+
+
+def find_blocks(model: nn.Module) -> set[str]:
+    """Module paths of the repeated blocks (outermost lists only)."""
+    blocks: set[str] = set()
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList | nn.Sequential):
+            continue
+        children = list(module.named_children())
+        counts = Counter(type(child) for _, child in children)
+        for name, child in children:
+            if counts[type(child)] >= 2:
+                blocks.add(f"{path}.{name}" if path else name)
+    return {b for b in blocks if not any(b.startswith(o + ".") for o in blocks)}
+
+
+def _ancestors(blocks: set[str]) -> set[str]:
+    chain = {""}
+    for block in blocks:
+        parts = block.split(".")
+        chain.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return chain
+
+
+def assign_layers(table: list[RawNode], blocks: set[str]) -> dict[str, str]:
+    """Layer name of every node (graph order); placeholders join their first consumer's layer."""
+    chain = _ancestors(blocks)
+    layer_of: dict[str, str] = {}
+    seen_block = False
+    for raw in table:
+        if raw.kind != "call":
+            continue
+        paths = [path for path, _ in raw.module_stack]
+        block = next((p for p in paths if p in blocks), None)
+        if block is not None:
+            seen_block = True
+            layer_of[raw.name] = block
+            continue
+        outside = next((p for p in paths if p not in chain), None)
+        if outside is not None:
+            layer_of[raw.name] = outside
+        elif raw.op_class == "view" and raw.inputs and raw.inputs[0] in layer_of:
+            layer_of[raw.name] = layer_of[raw.inputs[0]]  # a stray view joins its input
+        else:
+            owner = paths[-1] if paths and paths[-1] else "<root>"
+            layer_of[raw.name] = f"{owner} ({'epilogue' if seen_block else 'prologue'})"
+    consumers: dict[str, list[str]] = defaultdict(list)
+    for raw in table:
+        for i in raw.inputs:
+            consumers[i].append(raw.name)
+    last = next((layer_of[r.name] for r in reversed(table) if r.name in layer_of), "<root>")
+    for raw in table:
+        if raw.kind == "output":
+            layer_of[raw.name] = last
+        elif raw.name not in layer_of:
+            first = next((c for c in consumers[raw.name] if c in layer_of), None)
+            layer_of[raw.name] = layer_of[first] if first else last
+    return layer_of
+
+
+def structural_hash(names: list[str], nodes: dict[str, RawNode]) -> str:
+    """WL hash of a layer's subgraph; labels are op, shapes, dtypes (and parameter shapes)."""
+    inside = set(names)
+    graph = nx.DiGraph()
+    for name in names:
+        raw = nodes[name]
+        if raw.kind != "call":
+            continue
+        graph.add_node(name, label=f"{raw.op}|{raw.shapes}|{raw.dtypes}")
+        for position, i in enumerate(raw.inputs):
+            if i not in inside or nodes[i].kind != "call":
+                src = f"ext:{i}"
+                graph.add_node(src, label=f"in|{nodes[i].kind}|{nodes[i].shapes}")
+            else:
+                src = i
+            graph.add_edge(src, name, label=str(position))
+    with warnings.catch_warnings():
+        # networkx 3.5 changed directed-graph hashes once and warns about it on every call;
+        # hashes are only compared within one trace.
+        warnings.simplefilter("ignore", UserWarning)
+        return nx.weisfeiler_lehman_graph_hash(graph, node_attr="label", edge_attr="label")

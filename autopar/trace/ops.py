@@ -1,0 +1,180 @@
+"""Per-op measurements on meta tensors: FLOPs, backward FLOPs, tensors saved for backward.
+
+In: an aten op and its arguments as the exported graph recorded them (fake tensors), plus which
+tensor arguments require grad. Out: an `OpProfile`.
+
+How: the op is run once on meta tensors of the same shapes, strides and dtypes, under torch's
+`FlopCounterMode` (its FLOP registry) and autograd's `saved_tensors_hooks`; then autograd runs
+its backward, still under the counter. Every saved tensor is matched to an argument or output by
+storage identity; the rest are the op's internal saved tensors. Results are cached per
+(op, argument signature), so the 80 equal layers of a Llama 70B cost one probe per distinct op.
+
+Op knowledge that meta execution cannot give lives in the registries below: the op class for the
+compute model, and the saved tensors of fused attention (on meta, scaled_dot_product_attention
+takes the math path and would save the s^2 score matrix, which flash kernels never store).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from autopar.trace.graph import OpClass
+
+_MATMUL = {
+    "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "einsum", "_grouped_mm", "addbmm",
+    "convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+    "conv_transpose2d", "conv_transpose3d", "_scaled_mm",
+}  # fmt: skip
+_ATTENTION = {
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "flex_attention",
+}  # fmt: skip
+_REDUCTION = {
+    "sum", "mean", "softmax", "_softmax", "log_softmax", "_log_softmax", "layer_norm",
+    "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm", "native_group_norm",
+    "batch_norm", "_native_batch_norm_legit_functional", "var", "var_mean", "amax", "amin",
+    "max", "min", "cumsum", "topk", "sort", "argmax", "argmin", "norm", "linalg_vector_norm",
+    "nll_loss_forward", "cross_entropy_loss", "logsumexp", "histc",
+}  # fmt: skip
+
+
+def op_class_of(op_name: str, is_view: bool, floating_output: bool) -> OpClass:
+    """Class of an op for the compute model, from its packet name ("aten.mm" -> "mm")."""
+    base = op_name.split(".")[1] if op_name.startswith("aten.") else op_name
+    if is_view:
+        return "view"
+    if base in _MATMUL:
+        return "matmul"
+    if base in _ATTENTION:
+        return "attention"
+    if base in _REDUCTION:
+        return "reduction"
+    return "elementwise" if floating_output else "other"
+
+
+@dataclass(frozen=True)
+class OpProfile:
+    flops: float
+    backward_flops: float
+    saved_args: tuple[int, ...]  # indices (into the flattened tensor args) saved for backward
+    saved_outputs: tuple[int, ...]  # indices of outputs saved for backward
+    saved_internal_bytes: int  # saved tensors that are neither an argument nor an output
+    probed: bool  # False when the op could not run on meta (nothing measured)
+
+
+def _attention_internal_bytes(args: list[torch.Tensor]) -> int:
+    # Flash-style kernels keep only the fp32 log-sum-exp per query row and head (Dao 2023).
+    q = args[0]
+    return 4 * math.prod(q.shape[:-1])
+
+
+_SAVED_INTERNAL_RULES = {"scaled_dot_product_attention": _attention_internal_bytes}
+
+
+class OpProber:
+    """Runs ops on meta tensors and caches what it measured (one prober per trace)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[Any, ...], OpProfile] = {}
+        self.failures: dict[str, str] = {}  # op name -> first error seen
+
+    def profile(self, target: Any, args: tuple, kwargs: dict, grad_mask: list[bool]) -> OpProfile:
+        """Measure one call; ``grad_mask[i]`` says whether flattened tensor arg i needs grad."""
+        key = (target, _signature(args), _signature(kwargs), tuple(grad_mask))
+        cached = self._cache.get(key)
+        if cached is None:
+            cached = self._measure(target, args, kwargs, grad_mask)
+            self._cache[key] = cached
+        return cached
+
+    def _measure(self, target: Any, args: tuple, kwargs: dict, grad_mask: list[bool]) -> OpProfile:
+        tensors: list[torch.Tensor] = []
+
+        def to_meta(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                t = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+                i = len(tensors)
+                if i < len(grad_mask) and grad_mask[i] and t.dtype.is_floating_point:
+                    t.requires_grad_(True)
+                tensors.append(t)
+                return t
+            if isinstance(x, torch.device):
+                return torch.device("meta")
+            return x
+
+        meta_args, meta_kwargs = tree_map(to_meta, (args, kwargs))
+        saved: list[torch.Tensor] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append(t)
+            return t
+
+        try:
+            with FlopCounterMode(display=False) as counter:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = target(*meta_args, **meta_kwargs)
+                forward = counter.get_total_flops()
+                outputs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+                _run_backward(outputs, tensors)
+                backward = counter.get_total_flops() - forward
+        except Exception as e:  # an op meta cannot run: record it, measure nothing
+            self.failures.setdefault(str(target), f"{type(e).__name__}: {e}"[:300])
+            return OpProfile(0.0, 0.0, (), (), 0, probed=False)
+        return _classify_saved(str(target), saved, tensors, outputs, forward, backward)
+
+
+def _classify_saved(
+    name: str,
+    saved: list[torch.Tensor],
+    args: list[torch.Tensor],
+    outputs: list[torch.Tensor],
+    forward: float,
+    backward: float,
+) -> OpProfile:
+    arg_of = {StorageWeakRef(t.untyped_storage()): i for i, t in enumerate(args)}
+    out_of = {StorageWeakRef(t.untyped_storage()): i for i, t in enumerate(outputs)}
+    saved_args, saved_outs, internal, seen = set(), set(), 0, set()
+    for t in saved:
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref in arg_of:
+            saved_args.add(arg_of[ref])
+        elif ref in out_of:
+            saved_outs.add(out_of[ref])
+        elif ref not in seen:
+            seen.add(ref)
+            internal += t.numel() * t.element_size()
+    rule = _SAVED_INTERNAL_RULES.get(name.split(".")[1] if name.startswith("aten.") else name)
+    if rule is not None:
+        internal = rule(args)
+    return OpProfile(
+        forward, backward, tuple(sorted(saved_args)), tuple(sorted(saved_outs)), internal, True
+    )
+
+
+def _run_backward(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+    diff_out = [o for o in outputs if o.requires_grad and o.grad_fn is not None]
+    diff_in = [t for t in inputs if t.requires_grad]
+    if not diff_out or not diff_in:
+        return
+    torch.autograd.grad(
+        diff_out, diff_in, [torch.empty_like(o) for o in diff_out], allow_unused=True
+    )
+
+
+def _signature(tree: Any) -> tuple[Any, ...]:
+    leaves, spec = tree_flatten(tree)
+    sig: list[Any] = [str(spec)]
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            sig.append((tuple(x.shape), tuple(x.stride()), x.dtype))
+        else:
+            sig.append(repr(x))
+    return tuple(sig)
