@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import AutoparError
 
@@ -54,37 +53,32 @@ def _training_mode(model: nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
-class _LastOp(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.op: Any = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        self.op = func
-        return func(*args, **(kwargs or {}))
-
-
 def _locate_failure(model: nn.Module, example_inputs: tuple[Any, ...]) -> str | None:
     """Re-run the forward eagerly on fake tensors and report the op and module that raise."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     stack: list[str] = []
     names = {m: n for n, m in model.named_modules()}
-    hooks = [
-        m.register_forward_pre_hook(lambda mod, _a: stack.append(names[mod])) for m in names
-    ] + [m.register_forward_hook(lambda _m, _a, _o: stack.pop()) for m in names]
-    last = _LastOp()
+
+    def enter(module: nn.Module, _args: Any) -> None:
+        stack.append(names[module])
+
+    def leave(_module: nn.Module, _args: Any, _out: Any) -> None:
+        stack.pop()  # a hook that returns a value would replace the module's output
+
+    hooks = [m.register_forward_pre_hook(enter) for m in names]
+    hooks += [m.register_forward_hook(leave) for m in names]
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
             fake_inputs = tuple(
                 fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x
                 for x in example_inputs
             )
-            with last:
-                model(*fake_inputs)
+            model(*fake_inputs)
     except Exception as e:
         module = stack[-1] if stack else "<root>"
-        op = last.op if last.op is not None else "a Python-level operation"
+        # FakeTensorMode's data-dependent and unsupported-op exceptions carry the op
+        op = getattr(e, "func", None) or "a Python-level operation"
         return f"op {op} in module {module or '<root>'} ({type(e).__name__})"
     finally:
         for h in hooks:

@@ -3,10 +3,11 @@
 Blocks are the children of a ModuleList/Sequential that holds two or more modules of one type
 (decoder layers; the outermost such lists, so experts stay inside their layer). A node belongs
 to the outermost block in its module stack; a node outside every block belongs to the outermost
-module on its stack that is not an ancestor of a block (embedding, rotary, final norm, head), and
-ops run by the ancestors themselves (mask building in LlamaModel.forward) form a prologue or an
-epilogue layer by position. Blocks with equal Weisfeiler-Lehman hashes of their labelled
-subgraphs (networkx) form one class; every other layer is a class of its own.
+module on its stack that is not an ancestor of a block (embedding, rotary, final norm, head); an
+op run by an ancestor itself joins the latest layer it reads from, or, reading none (mask
+building from input ids in LlamaModel.forward), forms a prologue or an epilogue layer. Blocks
+with equal Weisfeiler-Lehman hashes of their labelled subgraphs (networkx) form one class; every
+other layer is a class of its own.
 """
 
 from __future__ import annotations
@@ -46,24 +47,27 @@ def assign_layers(table: list[RawNode], blocks: set[str]) -> dict[str, str]:
     """Layer name of every node (graph order); placeholders join their first consumer's layer."""
     chain = _ancestors(blocks)
     layer_of: dict[str, str] = {}
+    rank: dict[str, int] = {}  # layers in order of first appearance
     seen_block = False
     for raw in table:
         if raw.kind != "call":
             continue
         paths = [path for path, _ in raw.module_stack]
-        block = next((p for p in paths if p in blocks), None)
-        if block is not None:
-            seen_block = True
-            layer_of[raw.name] = block
-            continue
-        outside = next((p for p in paths if p not in chain), None)
-        if outside is not None:
-            layer_of[raw.name] = outside
-        elif raw.op_class == "view" and raw.inputs and raw.inputs[0] in layer_of:
-            layer_of[raw.name] = layer_of[raw.inputs[0]]  # a stray view joins its input
-        else:
-            owner = paths[-1] if paths and paths[-1] else "<root>"
-            layer_of[raw.name] = f"{owner} ({'epilogue' if seen_block else 'prologue'})"
+        layer = next((p for p in paths if p in blocks), None)
+        seen_block = seen_block or layer is not None
+        if layer is None:
+            layer = next((p for p in paths if p not in chain), None)
+        if layer is None:
+            # Ops run by a block's ancestor itself (torch.relu between blocks, the output
+            # alias) join the latest layer they read from; with none, a prologue/epilogue.
+            fed_by = [layer_of[i] for i in raw.inputs if i in layer_of]
+            if fed_by:
+                layer = max(fed_by, key=rank.__getitem__)
+            else:
+                owner = paths[-1] if paths and paths[-1] else "<root>"
+                layer = f"{owner} ({'epilogue' if seen_block else 'prologue'})"
+        rank.setdefault(layer, len(rank))
+        layer_of[raw.name] = layer
     consumers: dict[str, list[str]] = defaultdict(list)
     for raw in table:
         for i in raw.inputs:
@@ -84,13 +88,16 @@ def structural_hash(names: list[str], nodes: dict[str, RawNode]) -> str:
     graph = nx.DiGraph()
     for name in names:
         raw = nodes[name]
-        if raw.kind != "call":
-            continue
+        if raw.kind != "call" or raw.op == "aten.alias.default":
+            continue  # alias: export's marker for a graph output, not part of the structure
         graph.add_node(name, label=f"{raw.op}|{raw.shapes}|{raw.dtypes}")
         for position, i in enumerate(raw.inputs):
             if i not in inside or nodes[i].kind != "call":
                 src = f"ext:{i}"
-                graph.add_node(src, label=f"in|{nodes[i].kind}|{nodes[i].shapes}")
+                graph.add_node(
+                    src,
+                    label=f"in|{nodes[i].kind == 'parameter'}|{nodes[i].shapes}|{nodes[i].dtypes}",
+                )
             else:
                 src = i
             graph.add_edge(src, name, label=str(position))

@@ -75,8 +75,14 @@ def build_node_table(
     program: torch.export.ExportedProgram, model: torch.nn.Module, prober: OpProber
 ) -> list[RawNode]:
     """Every node of the program's graph with its measured facts, in graph order."""
-    kinds = _placeholder_kinds(program)
-    grad_params = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    # Tied weights have several names; every name maps to the one named_parameters() reports.
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    alias = {n: canonical[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+    kinds = {
+        k: (kind, alias.get(target, target))
+        for k, (kind, target) in _placeholder_kinds(program).items()
+    }
+    grad_params = {n for n, p in model.named_parameters() if p.requires_grad}
     table: dict[str, RawNode] = {}
     for node in program.graph.nodes:
         raw = _raw_node(node, kinds, grad_params, table)

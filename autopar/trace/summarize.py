@@ -222,7 +222,8 @@ def _moe_info(
     nodes: dict[str, RawNode],
     modules: dict[str, nn.Module],
 ) -> MoEInfo | None:
-    topk = next((r for r in layer_nodes if r.op.startswith("aten.topk")), None)
+    # The last top-k picks the experts (DeepSeek-V3 first picks expert groups with top-k's).
+    topk = next((r for r in reversed(layer_nodes) if r.op.startswith("aten.topk")), None)
     if topk is None:
         return None
     num_experts = nodes[topk.inputs[0]].shapes[0][-1]
