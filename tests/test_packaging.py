@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,15 @@ def test_wheel_installs_into_a_fresh_environment_and_finds_its_profiles(tmp_path
         check=True,
     )
     (wheel,) = dist.glob("autopar-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        shipped = set(zf.namelist())
+    sources = {
+        str(p.relative_to(ROOT))
+        for pkg in ("autopar", "cost_models", "hardware_profiles")
+        for p in (ROOT / pkg).rglob("*")
+        if p.suffix in (".py", ".toml") and "__pycache__" not in p.parts
+    }
+    assert sources <= shipped, f"missing from the wheel: {sorted(sources - shipped)}"
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"

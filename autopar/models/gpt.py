@@ -1,0 +1,137 @@
+"""GPT-2 style decoder (Radford et al. 2019): learned positions, pre-LayerNorm, GELU MLP.
+
+In: `GPTConfig` (frozen) -> `GPT` module. `GPT(ids_BS) -> logits_BSV` (float32 by default).
+Invariant: `ids_BS.shape[1] <= config.seq_len` (the learned position table's size); the forward
+is export-friendly (no data-dependent control flow), so `torch.export.export(strict=False)` on
+the meta device captures it whole.
+
+Layout: `tok_emb`, `pos_emb`, `blocks` (an `nn.ModuleList` of `GPTBlock`), `ln_f`, `lm_head`
+(tied to `tok_emb` by default, as GPT-2). With `bias=True` and vocab 50257, hidden 768, 12 layers,
+12 heads, seq 1024 the parameter count equals Hugging Face's GPT-2 (124,439,808).
+
+The fused `qkv` projection stores its output features head-major, `[N, 3, D]` (Megatron-LM's
+layout, Shoeybi et al. 2019), not `[3, N, D]` as GPT-2's checkpoints do: sharding `qkv`'s
+output features over tensor-parallel ranks then splits whole heads, each with its q, k and v.
+
+Shape legend: B batch, S sequence, H hidden, N heads, D head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autopar.models.layers import dropout, init_weights, residual_init_std
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape and options of a GPT. Defaults are the tiny test model."""
+
+    vocab_size: int = 128
+    seq_len: int = 32
+    num_layers: int = 2
+    hidden: int = 64
+    num_heads: int = 4
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    bias: bool = True
+    tie_embeddings: bool = True
+    layer_norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.num_heads:
+            raise ValueError(
+                f"GPTConfig: hidden={self.hidden} is not divisible by num_heads={self.num_heads}"
+            )
+
+
+class GPTAttention(nn.Module):
+    """Causal multi-head attention through `F.scaled_dot_product_attention(is_causal=True)`."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.head_dim = config.hidden // config.num_heads
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.hidden, 3 * config.hidden, bias=config.bias)
+        self.proj = nn.Linear(config.hidden, config.hidden, bias=config.bias)
+        self.resid_dropout = dropout(config.dropout)
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        b, s, h = x_BSH.shape
+        n, d = self.num_heads, self.head_dim
+        qkv_BSN3D = self.qkv(x_BSH).view(b, s, n, 3 * d)
+        q_BSND, k_BSND, v_BSND = qkv_BSN3D.split(d, dim=-1)
+        dropout_p = self.dropout if self.training else 0.0
+        y_BNSD = F.scaled_dot_product_attention(
+            q_BSND.transpose(1, 2),
+            k_BSND.transpose(1, 2),
+            v_BSND.transpose(1, 2),
+            is_causal=True,
+            dropout_p=dropout_p,
+        )
+        return self.resid_dropout(self.proj(y_BNSD.transpose(1, 2).reshape(b, s, h)))
+
+
+class GPTMLP(nn.Module):
+    """`proj(gelu_tanh(fc(x)))` with a `mlp_ratio * hidden` inner width (GPT-2's "gelu_new")."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        inner = config.mlp_ratio * config.hidden
+        self.fc = nn.Linear(config.hidden, inner, bias=config.bias)
+        self.proj = nn.Linear(inner, config.hidden, bias=config.bias)
+        self.dropout = dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm residual block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        eps = config.layer_norm_eps
+        self.ln_1 = nn.LayerNorm(config.hidden, eps=eps, bias=config.bias)
+        self.attn = GPTAttention(config)
+        self.ln_2 = nn.LayerNorm(config.hidden, eps=eps, bias=config.bias)
+        self.mlp = GPTMLP(config)
+
+    def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        x_BSH = x_BSH + self.attn(self.ln_1(x_BSH))
+        return x_BSH + self.mlp(self.ln_2(x_BSH))
+
+
+class GPT(nn.Module):
+    """GPT-2 style language model: token ids `[B, S]` -> logits `[B, S, V]`."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.hidden)
+        self.pos_emb = nn.Embedding(config.seq_len, config.hidden)
+        self.emb_dropout = dropout(config.dropout)
+        self.blocks = nn.ModuleList(GPTBlock(config) for _ in range(config.num_layers))
+        self.ln_f = nn.LayerNorm(config.hidden, eps=config.layer_norm_eps, bias=config.bias)
+        self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        init_weights(
+            self,
+            std=config.init_std,
+            residual_std=residual_init_std(config.init_std, config.num_layers),
+            residual_names={"proj"},
+        )
+
+    def forward(self, ids_BS: torch.Tensor) -> torch.Tensor:
+        pos_S = torch.arange(ids_BS.shape[1], device=ids_BS.device)
+        x_BSH = self.emb_dropout(self.tok_emb(ids_BS) + self.pos_emb(pos_S))
+        for block in self.blocks:
+            x_BSH = block(x_BSH)
+        return self.lm_head(self.ln_f(x_BSH))

@@ -1,0 +1,140 @@
+"""Hugging Face transformers models built from configs written here: no download, no network.
+
+In: a preset name (`names()`), a device and optional config overrides. Out: a
+`transformers` causal LM (`AutoModelForCausalLM.from_config`) with `use_cache=False`, on the
+meta device for the published shapes (a 405B model costs no memory) and on the CPU with real,
+seeded weights for the tiny test variants (`*-tiny-hf`).
+
+    model = hf.build("llama3-8b")                    # meta; 8,030,261,248 parameters
+    model = hf.build("llama3-8b", num_hidden_layers=2)
+    tiny = hf.build("mixtral-tiny-hf")               # CPU, real weights
+    (ids,) = hf.example_inputs("mixtral-tiny-hf", tiny)
+
+Mixture-of-experts presets set `experts_implementation="batched_mm"`. transformers 5 picks
+"grouped_mm" by default where `torch._grouped_mm` dispatches and falls back to "eager"
+otherwise; "eager" loops over the experts that received tokens, which is data-dependent and
+fails `torch.export` under fake/meta tensors (GuardOnDataDependentSymNode). "grouped_mm"
+exports, but its FLOPs hide in one op that FLOP counters do not see as matmuls. "batched_mm"
+gathers each (token, expert) pair's weights and runs `aten.bmm`, so the traced graph holds the
+ROUTED expert FLOPs (tokens * top_k, not * num_experts) and counts them as matmuls. (Its
+`aten.index` gathers a `[tokens * top_k, F, H]` weight copy: that node's bytes are an artefact,
+not traffic a real grouped GEMM would move.)
+
+transformers is an optional dependency (`pip install autopar[hf]`); it is imported inside the
+functions here, never at module import.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from autopar.models.hf_presets import HF_PRESETS, HFPreset
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+__all__ = ["HFPreset", "build", "config", "example_inputs", "names", "preset"]
+
+# Config keys every transformers config takes besides its own fields (popped in
+# PretrainedConfig.__init__; transformers 5.x).
+_BASE_KWARGS = frozenset({"attn_implementation", "experts_implementation", "dtype"})
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError(
+            "autopar.models.hf needs Hugging Face transformers: pip install autopar[hf]"
+        ) from err
+    return transformers
+
+
+def names() -> tuple[str, ...]:
+    """The preset names, sorted."""
+    return tuple(sorted(HF_PRESETS))
+
+
+def preset(name: str) -> HFPreset:
+    """The registry entry for `name`. Raises ValueError listing the known names."""
+    try:
+        return HF_PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown hf model {name!r}; known: {', '.join(names())}") from None
+
+
+def config(name: str, **overrides: Any) -> PretrainedConfig:
+    """The transformers config of preset `name`, with `overrides` applied.
+
+    Raises:
+        ValueError: unknown name, or an override that is no field of the config class
+            (transformers itself would silently store a misspelt key and ignore it).
+    """
+    entry = preset(name)
+    cls = getattr(_transformers(), entry.config_class)
+    _check_overrides(name, cls, overrides)
+    return cls(**{**copy.deepcopy(dict(entry.kwargs)), **overrides})
+
+
+def _check_overrides(name: str, cls: type, overrides: Mapping[str, Any]) -> None:
+    valid = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {})) | _BASE_KWARGS
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        raise ValueError(
+            f"{name}: unknown config field(s) {unknown} for {cls.__name__}; "
+            f"fields: {', '.join(sorted(valid))}"
+        )
+
+
+def build(
+    name: str, *, device: str | torch.device | None = None, seed: int = 0, **overrides: Any
+) -> nn.Module:
+    """Build preset `name` with `AutoModelForCausalLM.from_config` (no weights are downloaded).
+
+    Args:
+        name: a preset from `names()`.
+        device: "meta" (no memory) or "cpu"; default: the preset's own, meta for the published
+            shapes, cpu for the `*-tiny-hf` variants.
+        seed: init seed; the caller's CPU RNG state is restored afterwards.
+        **overrides: config fields, e.g. `num_hidden_layers=2`.
+
+    Raises:
+        ImportError: transformers is not installed.
+        ValueError: unknown name or config field.
+        RuntimeError: an MoE model did not take the "batched_mm" experts implementation.
+    """
+    entry = preset(name)
+    cfg = config(name, **overrides)
+    auto = _transformers().AutoModelForCausalLM
+    with torch.random.fork_rng(devices=[]), torch.device(device or entry.device):
+        torch.manual_seed(seed)
+        model = auto.from_config(cfg)
+    # Guard: a model that did not take the asked implementation (transformers replaces an unset
+    # one by "grouped_mm", or "eager" where grouped_mm cannot dispatch) may not export.
+    asked, got = cfg._experts_implementation, model.config._experts_implementation
+    if entry.is_moe and got != asked:
+        raise RuntimeError(
+            f"{name}: experts implementation is {got!r}, asked for {asked!r}; "
+            "torch.export needs a data-independent one (batched_mm)"
+        )
+    return model
+
+
+def example_inputs(
+    name: str, model: nn.Module, *, seq_len: int | None = None, batch_size: int = 1, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """Token ids `[batch_size, seq_len]` on the model's device.
+
+    `seq_len` defaults to the preset's training sequence length (`HFPreset.seq_len`), which can
+    be shorter than the model's `max_position_embeddings`.
+    """
+    seq_len = preset(name).seq_len if seq_len is None else seq_len
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=gen)
+    return (ids.to(next(model.parameters()).device),)
