@@ -5,8 +5,11 @@ The public API (DESIGN.md) grows phase by phase; what exists now:
     autopar.Cluster.from_profile(name_or_path, num_nodes=1)
     autopar.ParallelConfig(dp=1, fsdp=1, tp=1, pp=1, cp=1, ep=1, zero_stage=0, ...)
     autopar.load_profile(name_or_path), autopar.shipped_profile_names()
+    autopar.trace(model, example_inputs) -> ModelGraph       (imports torch on first use)
+    autopar.models.zoo / autopar.models.hf                     (built-in and Hugging Face models)
 
-Importing autopar does not import torch: profiles, clusters and the cost model work without it.
+Importing autopar does not import torch: profiles, clusters and the cost model work without it;
+the torch-based parts load on first access.
 """
 
 from __future__ import annotations
@@ -18,13 +21,36 @@ from autopar.hardware import HardwareProfile, load_profile, shipped_profile_name
 
 __version__ = "0.1.0"
 
+# The tracer's package is `autopar.tracing` so that the name `autopar.trace` stays the function.
+_LAZY = {
+    "trace": "autopar.tracing",
+    "ModelGraph": "autopar.tracing",
+    "TraceError": "autopar.tracing",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name == "models":
+        import importlib
+
+        return importlib.import_module("autopar.models")
+    raise AttributeError(f"module 'autopar' has no attribute {name!r}")
+
+
 __all__ = [
     "AutoparError",
     "Cluster",
     "ConfigError",
+    "ModelGraph",
     "HardwareProfile",
     "ParallelConfig",
     "ProfileError",
+    "TraceError",
     "load_profile",
     "shipped_profile_names",
+    "trace",
 ]

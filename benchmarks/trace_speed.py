@@ -24,7 +24,7 @@ def measure(name: str) -> dict[str, float]:
     import torch
 
     from autopar.models import hf
-    from autopar.trace import trace
+    from autopar.tracing import trace
 
     t0 = time.perf_counter()
     model = hf.build(name)

@@ -138,6 +138,6 @@ class ModelGraph:
         return next(c for c in self.classes if layer_name in c.members)
 
     def as_text(self) -> str:
-        from autopar.trace.text import model_graph_text
+        from autopar.tracing.text import model_graph_text
 
         return model_graph_text(self)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from autopar.trace import TraceError, trace
+from autopar.tracing import TraceError, trace
 
 
 class MLP(nn.Module):
@@ -87,3 +87,32 @@ def test_untraceable_op_names_the_op_and_module():
     message = str(err.value)
     assert "inner.1" in message
     assert "aten._local_scalar_dense" in message or "aten.gt" in message or "aten.sum" in message
+
+
+@torch.library.custom_op("autopar_test::double", mutates_args=())
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_double.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class WithCustomOp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _double(self.fc(x))
+
+
+def test_op_without_sharding_rule_is_recorded_not_fatal():
+    graph = trace(WithCustomOp(), torch.randn(1, 8))
+    assert [op for _, op in graph.ops_without_sharding_rule] == ["autopar_test.double.default"]
+    assert "autopar_test.double.default" in graph.as_text()
+    # ops DTensor knows (addmm through linear's decomposition) are not listed
+    assert all(
+        "addmm" not in op and "linear" not in op for _, op in graph.ops_without_sharding_rule
+    )

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from autopar.models import hf, zoo
-from autopar.trace import trace
+from autopar.tracing import trace
 from cost_models.memory import transformer_layer_activation_bytes
 
 

@@ -21,8 +21,8 @@ from torch.export.graph_signature import InputKind
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
-from autopar.trace.graph import NodeKind, OpClass
-from autopar.trace.ops import OpProber, op_class_of
+from autopar.tracing.graph import NodeKind, OpClass
+from autopar.tracing.ops import OpProber, op_class_of
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from autopar.trace.graph import ModelGraph
+    from autopar.tracing.graph import ModelGraph
 
 
 def _si(x: float, unit: str) -> str:

@@ -18,7 +18,7 @@ from collections import Counter, defaultdict
 import networkx as nx
 from torch import nn
 
-from autopar.trace.nodes import RawNode
+from autopar.tracing.nodes import RawNode
 
 
 def find_blocks(model: nn.Module) -> set[str]:

@@ -25,7 +25,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.trace.graph import OpClass
+from autopar.tracing.graph import OpClass
 
 _MATMUL = {
     "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "einsum", "_grouped_mm", "addbmm",

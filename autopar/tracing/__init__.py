@@ -2,7 +2,7 @@
 
 Phases inside: capture (torch.export on fake tensors) -> node table (shapes, FLOPs, bytes,
 saved tensors, measured per op on meta tensors) -> layers (blocks and their structural classes)
--> per-layer tables. See `autopar.trace.graph` for what comes out.
+-> per-layer tables. See `autopar.tracing.graph` for what comes out.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.trace.capture import TraceError, capture
-from autopar.trace.graph import LayerClass, LayerInfo, ModelGraph, MoEInfo, NodeInfo, ParamInfo
-from autopar.trace.layers import assign_layers, find_blocks
-from autopar.trace.nodes import RawNode, build_node_table
-from autopar.trace.ops import OpProber
-from autopar.trace.summarize import summarize_layers
+from autopar.tracing.capture import TraceError, capture
+from autopar.tracing.graph import LayerClass, LayerInfo, ModelGraph, MoEInfo, NodeInfo, ParamInfo
+from autopar.tracing.layers import assign_layers, find_blocks
+from autopar.tracing.nodes import RawNode, build_node_table
+from autopar.tracing.ops import OpProber
+from autopar.tracing.summarize import summarize_layers
 
 __all__ = [
     "LayerClass",

@@ -22,9 +22,9 @@ from collections import defaultdict
 
 from torch import nn
 
-from autopar.trace.graph import LayerClass, LayerInfo, MoEInfo, ParamInfo
-from autopar.trace.layers import structural_hash
-from autopar.trace.nodes import RawNode
+from autopar.tracing.graph import LayerClass, LayerInfo, MoEInfo, ParamInfo
+from autopar.tracing.layers import structural_hash
+from autopar.tracing.nodes import RawNode
 
 _ACTIVATION_KINDS = ("call", "input")
 
