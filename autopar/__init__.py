@@ -6,6 +6,7 @@ The public API (DESIGN.md) grows phase by phase; what exists now:
     autopar.ParallelConfig(dp=1, fsdp=1, tp=1, pp=1, cp=1, ep=1, zero_stage=0, ...)
     autopar.load_profile(name_or_path), autopar.shipped_profile_names()
     autopar.trace(model, example_inputs) -> ModelGraph       (imports torch on first use)
+    autopar.evaluate(model, cluster, config, example_inputs, *, global_batch_size) -> Plan
     autopar.models.zoo / autopar.models.hf                     (built-in and Hugging Face models)
 
 Importing autopar does not import torch: profiles, clusters and the cost model work without it;
@@ -26,6 +27,9 @@ _LAZY = {
     "trace": "autopar.tracing",
     "ModelGraph": "autopar.tracing",
     "TraceError": "autopar.tracing",
+    "evaluate": "autopar.api",
+    "Plan": "autopar.plan",
+    "CostOptions": "autopar.estimate",
 }
 
 
@@ -45,11 +49,14 @@ __all__ = [
     "AutoparError",
     "Cluster",
     "ConfigError",
+    "CostOptions",
     "ModelGraph",
     "HardwareProfile",
     "ParallelConfig",
+    "Plan",
     "ProfileError",
     "TraceError",
+    "evaluate",
     "load_profile",
     "shipped_profile_names",
     "trace",

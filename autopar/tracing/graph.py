@@ -75,6 +75,10 @@ class LayerInfo:
     input_bytes: int  # activations flowing in from earlier layers
     output_bytes: int  # activations flowing out to later layers
     moe: MoEInfo | None = None
+    # What makes up activation_bytes: per policy, the graph values kept (node names) and the
+    # bytes ops save internally (attention's log-sum-exp).
+    saved_values: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    saved_internal_bytes: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

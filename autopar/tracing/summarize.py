@@ -52,9 +52,10 @@ def summarize_layers(
         layer_nodes = [nodes[n] for n in members[name]]
         owned = [p for p in params.values() if p.layer == name]
         moe = _moe_info(name, layer_nodes, params, nodes, modules)
-        none, selective, full = _activation_bytes(
+        saved, internal = _saved_sets(
             name, layer_nodes, charged[name], nodes, layer_of, saved_anywhere
         )
+        act = {k: sum(nodes[v].nbytes for v in saved[k]) + internal[k] for k in saved}
         flops = sum(r.flops for r in layer_nodes)
         backward = sum(r.backward_flops for r in layer_nodes)
         moe_block = modules.get(moe.router.rsplit(".", 1)[0]) if moe else None
@@ -72,12 +73,10 @@ def summarize_layers(
                 backward_flops=backward,
                 num_params=sum(p.numel for p in owned),
                 param_bytes=sum(p.num_bytes for p in owned),
-                activation_bytes={"none": none, "selective": selective, "full": full},
-                recompute_transient_bytes={
-                    "none": 0.0,
-                    "selective": max(0.0, none - selective),
-                    "full": max(0.0, none - full),
-                },
+                activation_bytes=act,
+                recompute_transient_bytes={k: max(0.0, act["none"] - v) for k, v in act.items()},
+                saved_values=saved,
+                saved_internal_bytes=internal,
                 input_bytes=_boundary_bytes(layer_nodes, nodes, layer_of, name, incoming=True),
                 output_bytes=_boundary_bytes(layer_nodes, nodes, layer_of, name, incoming=False),
                 moe=moe,
@@ -127,16 +126,15 @@ def _charge_saved_values(
     return charged
 
 
-def _activation_bytes(
+def _saved_sets(
     name: str,
     layer_nodes: list[RawNode],
     charged: set[str],
     nodes: dict[str, RawNode],
     layer_of: dict[str, str],
     saved_anywhere: set[str],
-) -> tuple[float, float, float]:
-    internal = sum(r.saved_internal_bytes for r in layer_nodes)
-    none = sum(nodes[v].nbytes for v in charged) + internal
+) -> tuple[dict[str, tuple[str, ...]], dict[str, float]]:
+    """Per policy: the graph values kept for backward, and the ops' internal saved bytes."""
     inputs = {
         i
         for r in layer_nodes
@@ -144,18 +142,23 @@ def _activation_bytes(
         for i in r.inputs
         if layer_of[i] != name and nodes[i].kind in _ACTIVATION_KINDS and nodes[i].requires_grad
     }
-    full = sum(nodes[i].nbytes for i in inputs)
     # matmul and attention outputs that the backward needs (saved by some op)
     kept = {
         r.name
         for r in layer_nodes
         if r.op_class in ("matmul", "attention") and r.requires_grad and r.name in saved_anywhere
     }
-    attention_internal = sum(
-        r.saved_internal_bytes for r in layer_nodes if r.op_class == "attention"
+    values = {"none": charged, "selective": kept | inputs, "full": inputs}
+    internal = {
+        "none": sum(r.saved_internal_bytes for r in layer_nodes),
+        "selective": sum(r.saved_internal_bytes for r in layer_nodes if r.op_class == "attention"),
+        "full": 0,
+    }
+    order = {r.name: i for i, r in enumerate(nodes.values())}
+    return (
+        {k: tuple(sorted(v, key=order.__getitem__)) for k, v in values.items()},
+        {k: float(v) for k, v in internal.items()},
     )
-    selective = sum(nodes[v].nbytes for v in kept | inputs) + attention_internal
-    return float(none), float(selective), float(full)
 
 
 def _boundary_bytes(

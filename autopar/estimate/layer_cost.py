@@ -1,0 +1,159 @@
+"""Time of one layer for one micro-batch under a config: compute and the per-layer collectives.
+
+For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e = ep:
+
+    forward  = sum_matmul op_time(F_i b / d_i) + sum_attn op_time(F_a b / (t c))
+               + sum_buckets op_time(memory-bound bytes b / m_k)                 (compute_forward)
+    backward = the same with each op's backward FLOPs, memory-bound ops twice the bytes
+    d_i = t c for tensor- and expert-parallel matmuls, c for replicated ones (the router);
+    m_k = t c for sharded values, c (t with sequence parallelism) for replicated ones.
+
+    TP: each forward all-reduce of the table, size A b / c (all-gather + reduce-scatter of the
+        same size with sequence parallelism), once forward and once backward, exposed by
+        (1 - tp_comm_overlap).
+    CP: ring attention: c-1 steps, each sending the local K,V block (kv b / (c t)) to the next
+        rank while computing one block; exposed max(0, send - block compute) per step;
+        backward sends K,V and dK,dV (twice the bytes).
+    EP: two all-to-alls of tokens x top_k x hidden forward (dispatch, combine), two backward,
+        over the ep group, tokens b s / (t c) per rank.
+    recompute: full re-runs the forward (compute and its collectives); selective re-runs the
+        memory-bound ops (the matmul and attention outputs are kept).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from autopar.config import ParallelConfig
+from autopar.estimate.tables import LayerTable
+from cost_models.compute import DeviceSpec, op_time_s
+
+CommFn = Callable[[str, float, str], float]  # (collective, bytes, axis) -> seconds
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    compute_forward_s: float
+    compute_backward_s: float  # input and weight gradients
+    weight_grad_s: float  # the weight-gradient part of compute_backward_s
+    recompute_s: float
+    tp_forward_s: float  # exposed
+    tp_backward_s: float
+    cp_forward_s: float
+    cp_backward_s: float
+    ep_forward_s: float
+    ep_backward_s: float
+
+    @property
+    def forward_s(self) -> float:
+        return self.compute_forward_s + self.tp_forward_s + self.cp_forward_s + self.ep_forward_s
+
+    @property
+    def backward_s(self) -> float:
+        return (
+            self.compute_backward_s
+            + self.recompute_s
+            + self.tp_backward_s
+            + self.cp_backward_s
+            + self.ep_backward_s
+        )
+
+
+def layer_time(
+    table: LayerTable,
+    cfg: ParallelConfig,
+    device: DeviceSpec,
+    dtype: str,
+    act_scale: float,
+    comm: CommFn,
+    tp_overlap: float,
+) -> LayerTime:
+    """One micro-batch of ``cfg.micro_batch_size`` samples through ``table``'s layer."""
+    b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
+    weight_div = {"tp": t, "rep": 1, "expert": max(cfg.ep, t)}
+    flop_div = {"tp": t * c, "rep": c, "expert": t * c}
+    fwd = bwd = wgrad = 0.0
+    for op in table.matmuls:
+        d = flop_div[op.shard]
+        io = (
+            op.activation_bytes * b * act_scale / d
+            + op.weight_bytes * act_scale / weight_div[op.shard]
+        )
+        fwd += op_time_s(device, "matmul", op.flops * b / d, io, dtype)
+        back = op_time_s(device, "matmul", op.backward_flops * b / d, 2 * io, dtype)
+        bwd += back
+        if op.backward_flops:
+            wgrad += back * op.weight_grad_flops / op.backward_flops
+    attn_fwd = attn_bwd = 0.0
+    for op in table.attention:
+        d = t * c
+        io = op.io_bytes * b * act_scale / d
+        attn_fwd += op_time_s(device, "attention", op.flops * b / d, io, dtype)
+        attn_bwd += op_time_s(device, "attention", op.backward_flops * b / d, 2 * io, dtype)
+    mem = _memory_ops_time(table, cfg, device, act_scale)
+    fwd += attn_fwd + mem
+    bwd += attn_bwd + 2 * mem
+    tp_f = _tp_comm(table, cfg, act_scale, comm) * (1 - tp_overlap)
+    cp_f, cp_b = _cp_comm(table, cfg, act_scale, comm, attn_fwd, attn_bwd)
+    ep = _ep_comm(table, cfg, act_scale, comm)
+    if cfg.recompute == "full":
+        recompute = fwd + tp_f + cp_f + ep
+    elif cfg.recompute == "selective":
+        recompute = mem
+    else:
+        recompute = 0.0
+    return LayerTime(fwd, bwd, wgrad, recompute, tp_f, tp_f, cp_f, cp_b, ep, ep)
+
+
+def _memory_ops_time(
+    table: LayerTable, cfg: ParallelConfig, device: DeviceSpec, act_scale: float
+) -> float:
+    t, c = cfg.tp, cfg.cp
+    div = {"tp": t * c, "rep": c * (t if cfg.sequence_parallel else 1), "expert": t * c}
+    total = 0.0
+    for shard, nbytes, count in table.memory_ops:
+        per_op = nbytes * cfg.micro_batch_size * act_scale / div[shard] / count
+        total += count * op_time_s(device, "elementwise", 0.0, per_op, "fp32")
+    return total
+
+
+def _tp_comm(table: LayerTable, cfg: ParallelConfig, act_scale: float, comm: CommFn) -> float:
+    if cfg.tp == 1:
+        return 0.0
+    total = 0.0
+    for size in table.tp_allreduce_bytes:
+        nbytes = size * cfg.micro_batch_size * act_scale / cfg.cp
+        if cfg.sequence_parallel:
+            total += comm("all_gather", nbytes, "tp") + comm("reduce_scatter", nbytes, "tp")
+        else:
+            total += comm("all_reduce", nbytes, "tp")
+    return total
+
+
+def _cp_comm(
+    table: LayerTable,
+    cfg: ParallelConfig,
+    act_scale: float,
+    comm: CommFn,
+    attn_fwd: float,
+    attn_bwd: float,
+) -> tuple[float, float]:
+    if cfg.cp == 1 or not table.attention:
+        return 0.0, 0.0
+    c = cfg.cp
+    fwd = bwd = 0.0
+    for op in table.attention:
+        block = op.kv_bytes * cfg.micro_batch_size * act_scale / (c * cfg.tp)
+        send = comm("send_recv", block, "cp")
+        fwd += (c - 1) * max(0.0, send - attn_fwd / len(table.attention) / c)
+        back = comm("send_recv", 2 * block, "cp")
+        bwd += (c - 1) * max(0.0, back - attn_bwd / len(table.attention) / c)
+    return fwd, bwd
+
+
+def _ep_comm(table: LayerTable, cfg: ParallelConfig, act_scale: float, comm: CommFn) -> float:
+    if cfg.ep == 1 or not table.moe_num_experts:
+        return 0.0
+    payload = table.moe_dispatch_bytes * cfg.micro_batch_size * act_scale / (cfg.tp * cfg.cp)
+    return 2 * comm("all_to_all", payload, "ep")

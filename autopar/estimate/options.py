@@ -1,0 +1,32 @@
+"""CostOptions: the knobs of the cost model that are properties of the training stack, not of
+the parallel config (which overlaps the framework performs, buffer sizes, reduction dtype)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    # Fraction of tensor-parallel communication hidden behind compute (Megatron-Core's
+    # --tp-comm-overlap overlaps GEMMs with their collectives; plain PyTorch TP hides none).
+    tp_comm_overlap: float = 0.0
+    # Gradient reduction overlapped with the backward (DDP buckets, --overlap-grad-reduce).
+    overlap_grad_reduce: bool = True
+    # ZeRO-1/2 parameter all-gather overlapped with the next forward (--overlap-param-gather).
+    overlap_param_gather: bool = False
+    # FSDP prefetches the next layer's parameters while the current one computes.
+    fsdp_prefetch: bool = True
+    # DDP's default bucket (torch.nn.parallel.DistributedDataParallel bucket_cap_mb=25).
+    ddp_bucket_bytes: float = 25 * 2**20
+    # Bytes per gradient element in data-parallel reductions: fp32 main gradients (Megatron's
+    # default accumulation and FSDP2's reduce dtype in mixed precision recipes).
+    grad_bytes: int = 4
+    # Allocator reserve as a fraction of live memory (cost_models.memory).
+    reserve_fraction: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.tp_comm_overlap <= 1.0:
+            raise ValueError(f"tp_comm_overlap must be in [0, 1], got {self.tp_comm_overlap}")
+        if self.grad_bytes not in (2, 4):
+            raise ValueError(f"grad_bytes must be 2 or 4, got {self.grad_bytes}")

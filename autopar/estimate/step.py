@@ -1,0 +1,412 @@
+"""Step time and memory of one ParallelConfig: the fast path the search calls thousands of times.
+
+    step = pipeline(stage forward/backward per micro-batch, m micro-batches)      (_pipeline)
+           + max over stages (exposed data-parallel sync + optimizer step + clipping)
+
+Stages: the blocks split evenly over pp * v model chunks (extra blocks to the middle chunks),
+layers before the first block on chunk 0, after the last on the last chunk; chunk k runs on
+stage k mod pp (interleaved) or on the V of DualPipe-V. A stage's forward per micro-batch is
+the sum of its layers' `layer_time` forward (compute + exposed TP/CP/EP) plus exposed FSDP
+gathers; its backward likewise. The pipeline comes from `cost_models.pipeline`'s simulation.
+
+Data parallel, per stage, gradients G bytes (params on the rank x grad bytes):
+    ZeRO-0   all-reduce G over dp; ZeRO-1/2 reduce-scatter G over fsdp (+ all-reduce G/fsdp over
+    dp for HSDP) then all-gather the bf16 params; ZeRO-3 all-gathers each layer forward and
+    backward and reduce-scatters its gradients, every micro-batch.
+    Overlap: gradient reduction hides behind the last micro-batch's backward except the last
+    bucket; FSDP gathers are prefetched behind the previous layer's compute (exposed: what the
+    stage's compute cannot cover, plus the first gather).
+Optimizer: memory bound, bytes per parameter by optimizer and precision (`_OPTIMIZER_BYTES`).
+Memory per stage: model state (cost_models.memory.model_state_bytes), activations of the
+in-flight micro-batches, one layer's recompute transient, logits on the last stage,
+communication buffers, and the allocator reserve.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.cluster import Cluster
+from autopar.config import ParallelConfig
+from autopar.errors import ConfigError
+from autopar.estimate.layer_cost import LayerTime, layer_time
+from autopar.estimate.mesh import MeshGroups
+from autopar.estimate.options import CostOptions
+from autopar.estimate.tables import LayerTable, ModelTables
+from cost_models.compute import op_time_s
+from cost_models.memory import PeakMemory, model_state_bytes, peak_memory
+from cost_models.pipeline import simulate_pipeline
+
+# Bytes read + written per parameter by one optimizer step (fp32 master weights, fp32 grads).
+# AdamW mixed precision: read master, m, v, grad (16), write master, m, v (12), bf16 copy (2).
+_OPTIMIZER_BYTES = {
+    ("adamw", True): 30,
+    ("adamw", False): 28,
+    ("adam", True): 30,
+    ("adam", False): 28,
+    ("sgd_momentum", True): 22,
+    ("sgd_momentum", False): 20,
+    ("sgd", True): 14,
+    ("sgd", False): 12,
+}
+_PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    index: int
+    layers: tuple[str, ...]
+    forward_s: float  # one micro-batch
+    backward_s: float
+    memory: PeakMemory
+
+
+@dataclass(frozen=True)
+class Estimate:
+    config: ParallelConfig
+    global_batch_size: int
+    num_microbatches: int
+    step_time_s: float
+    breakdown: dict[str, float]
+    stages: tuple[StageEstimate, ...]
+    peak_memory_bytes: float
+    model_flops: float
+    mfu: float
+    notes: tuple[str, ...] = field(default=())
+
+
+class Estimator:
+    """Prices configs of one model on one cluster (tables built once, comm cached)."""
+
+    def __init__(
+        self,
+        tables: ModelTables,
+        cluster: Cluster,
+        *,
+        precision: str = "bf16",
+        optimizer: str = "adamw",
+        options: CostOptions | None = None,
+    ) -> None:
+        if precision not in _PRECISION_BYTES:
+            raise ConfigError(f"precision must be one of bf16, fp16, fp32, got {precision!r}")
+        if (optimizer, True) not in _OPTIMIZER_BYTES:
+            known = sorted({k for k, _ in _OPTIMIZER_BYTES})
+            raise ConfigError(f"optimizer must be one of {', '.join(known)}, got {optimizer!r}")
+        self.tables = tables
+        self.cluster = cluster
+        self.device = cluster.profile.device
+        self.precision = precision
+        self.optimizer = optimizer
+        self.options = options or CostOptions()
+        self.act_scale = _PRECISION_BYTES[precision] / tables.traced_float_bytes
+        self.peak_flops = self.device.peak(precision)
+        self._pipeline_cache: dict[tuple, tuple[float, tuple[float, ...]]] = {}
+        self._mesh_cache: dict[tuple, MeshGroups] = {}
+
+    # ------------------------------------------------------------------ public
+
+    def evaluate(self, cfg: ParallelConfig, global_batch_size: int) -> Estimate:
+        cfg.validate(self.cluster)
+        m = self._num_microbatches(cfg, global_batch_size)
+        mesh = self._mesh(cfg)
+        times = self._layer_times(cfg, mesh)
+        chunks = self._chunks(cfg)
+        stage_layers = self._stage_layers(cfg, chunks)
+        per_stage = [self._stage_times(cfg, mesh, ls, times) for ls in stage_layers]
+        pipe_s, inflight, busiest = self._pipeline(cfg, m, per_stage, mesh)
+        tail = [
+            self._step_tail(cfg, mesh, ls, st)
+            for ls, st in zip(stage_layers, per_stage, strict=True)
+        ]
+        tail_s = max(sum(t.values()) for t in tail)
+        step = pipe_s + tail_s
+        breakdown = self._breakdown(cfg, m, per_stage[busiest], pipe_s, tail[busiest])
+        stages = tuple(
+            StageEstimate(
+                index=i,
+                layers=tuple(t.name for t in ls),
+                forward_s=st["forward"],
+                backward_s=st["backward"],
+                memory=self._stage_memory(cfg, i, ls, inflight[i]),
+            )
+            for i, (ls, st) in enumerate(zip(stage_layers, per_stage, strict=True))
+        )
+        model_flops = self.tables.model_flops_per_sample * global_batch_size
+        world = self.cluster.world_size
+        return Estimate(
+            config=cfg,
+            global_batch_size=global_batch_size,
+            num_microbatches=m,
+            step_time_s=step,
+            breakdown=breakdown,
+            stages=stages,
+            peak_memory_bytes=max(s.memory.total_bytes for s in stages),
+            model_flops=model_flops,
+            mfu=model_flops / (step * world * self.peak_flops),
+        )
+
+    # ------------------------------------------------------------------ structure
+
+    def _num_microbatches(self, cfg: ParallelConfig, global_batch_size: int) -> int:
+        per_step = cfg.micro_batch_size * cfg.data_parallel_size
+        if global_batch_size < 1 or global_batch_size % per_step:
+            raise ConfigError(
+                f"global_batch_size={global_batch_size} is not a multiple of micro_batch_size="
+                f"{cfg.micro_batch_size} x dp={cfg.dp} x fsdp={cfg.fsdp} = {per_step}"
+            )
+        return global_batch_size // per_step
+
+    def _mesh(self, cfg: ParallelConfig) -> MeshGroups:
+        key = (cfg.dp, cfg.fsdp, cfg.cp, cfg.tp, cfg.pp, cfg.ep)
+        if key not in self._mesh_cache:
+            self._mesh_cache[key] = MeshGroups(self.cluster, cfg)
+        return self._mesh_cache[key]
+
+    def _layer_times(self, cfg: ParallelConfig, mesh: MeshGroups) -> dict[str, LayerTime]:
+        by_class: dict[str, LayerTime] = {}
+        out = {}
+        for table in self.tables.layers:
+            if table.class_id not in by_class:
+                by_class[table.class_id] = layer_time(
+                    table,
+                    cfg,
+                    self.device,
+                    self.precision,
+                    self.act_scale,
+                    mesh.time,
+                    self.options.tp_comm_overlap,
+                )
+            out[table.name] = by_class[table.class_id]
+        return out
+
+    def _chunks(self, cfg: ParallelConfig) -> list[list[LayerTable]]:
+        layers = self.tables.layers
+        blocks = [i for i, t in enumerate(layers) if t.kind == "block"]
+        n_chunks = cfg.pp * cfg.virtual_stages
+        if n_chunks == 1:
+            return [list(layers)]
+        if len(blocks) < n_chunks:
+            raise ConfigError(
+                f"pp={cfg.pp} x virtual_stages={cfg.virtual_stages} = {n_chunks} model chunks "
+                f"but the model has {len(blocks)} repeated layers to split"
+            )
+        base, extra = divmod(len(blocks), n_chunks)
+        middle = (n_chunks - extra) // 2  # extra blocks go to the middle chunks
+        sizes = [base + (1 if middle <= k < middle + extra else 0) for k in range(n_chunks)]
+        ends, count = [], 0
+        for size in sizes:
+            count += size
+            ends.append(blocks[count - 1] + 1)
+        ends[-1] = len(layers)  # layers after the last block ride on the last chunk
+        starts = [0, *ends[:-1]]  # and those before the first block on the first
+        chunks = [list(layers[s:e]) for s, e in zip(starts, ends, strict=True)]
+        return chunks
+
+    def _stage_layers(
+        self, cfg: ParallelConfig, chunks: list[list[LayerTable]]
+    ) -> list[list[LayerTable]]:
+        p = cfg.pp
+        stages: list[list[LayerTable]] = [[] for _ in range(p)]
+        for k, chunk in enumerate(chunks):
+            v_shape = cfg.schedule == "dualpipe_v"
+            stage = (k if k < p else 2 * p - 1 - k) if v_shape else k % p
+            stages[stage].extend(chunk)
+        return stages
+
+    # ------------------------------------------------------------------ time
+
+    def _stage_times(
+        self,
+        cfg: ParallelConfig,
+        mesh: MeshGroups,
+        layers: list[LayerTable],
+        times: dict[str, LayerTime],
+    ) -> dict[str, float]:
+        lt = [times[t.name] for t in layers]
+        out = {
+            "compute_forward": sum(x.compute_forward_s for x in lt),
+            "compute_backward": sum(x.compute_backward_s for x in lt),
+            "weight_grad": sum(x.weight_grad_s for x in lt),
+            "recompute": sum(x.recompute_s for x in lt),
+            "tp_comm": sum(x.tp_forward_s + x.tp_backward_s for x in lt),
+            "cp_comm": sum(x.cp_forward_s + x.cp_backward_s for x in lt),
+            "ep_comm": sum(x.ep_forward_s + x.ep_backward_s for x in lt),
+            "forward": sum(x.forward_s for x in lt),
+            "backward": sum(x.backward_s for x in lt),
+        }
+        fsdp_f, fsdp_b = self._fsdp_exposed(cfg, mesh, layers, out)
+        out["fsdp_comm"] = fsdp_f + fsdp_b
+        out["forward"] += fsdp_f
+        out["backward"] += fsdp_b
+        return out
+
+    def _params_on_rank(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
+        expert_div = max(cfg.ep, cfg.tp)
+        return sum(
+            t.params_tp / cfg.tp + t.params_rep + t.params_expert / expert_div for t in layers
+        )
+
+    def _fsdp_exposed(
+        self, cfg: ParallelConfig, mesh: MeshGroups, layers: list[LayerTable], st: dict[str, float]
+    ) -> tuple[float, float]:
+        if cfg.zero_stage < 3 or cfg.fsdp == 1:
+            return 0.0, 0.0
+        pbytes = _PRECISION_BYTES[self.precision]
+        sizes = [self._params_on_rank(cfg, [t]) * pbytes for t in layers]
+        gathers = [mesh.time("all_gather", s, "fsdp") for s in sizes if s]
+        scatters = [
+            mesh.time("reduce_scatter", s * self.options.grad_bytes / pbytes, "fsdp")
+            for s in sizes
+            if s
+        ]
+        if not gathers:
+            return 0.0, 0.0
+        fwd_compute = st["compute_forward"] + st["tp_comm"] / 2
+        bwd_compute = st["compute_backward"] + st["recompute"] + st["tp_comm"] / 2
+        if not self.options.fsdp_prefetch:
+            return sum(gathers), sum(gathers) + sum(scatters)
+        fwd = gathers[0] + max(0.0, sum(gathers[1:]) - fwd_compute)
+        bwd = scatters[-1] + max(0.0, sum(gathers) + sum(scatters[:-1]) - bwd_compute)
+        return fwd, bwd
+
+    def _pipeline(
+        self, cfg: ParallelConfig, m: int, per_stage: list[dict[str, float]], mesh: MeshGroups
+    ) -> tuple[float, list[float], int]:
+        busy = [m * (s["forward"] + s["backward"]) for s in per_stage]
+        busiest = max(range(len(busy)), key=busy.__getitem__)
+        if cfg.pp == 1:
+            return busy[0], [1.0], 0
+        boundary = max(
+            (t.output_bytes for t in self.tables.layers if t.kind == "block"), default=0.0
+        )
+        div = cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)
+        p2p = mesh.time("send_recv", boundary * cfg.micro_batch_size * self.act_scale / div, "pp")
+        split = cfg.schedule in ("zero_bubble", "dualpipe_v")
+        fwd = tuple(s["forward"] for s in per_stage)
+        wgrad = tuple(s["weight_grad"] if split else 0.0 for s in per_stage)
+        bin_ = tuple(s["backward"] - w for s, w in zip(per_stage, wgrad, strict=True))
+        key = (
+            cfg.schedule,
+            cfg.pp,
+            m,
+            cfg.virtual_stages,
+            _round(fwd),
+            _round(bin_),
+            _round(wgrad),
+            _round((p2p,)),
+        )
+        if key not in self._pipeline_cache:
+            result = simulate_pipeline(
+                cfg.schedule,
+                cfg.pp,
+                m,
+                forward_s=fwd,
+                backward_input_s=bin_,
+                backward_weight_s=wgrad,
+                p2p_s=p2p,
+                virtual_stages=cfg.virtual_stages,
+            )
+            self._pipeline_cache[key] = (result.step_time_s, result.peak_inflight_microbatches)
+        step, inflight = self._pipeline_cache[key]
+        return step, list(inflight), busiest
+
+    def _step_tail(
+        self, cfg: ParallelConfig, mesh: MeshGroups, layers: list[LayerTable], st: dict[str, float]
+    ) -> dict[str, float]:
+        params = self._params_on_rank(cfg, layers)
+        grad = params * self.options.grad_bytes
+        pbytes = params * _PRECISION_BYTES[self.precision]
+        sync = 0.0
+        if cfg.zero_stage == 0 and cfg.dp > 1:
+            sync = self._overlapped(mesh.time("all_reduce", grad, "dp"), grad, st)
+        elif cfg.zero_stage in (1, 2):
+            reduce = mesh.time("reduce_scatter", grad, "fsdp") + mesh.time(
+                "all_reduce", grad / cfg.fsdp, "dp"
+            )
+            gather = mesh.time("all_gather", pbytes, "fsdp")
+            if self.options.overlap_param_gather:
+                gather = max(0.0, gather - st["forward"])
+            sync = self._overlapped(reduce, grad, st) + gather
+        elif cfg.zero_stage == 3 and cfg.dp > 1:
+            sync = self._overlapped(mesh.time("all_reduce", grad / cfg.fsdp, "dp"), grad, st)
+        sharded = params / (cfg.fsdp if cfg.zero_stage >= 1 else 1)
+        opt_bytes = sharded * _OPTIMIZER_BYTES[(self.optimizer, self.precision != "fp32")]
+        optimizer = (
+            op_time_s(self.device, "elementwise", 0.0, opt_bytes, "fp32")
+            + 10 * self.device.launch_overhead_s
+        )
+        clip = op_time_s(self.device, "elementwise", 0.0, sharded * 12, "fp32") + mesh.time(
+            "all_reduce", 4, "world"
+        )
+        return {"dp_comm": sync, "optimizer": optimizer, "grad_clip": clip}
+
+    def _overlapped(self, comm_s: float, nbytes: float, st: dict[str, float]) -> float:
+        if not self.options.overlap_grad_reduce or nbytes <= 0:
+            return comm_s
+        last_bucket = comm_s * min(1.0, self.options.ddp_bucket_bytes / nbytes)
+        return max(last_bucket, comm_s - st["backward"])
+
+    def _breakdown(
+        self,
+        cfg: ParallelConfig,
+        m: int,
+        st: dict[str, float],
+        pipe_s: float,
+        tail: dict[str, float],
+    ) -> dict[str, float]:
+        terms = {
+            "compute_forward": m * st["compute_forward"],
+            "compute_backward": m * st["compute_backward"],
+            "recompute": m * st["recompute"],
+            "tp_comm": m * st["tp_comm"],
+            "cp_comm": m * st["cp_comm"],
+            "ep_comm": m * st["ep_comm"],
+            "fsdp_comm": m * st["fsdp_comm"],
+        }
+        terms["pipeline_bubble"] = max(0.0, pipe_s - sum(terms.values()))
+        terms.update(tail)
+        return terms
+
+    # ------------------------------------------------------------------ memory
+
+    def _stage_memory(
+        self, cfg: ParallelConfig, index: int, layers: list[LayerTable], inflight: float
+    ) -> PeakMemory:
+        params = self._params_on_rank(cfg, layers)
+        state = model_state_bytes(
+            params,
+            precision=self.precision,  # type: ignore[arg-type]
+            optimizer=self.optimizer,  # type: ignore[arg-type]
+            zero_stage=cfg.zero_stage,
+            shard_degree=cfg.fsdp,
+        )
+        b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
+        div = {"tp": t * c, "rep": c * (t if cfg.sequence_parallel else 1), "expert": t * c}
+        per_mb = transient = logits = 0.0
+        for table in layers:
+            split = table.activations.get(cfg.recompute, {})
+            per_mb += sum(v * b / div[k] for k, v in split.items()) * self.act_scale
+            none = sum(v * b / div[k] for k, v in table.activations.get("none", {}).items())
+            transient = max(
+                transient,
+                none * self.act_scale
+                - sum(v * b / div[k] for k, v in split.items()) * self.act_scale,
+            )
+            logits += table.vocab_logits_bytes * b / (t * c) * self.act_scale * 2
+        activations = per_mb * max(1.0, inflight) + transient + logits
+        pbytes = _PRECISION_BYTES[self.precision]
+        if cfg.zero_stage == 3:
+            largest = max((self._params_on_rank(cfg, [x]) for x in layers), default=0.0)
+            buffers = 2 * largest * (pbytes + self.options.grad_bytes)
+        else:
+            buffers = 2 * min(self.options.ddp_bucket_bytes, params * self.options.grad_bytes)
+        return peak_memory(
+            state,
+            activation_bytes=activations,
+            communication_buffer_bytes=buffers,
+            reserve_fraction=self.options.reserve_fraction,
+        )
+
+
+def _round(values: tuple[float, ...]) -> tuple[float, ...]:
+    return tuple(float(f"{v:.4g}") for v in values)

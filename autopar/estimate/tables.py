@@ -1,0 +1,292 @@
+"""Per-layer cost tables: a ModelGraph -> the numbers the step estimator multiplies.
+
+Built once per model and shape; every config the search prices reads them. All figures are per
+sample (the traced batch of 1) and per layer.
+
+Tensor-parallel classes come from a Megatron-style propagation over each layer's nodes, in
+graph order: values from other layers are replicated ("rep"); a matmul with a weight that reads
+a replicated activation is column-parallel and makes a sharded ("tp") value; one that reads a
+sharded activation is row-parallel, makes a replicated value and costs one all-reduce of its
+output (Megatron's f/g pair: one all-reduce forward, one backward); a vocab-parallel embedding
+also costs one; any other op is sharded when one of its inputs is. Ops inside experts are
+"expert" (sharded by expert parallelism); the router stays replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.tracing.graph import LayerInfo, ModelGraph, NodeInfo
+
+Shard = str  # "tp" | "rep" | "expert"
+_DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class MatmulOp:
+    flops: float  # forward, per sample
+    backward_flops: float
+    weight_grad_flops: float  # the part of backward_flops that is the weight gradient
+    activation_bytes: float  # per sample (inputs + output without the weight)
+    weight_bytes: float
+    shard: Shard
+
+
+@dataclass(frozen=True)
+class AttentionOp:
+    flops: float
+    backward_flops: float
+    kv_bytes: float  # keys + values, per sample (at the traced precision)
+    io_bytes: float
+
+
+@dataclass(frozen=True)
+class LayerTable:
+    name: str
+    class_id: str
+    kind: str
+    matmuls: tuple[MatmulOp, ...]
+    attention: tuple[AttentionOp, ...]
+    memory_ops: tuple[tuple[Shard, float, int], ...]  # (shard, bytes per sample, op count)
+    tp_allreduce_bytes: tuple[float, ...]  # forward all-reduces (per sample); backward mirrors
+    params_tp: int
+    params_rep: int
+    params_expert: int
+    # activation bytes per policy split by shard class: {policy: {shard: bytes per sample}}
+    activations: dict[str, dict[Shard, float]]
+    output_bytes: float  # what a pipeline cut after this layer sends, per sample
+    moe_num_experts: int = 0
+    moe_top_k: int = 0
+    moe_dispatch_bytes: float = 0.0  # one all-to-all's payload, per sample (tokens*k*h)
+    vocab_logits_bytes: float = 0.0  # the head's logits per sample (the loss keeps them)
+
+
+@dataclass(frozen=True)
+class ModelTables:
+    layers: tuple[LayerTable, ...]
+    seq_len: int
+    hidden: int
+    traced_float_bytes: int  # bytes per element of the traced model's floats
+    model_flops_per_sample: float  # forward + backward, no recompute (the MFU numerator)
+    num_params: int
+
+
+def build_tables(graph: ModelGraph) -> ModelTables:
+    """Tables for every layer of ``graph`` (see the module docstring)."""
+    nodes = graph.nodes
+    seq_len = graph.input_shapes[0][-1] if graph.input_shapes else 1
+    hidden = _hidden_size(graph)
+    float_bytes = _traced_float_bytes(graph)
+    layers = tuple(_layer_table(layer, nodes, graph) for layer in graph.layers)
+    return ModelTables(
+        layers=layers,
+        seq_len=int(seq_len),
+        hidden=hidden,
+        traced_float_bytes=float_bytes,
+        model_flops_per_sample=graph.forward_flops + graph.backward_flops,
+        num_params=graph.num_params,
+    )
+
+
+def _hidden_size(graph: ModelGraph) -> int:
+    for layer in graph.layers:
+        value = _block_input(layer, graph.nodes)
+        if layer.kind == "block" and value is not None:
+            return value.shapes[0][-1]
+    return max(
+        (n.shapes[0][-1] for n in graph.nodes.values() if n.shapes and n.shapes[0]), default=1
+    )
+
+
+def _block_input(layer: LayerInfo, nodes: dict[str, NodeInfo]) -> NodeInfo | None:
+    """The activation flowing into a layer from an earlier one (the residual stream)."""
+    inside = set(layer.nodes)
+    for name in layer.nodes:
+        for i in nodes[name].inputs:
+            value = nodes[i]
+            if i not in inside and value.requires_grad and value.kind == "call" and value.shapes:
+                return value
+    return None
+
+
+def _traced_float_bytes(graph: ModelGraph) -> int:
+    dtypes = [p.dtype for p in graph.parameters.values()]
+    common = max(set(dtypes), key=dtypes.count) if dtypes else "float32"
+    return _DTYPE_BYTES.get(common, 4)
+
+
+def _is_expert(node: NodeInfo) -> bool:
+    return "experts" in node.module_path.split(".")
+
+
+def _layer_table(layer: LayerInfo, nodes: dict[str, NodeInfo], graph: ModelGraph) -> LayerTable:
+    inside = set(layer.nodes)
+    router = layer.moe.router if layer.moe else None
+    shard: dict[str, Shard] = {}
+    matmuls, attention, allreduce = [], [], []
+    memory: dict[Shard, list[float]] = {}
+    for name in layer.nodes:
+        node = nodes[name]
+        if node.kind != "call":
+            continue
+        acts = [i for i in node.inputs if nodes[i].kind not in ("parameter", "buffer", "constant")]
+        classes = [shard.get(i, "rep") if i in inside else "rep" for i in acts]
+        out = _propagate(node, classes, router)
+        shard[name] = out
+        if node.op_class == "matmul" and node.params:
+            weight = sum(
+                graph.parameters[p].num_bytes for p in node.params if p in graph.parameters
+            )
+            if _gathers_weights(node, weight):
+                continue
+            matmuls.append(
+                MatmulOp(
+                    flops=node.flops,
+                    backward_flops=node.backward_flops,
+                    weight_grad_flops=min(node.flops, node.backward_flops),
+                    activation_bytes=max(0.0, node.bytes_read + node.bytes_written - weight),
+                    weight_bytes=weight,
+                    shard=_compute_shard(node, router),
+                )
+            )
+            if out == "rep" and "tp" in classes:
+                allreduce.append(float(node.bytes_written))
+        elif node.op_class in ("matmul", "attention"):
+            if node.op_class == "attention":
+                kv = sum(_value_bytes(nodes[i]) for i in acts[1:3])
+                attention.append(
+                    AttentionOp(
+                        node.flops, node.backward_flops, kv, node.bytes_read + node.bytes_written
+                    )
+                )
+            else:
+                matmuls.append(
+                    MatmulOp(
+                        node.flops,
+                        node.backward_flops,
+                        0.0,
+                        node.bytes_read + node.bytes_written,
+                        0.0,
+                        out,
+                    )
+                )
+        elif node.op == "aten.embedding.default" and node.params:
+            allreduce.append(float(node.bytes_written))
+            memory.setdefault("rep", [0.0, 0])
+            memory["rep"][0] += node.bytes_written * 2
+            memory["rep"][1] += 1
+        elif node.op_class in ("elementwise", "reduction") and not _gathers_weights(node, 0):
+            entry = memory.setdefault(out, [0.0, 0])
+            entry[0] += node.bytes_read + node.bytes_written
+            entry[1] += 1
+    return LayerTable(
+        name=layer.name,
+        class_id=layer.class_id,
+        kind=layer.kind,
+        matmuls=tuple(matmuls),
+        attention=tuple(attention),
+        memory_ops=tuple((k, v[0], int(v[1])) for k, v in memory.items()),
+        tp_allreduce_bytes=tuple(allreduce),
+        **_param_split(layer, graph, nodes),
+        activations=_activation_split(layer, nodes, shard),
+        output_bytes=float(layer.output_bytes),
+        moe_num_experts=layer.moe.num_experts if layer.moe else 0,
+        moe_top_k=layer.moe.top_k if layer.moe else 0,
+        moe_dispatch_bytes=_dispatch_bytes(layer, nodes) if layer.moe else 0.0,
+        vocab_logits_bytes=_logits_bytes(layer, nodes),
+    )
+
+
+def _propagate(node: NodeInfo, classes: list[Shard], router: str | None) -> Shard:
+    if _is_expert(node):
+        return "expert"
+    if router and node.module_path == router:
+        return "rep"
+    if node.op_class == "matmul" and node.params:
+        return "rep" if "tp" in classes else "tp"
+    if node.op == "aten.embedding.default":
+        return "rep"
+    return "tp" if "tp" in classes else ("expert" if "expert" in classes else "rep")
+
+
+def _compute_shard(node: NodeInfo, router: str | None) -> Shard:
+    """Where a weight matmul's FLOPs go: experts by EP, the router replicated, the rest by TP."""
+    if _is_expert(node):
+        return "expert"
+    return "rep" if router and node.module_path == router else "tp"
+
+
+def _gathers_weights(node: NodeInfo, weight_bytes: float) -> bool:
+    # transformers' batched_mm experts gather a copy of the expert weights per token (an
+    # export-friendly stand-in); real MoE kernels read each expert's weights once, so the
+    # gather and the per-token weight bytes are not costed.
+    return node.op.startswith("aten.index") and bool(node.params)
+
+
+def _value_bytes(node: NodeInfo) -> float:
+    return float(
+        sum(
+            _numel(s) * _DTYPE_BYTES.get(d, 1)
+            for s, d in zip(node.shapes, node.dtypes, strict=False)
+        )
+    )
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _param_split(layer: LayerInfo, graph: ModelGraph, nodes: dict[str, NodeInfo]) -> dict[str, int]:
+    """Parameters owned by the layer, by how they shard: tp (matmul/embedding weights), expert,
+    replicated (norms, the router, biases of row-parallel layers are small and counted here)."""
+    tp, rep, expert = 0, 0, 0
+    sharded: set[str] = set()
+    for name in layer.nodes:
+        node = nodes[name]
+        if node.kind == "call" and (
+            node.op_class == "matmul" or node.op == "aten.embedding.default"
+        ):
+            sharded.update(node.params)
+    router = layer.moe.router if layer.moe else None
+    for p in graph.parameters.values():
+        if p.layer != layer.name:
+            continue
+        if "experts" in p.name.split("."):
+            expert += p.numel
+        elif router and p.name.startswith(router + "."):
+            rep += p.numel
+        elif p.name in sharded and len(p.shape) >= 2:
+            tp += p.numel
+        else:
+            rep += p.numel
+    return {"params_tp": tp, "params_rep": rep, "params_expert": expert}
+
+
+def _activation_split(
+    layer: LayerInfo, nodes: dict[str, NodeInfo], shard: dict[str, Shard]
+) -> dict[str, dict[Shard, float]]:
+    out: dict[str, dict[Shard, float]] = {}
+    for policy, values in layer.saved_values.items():
+        split: dict[Shard, float] = {"tp": 0.0, "rep": 0.0, "expert": 0.0}
+        for v in values:
+            split[shard.get(v, "rep")] += _value_bytes(nodes[v])
+        split["tp"] += layer.saved_internal_bytes.get(policy, 0.0)  # attention statistics
+        out[policy] = split
+    return out
+
+
+def _dispatch_bytes(layer: LayerInfo, nodes: dict[str, NodeInfo]) -> float:
+    """tokens x top_k x hidden x element bytes: what one all-to-all moves, per sample."""
+    assert layer.moe is not None
+    value = _block_input(layer, nodes)
+    return 0.0 if value is None else _value_bytes(value) * layer.moe.top_k
+
+
+def _logits_bytes(layer: LayerInfo, nodes: dict[str, NodeInfo]) -> float:
+    if layer.kind == "block" or layer.output_bytes:
+        return 0.0
+    last = next((nodes[n] for n in reversed(layer.nodes) if nodes[n].op_class == "matmul"), None)
+    return float(last.bytes_written) if last is not None else 0.0
