@@ -171,7 +171,8 @@ def _layer_table(layer: LayerInfo, nodes: dict[str, NodeInfo], graph: ModelGraph
                     )
                 )
         elif node.op == "aten.embedding.default" and node.params:
-            allreduce.append(float(node.bytes_written))
+            if _indexed_by_tokens(node, nodes):
+                allreduce.append(float(node.bytes_written))
             memory.setdefault("rep", [0.0, 0])
             memory["rep"][0] += node.bytes_written * 2
             memory["rep"][1] += 1
@@ -207,6 +208,12 @@ def _propagate(node: NodeInfo, classes: list[Shard], router: str | None) -> Shar
     if node.op == "aten.embedding.default":
         return "rep"
     return "tp" if "tp" in classes else ("expert" if "expert" in classes else "rep")
+
+
+def _indexed_by_tokens(node: NodeInfo, nodes: dict[str, NodeInfo]) -> bool:
+    """A token embedding (vocab-parallel under TP, Megatron) reads the model's input ids; a
+    position embedding reads computed positions and stays replicated."""
+    return any(nodes[i].kind == "input" for i in node.inputs)
 
 
 def _compute_shard(node: NodeInfo, router: str | None) -> Shard:
@@ -247,7 +254,8 @@ def _param_split(layer: LayerInfo, graph: ModelGraph, nodes: dict[str, NodeInfo]
     for name in layer.nodes:
         node = nodes[name]
         if node.kind == "call" and (
-            node.op_class == "matmul" or node.op == "aten.embedding.default"
+            node.op_class == "matmul"
+            or (node.op == "aten.embedding.default" and _indexed_by_tokens(node, nodes))
         ):
             sharded.update(node.params)
     router = layer.moe.router if layer.moe else None

@@ -96,7 +96,10 @@ def structural_hash(names: list[str], nodes: dict[str, RawNode]) -> str:
                 src = f"ext:{i}"
                 graph.add_node(
                     src,
-                    label=f"in|{nodes[i].kind == 'parameter'}|{nodes[i].shapes}|{nodes[i].dtypes}",
+                    label=(
+                        f"in|{nodes[i].kind == 'parameter'}|{nodes[i].requires_grad}|"
+                        f"{nodes[i].shapes}|{nodes[i].dtypes}"
+                    ),
                 )
             else:
                 src = i
