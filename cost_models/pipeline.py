@@ -52,6 +52,7 @@ Pipeline Parallelism", arXiv 2401.10241).
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Callable, Iterator, Sequence
@@ -280,59 +281,103 @@ _SCHEDULES: MappingProxyType[str, _ScheduleSpec] = MappingProxyType(
 # ---- the shared simulator ----
 
 
+@functools.lru_cache(maxsize=256)
+def _prepared(
+    schedule: str, p: int, m: int, v: int
+) -> tuple[tuple[tuple[str, int, int, int], ...], ...]:
+    """Every rank's ops as (kind, micro-batch, chunk, virtual stage): they depend only on the
+    schedule's shape, not on the times, so the search reuses them (a pure memo)."""
+    spec = _SCHEDULES[schedule]
+    return tuple(
+        tuple(
+            (kind, i, chunk, spec.layout(s, chunk, p)) for kind, i, chunk in spec.order(s, p, m, v)
+        )
+        for s in range(p)
+    )
+
+
 def _simulate(
-    orders: list[list[_Op]],
+    prepared: tuple[tuple[tuple[str, int, int, int], ...], ...],
     durations: list[dict[str, float]],
     spec: _ScheduleSpec,
     v: int,
     c: float,
-) -> list[list[PipelineTask]]:
-    """Place every rank's tasks in time, advancing each rank as far as its dependencies allow."""
-    p = len(orders)
+) -> list[list[float]]:
+    """Start time of every rank's tasks, advancing each rank as far as its dependencies allow.
+
+    The search prices thousands of configs, so this loop works on plain tuples and dicts.
+    """
+    p = len(prepared)
     rank_of = {spec.layout(s, k, p): s for s in range(p) for k in range(v)}
     last = p * v - 1
-    end: dict[tuple[str, int, int], float] = {}  # (kind, micro-batch, virtual stage) -> end
-
-    def hop(a: int, b: int) -> float:
-        return c if rank_of[a] != rank_of[b] else 0.0
-
-    def ready_time(kind: TaskKind, i: int, j: int) -> float | None:
-        """Earliest start its dependencies allow; None while one is pending."""
-        if kind == "F":
-            deps = [("F", i, j - 1, hop(j - 1, j))] if j > 0 else []
-        elif kind == "B":
-            deps = [("F", i, j, 0.0)] + ([("B", i, j + 1, hop(j + 1, j))] if j < last else [])
-        else:
-            deps = [("B", i, j, 0.0)]
-        ready = 0.0
-        for dep_kind, dep_i, dep_j, latency_s in deps:
-            done = end.get((dep_kind, dep_i, dep_j))
-            if done is None:
-                return None
-            ready = max(ready, done + latency_s)
-        return ready
-
-    placed: list[list[PipelineTask]] = [[] for _ in range(p)]
-    while any(len(placed[s]) < len(orders[s]) for s in range(p)):
+    hop_prev = [c if j > 0 and rank_of[j - 1] != rank_of[j] else 0.0 for j in range(last + 1)]
+    hop_next = [c if j < last and rank_of[j + 1] != rank_of[j] else 0.0 for j in range(last + 1)]
+    end: dict[str, dict[tuple[int, int], float]] = {"F": {}, "B": {}, "W": {}}
+    end_f, end_b = end["F"], end["B"]
+    pos, free = [0] * p, [0.0] * p
+    starts: list[list[float]] = [[] for _ in range(p)]
+    remaining = sum(len(ops) for ops in prepared)
+    while remaining:
         progressed = False
         for s in range(p):
-            while len(placed[s]) < len(orders[s]):
-                kind, i, chunk = orders[s][len(placed[s])]
-                j = spec.layout(s, chunk, p)
-                ready = ready_time(kind, i, j)
-                if ready is None:
-                    break
-                start = max(placed[s][-1].end_s if placed[s] else 0.0, ready)
-                task = PipelineTask(s, i, chunk, kind, start, start + durations[s][kind])
-                placed[s].append(task)
-                end[(kind, i, j)] = task.end_s
+            ops, k, t_free, dur = prepared[s], pos[s], free[s], durations[s]
+            while k < len(ops):
+                kind, i, _chunk, j = ops[k]
+                if kind == "F":
+                    ready = 0.0
+                    if j > 0:
+                        done = end_f.get((i, j - 1))
+                        if done is None:
+                            break
+                        ready = done + hop_prev[j]
+                elif kind == "B":
+                    ready = end_f.get((i, j))
+                    if ready is None:
+                        break
+                    if j < last:
+                        done = end_b.get((i, j + 1))
+                        if done is None:
+                            break
+                        ready = max(ready, done + hop_next[j])
+                else:
+                    ready = end_b.get((i, j))
+                    if ready is None:
+                        break
+                start = t_free if t_free > ready else ready
+                t_free = start + dur[kind]
+                end[kind][(i, j)] = t_free
+                starts[s].append(start)
+                k += 1
+            if k != pos[s]:
                 progressed = True
+                remaining -= k - pos[s]
+                pos[s], free[s] = k, t_free
         if not progressed:
-            stuck = {
-                s: orders[s][len(placed[s])] for s in range(p) if len(placed[s]) < len(orders[s])
-            }
+            stuck = {s: prepared[s][pos[s]][:3] for s in range(p) if pos[s] < len(prepared[s])}
             raise RuntimeError(f"pipeline order deadlocks; next tasks per stage: {stuck}")
-    return placed
+    return starts
+
+
+def _peak_held_times(
+    ops: tuple[tuple[str, int, int, int], ...],
+    starts: list[float],
+    dur: dict[str, float],
+    splits_backward: bool,
+    v: int,
+) -> float:
+    """Max over time of (#F started - #last-backward ended) / v; releases first on ties."""
+    release_kind = "W" if splits_backward else "B"
+    events = [(t, 1, 1) for (kind, *_), t in zip(ops, starts, strict=True) if kind == "F"]
+    events += [
+        (t + dur[kind], 0, -1)
+        for (kind, *_), t in zip(ops, starts, strict=True)
+        if kind == release_kind
+    ]
+    held = peak = 0
+    for _, _, delta in sorted(events):
+        held += delta
+        peak = max(peak, held)
+    return peak / v
 
 
 def _peak_held(tasks: list[PipelineTask], splits_backward: bool, v: int) -> float:
@@ -380,6 +425,7 @@ def simulate_pipeline(
     backward_weight_s: Sequence[float],
     p2p_s: float = 0.0,
     virtual_stages: int | None = None,
+    record_tasks: bool = True,
 ) -> PipelineResult:
     """Simulate one training step of ``schedule`` and time every task (model: module docstring).
 
@@ -394,6 +440,8 @@ def simulate_pipeline(
         p2p_s: latency of one activation or gradient send between ranks.
         virtual_stages: chunks per rank v; None takes the schedule's default (2 for
             interleaved_1f1b and dualpipe_v, else 1).
+        record_tasks: keep every task in the result (for Gantt charts); the search turns it
+            off and reads only the step time and the peaks.
 
     Returns:
         A PipelineResult with the step time, bubble, per-stage busy time and peak in-flight
@@ -420,15 +468,27 @@ def simulate_pipeline(
     }
     spec = _validate(schedule, num_stages, num_microbatches, v, times, p2p_s)
     p, m, v = int(num_stages), int(num_microbatches), int(v)
-    orders = [list(spec.order(s, p, m, v)) for s in range(p)]
+    prepared = _prepared(schedule, p, m, v)
     durations = [  # an unsplit schedule's B is input and weight gradient together
         {"F": f / v, "B": (bi if spec.splits_backward else bi + bw) / v, "W": bw / v}
         for f, bi, bw in zip(forward_s, backward_input_s, backward_weight_s, strict=True)
     ]
-    placed = _simulate(orders, durations, spec, v, p2p_s)
-    busy = tuple(sum(durations[s][kind] for kind, _, _ in orders[s]) for s in range(p))
-    step = max((t.end_s for tasks in placed for t in tasks), default=0.0)
+    starts = _simulate(prepared, durations, spec, v, p2p_s)
+    busy = tuple(sum(durations[s][op[0]] for op in prepared[s]) for s in range(p))
+    step = max(
+        (st[-1] + durations[s][prepared[s][-1][0]] for s, st in enumerate(starts) if st),
+        default=0.0,
+    )
     busiest = max(busy)
+    tasks = (
+        [
+            PipelineTask(s, i, chunk, kind, t, t + durations[s][kind])
+            for s in range(p)
+            for (kind, i, chunk, _j), t in zip(prepared[s], starts[s], strict=True)
+        ]
+        if record_tasks
+        else []
+    )
     return PipelineResult(
         schedule=schedule,
         num_stages=p,
@@ -437,8 +497,9 @@ def simulate_pipeline(
         step_time_s=step,
         bubble_fraction=(step - busiest) / busiest if busiest > 0 else 0.0,
         busy_s=busy,
-        peak_inflight_microbatches=tuple(_peak_held(t, spec.splits_backward, v) for t in placed),
-        tasks=tuple(
-            sorted((t for tasks in placed for t in tasks), key=lambda t: (t.start_s, t.stage))
+        peak_inflight_microbatches=tuple(
+            _peak_held_times(prepared[s], starts[s], durations[s], spec.splits_backward, v)
+            for s in range(p)
         ),
+        tasks=tuple(sorted(tasks, key=lambda t: (t.start_s, t.stage))),
     )

@@ -32,10 +32,10 @@ from autopar.errors import ConfigError
 from autopar.estimate.layer_cost import LayerTime, layer_time
 from autopar.estimate.mesh import MeshGroups
 from autopar.estimate.options import CostOptions
+from autopar.estimate.pipeline_timer import PipelineTimer
 from autopar.estimate.tables import LayerTable, ModelTables
 from cost_models.compute import op_time_s
 from cost_models.memory import PeakMemory, model_state_bytes, peak_memory
-from cost_models.pipeline import simulate_pipeline
 
 # Bytes read + written per parameter by one optimizer step (fp32 master weights, fp32 grads).
 # AdamW mixed precision: read master, m, v, grad (16), write master, m, v (12), bf16 copy (2).
@@ -100,7 +100,7 @@ class Estimator:
         self.options = options or CostOptions()
         self.act_scale = _PRECISION_BYTES[precision] / tables.traced_float_bytes
         self.peak_flops = self.device.peak(precision)
-        self._pipeline_cache: dict[tuple, tuple[float, tuple[float, ...]]] = {}
+        self._pipeline_timer = PipelineTimer()
         self._mesh_cache: dict[tuple, MeshGroups] = {}
 
     # ------------------------------------------------------------------ public
@@ -285,29 +285,9 @@ class Estimator:
         fwd = tuple(s["forward"] for s in per_stage)
         wgrad = tuple(s["weight_grad"] if split else 0.0 for s in per_stage)
         bin_ = tuple(s["backward"] - w for s, w in zip(per_stage, wgrad, strict=True))
-        key = (
-            cfg.schedule,
-            cfg.pp,
-            m,
-            cfg.virtual_stages,
-            _round(fwd),
-            _round(bin_),
-            _round(wgrad),
-            _round((p2p,)),
+        step, inflight = self._pipeline_timer(
+            cfg.schedule, cfg.pp, m, fwd, bin_, wgrad, p2p, cfg.virtual_stages
         )
-        if key not in self._pipeline_cache:
-            result = simulate_pipeline(
-                cfg.schedule,
-                cfg.pp,
-                m,
-                forward_s=fwd,
-                backward_input_s=bin_,
-                backward_weight_s=wgrad,
-                p2p_s=p2p,
-                virtual_stages=cfg.virtual_stages,
-            )
-            self._pipeline_cache[key] = (result.step_time_s, result.peak_inflight_microbatches)
-        step, inflight = self._pipeline_cache[key]
         return step, list(inflight), busiest
 
     def _step_tail(
@@ -406,7 +386,3 @@ class Estimator:
             communication_buffer_bytes=buffers,
             reserve_fraction=self.options.reserve_fraction,
         )
-
-
-def _round(values: tuple[float, ...]) -> tuple[float, ...]:
-    return tuple(float(f"{v:.4g}") for v in values)
