@@ -14,11 +14,17 @@ that of its slowest crossing (`_ring_bandwidth`):
 
     B_ring = min_l  eff_l * bw_l * r_{l-1}
 
-    ring       all-reduce       2(n-1) a_L + 2(n-1)/n * S / B_ring
-               all-gather, RS    (n-1) a_L +  (n-1)/n * S / B_ring
-               broadcast         (n-1) a_L +            S / B_ring     (pipelined chain)
-    tree       all-reduce       2 ceil(log2 n) a_L + 2 S / B_ring     (double binary tree)
-               broadcast         ceil(log2 n) a_L +   S / B_ring
+    ring       all-reduce       2 A_ring + 2(n-1)/n * S / B_ring
+               all-gather, RS      A_ring +  (n-1)/n * S / B_ring
+               broadcast           A_ring +            S / B_ring     (pipelined chain)
+    tree       all-reduce       2 A_tree + 2 S / B_ring     (chains inside domains, a double
+               broadcast          A_tree +   S / B_ring      binary tree across the top level)
+
+A ring's n-1 steps pay the latency of the link each step crosses: with D_l = n / r_l domains
+of level l in the group (D_{-1} = n), (D_{l-1} - D_l) steps stay inside a level-l domain and
+D_{L-1} - 1 cross the top level, so A_ring = sum_l steps_l a_l (NCCL's tuning model counts
+intra- and inter-node steps the same way). A_tree = sum_{l<L} (r_l / r_{l-1} - 1) a_l +
+ceil(log2 D_{L-1}) a_L (`_ring_latency`, `_tree_latency`).
     in-network all-reduce       2 a_L + S / min_l(inr_l * bw_l * r_{l-1})
                (NVLink SHARP / IB SHARP: every rank sends and receives S once; only where every
                level the group uses reduces in the switch)
@@ -206,26 +212,47 @@ def _top_latency(g: HierarchicalGroup) -> float:
     return g.levels[-1].latency_s
 
 
+def _domains(g: HierarchicalGroup) -> list[int]:
+    """D_l: how many level-l domains the group spans, for l = -1 .. L (D_{-1} = n, D_L = 1)."""
+    n = g.size
+    return [n] + [max(1, n // r) for r in g.ranks_per_domain]
+
+
+def _ring_latency(g: HierarchicalGroup) -> float:
+    d = _domains(g)
+    return sum((d[i] - d[i + 1]) * lv.latency_s for i, lv in enumerate(g.levels))
+
+
+def _tree_latency(g: HierarchicalGroup) -> float:
+    below = (1,) + g.ranks_per_domain[:-1]
+    chains = sum(
+        (r // r_below - 1) * lv.latency_s
+        for lv, r, r_below in zip(g.levels[:-1], g.ranks_per_domain[:-1], below[:-1], strict=True)
+    )
+    top_domains = g.size // below[-1]
+    return chains + math.ceil(math.log2(max(top_domains, 1))) * _top_latency(g)
+
+
 def _ring_all_reduce(s: float, g: HierarchicalGroup) -> float:
     n = g.size
-    return 2 * (n - 1) * _top_latency(g) + 2 * (n - 1) / n * s / _ring_bandwidth(g)
+    return 2 * _ring_latency(g) + 2 * (n - 1) / n * s / _ring_bandwidth(g)
 
 
 def _ring_gather(s: float, g: HierarchicalGroup) -> float:
     n = g.size
-    return (n - 1) * _top_latency(g) + (n - 1) / n * s / _ring_bandwidth(g)
+    return _ring_latency(g) + (n - 1) / n * s / _ring_bandwidth(g)
 
 
 def _ring_broadcast(s: float, g: HierarchicalGroup) -> float:
-    return (g.size - 1) * _top_latency(g) + s / _ring_bandwidth(g)
+    return _ring_latency(g) + s / _ring_bandwidth(g)
 
 
 def _tree_all_reduce(s: float, g: HierarchicalGroup) -> float:
-    return 2 * math.ceil(math.log2(g.size)) * _top_latency(g) + 2 * s / _ring_bandwidth(g)
+    return 2 * _tree_latency(g) + 2 * s / _ring_bandwidth(g)
 
 
 def _tree_broadcast(s: float, g: HierarchicalGroup) -> float:
-    return math.ceil(math.log2(g.size)) * _top_latency(g) + s / _ring_bandwidth(g)
+    return _tree_latency(g) + s / _ring_bandwidth(g)
 
 
 def _in_network_all_reduce(s: float, g: HierarchicalGroup) -> float | None:

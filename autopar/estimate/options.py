@@ -17,6 +17,9 @@ class CostOptions:
     overlap_param_gather: bool = False
     # FSDP prefetches the next layer's parameters while the current one computes.
     fsdp_prefetch: bool = True
+    # ZeRO-3 gathers each parameter tensor with its own collective (DeepSpeed 2021) instead of
+    # one flat collective per layer (FSDP units): each call pays the group's latency.
+    fsdp_per_tensor: bool = False
     # DDP's default bucket (torch.nn.parallel.DistributedDataParallel bucket_cap_mb=25).
     ddp_bucket_bytes: float = 25 * 2**20
     # Bytes per gradient element in data-parallel reductions: fp32 main gradients (Megatron's

@@ -252,21 +252,28 @@ class Estimator:
         if cfg.zero_stage < 3 or cfg.fsdp == 1:
             return 0.0, 0.0
         pbytes = _PRECISION_BYTES[self.precision]
-        sizes = [self._params_on_rank(cfg, [t]) * pbytes for t in layers]
-        gathers = [mesh.time("all_gather", s, "fsdp") for s in sizes if s]
-        scatters = [
-            mesh.time("reduce_scatter", s * self.options.grad_bytes / pbytes, "fsdp")
-            for s in sizes
-            if s
-        ]
+        grad_ratio = self.options.grad_bytes / pbytes
+        gathers, scatters = [], []
+        for table in layers:
+            size = self._params_on_rank(cfg, [table]) * pbytes
+            if not size:
+                continue
+            # one collective per layer (FSDP units), or one per parameter tensor (ZeRO-3 as
+            # DeepSpeed ran it in 2021), each paying the group's latency
+            calls = table.num_param_tensors if self.options.fsdp_per_tensor else 1
+            gathers.append(calls * mesh.time("all_gather", size / calls, "fsdp"))
+            scatters.append(calls * mesh.time("reduce_scatter", size * grad_ratio / calls, "fsdp"))
         if not gathers:
             return 0.0, 0.0
+        # backward gathers again; with full recompute the re-run forward gathers once more
+        regather = 2 if cfg.recompute == "full" else 1
         fwd_compute = st["compute_forward"] + st["tp_comm"] / 2
         bwd_compute = st["compute_backward"] + st["recompute"] + st["tp_comm"] / 2
         if not self.options.fsdp_prefetch:
-            return sum(gathers), sum(gathers) + sum(scatters)
+            return sum(gathers), regather * sum(gathers) + sum(scatters)
         fwd = gathers[0] + max(0.0, sum(gathers[1:]) - fwd_compute)
-        bwd = scatters[-1] + max(0.0, sum(gathers) + sum(scatters[:-1]) - bwd_compute)
+        bwd_comm = regather * sum(gathers) + sum(scatters[:-1])
+        bwd = scatters[-1] + max(0.0, bwd_comm - bwd_compute)
         return fwd, bwd
 
     def _pipeline(

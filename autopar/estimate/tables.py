@@ -52,6 +52,7 @@ class LayerTable:
     params_tp: int
     params_rep: int
     params_expert: int
+    num_param_tensors: int
     # activation bytes per policy split by shard class: {policy: {shard: bytes per sample}}
     activations: dict[str, dict[Shard, float]]
     output_bytes: float  # what a pipeline cut after this layer sends, per sample
@@ -249,7 +250,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 def _param_split(layer: LayerInfo, graph: ModelGraph, nodes: dict[str, NodeInfo]) -> dict[str, int]:
     """Parameters owned by the layer, by how they shard: tp (matmul/embedding weights), expert,
     replicated (norms, the router, biases of row-parallel layers are small and counted here)."""
-    tp, rep, expert = 0, 0, 0
+    tp, rep, expert, tensors = 0, 0, 0, 0
     sharded: set[str] = set()
     for name in layer.nodes:
         node = nodes[name]
@@ -262,6 +263,7 @@ def _param_split(layer: LayerInfo, graph: ModelGraph, nodes: dict[str, NodeInfo]
     for p in graph.parameters.values():
         if p.layer != layer.name:
             continue
+        tensors += 1
         if "experts" in p.name.split("."):
             expert += p.numel
         elif router and p.name.startswith(router + "."):
@@ -270,7 +272,12 @@ def _param_split(layer: LayerInfo, graph: ModelGraph, nodes: dict[str, NodeInfo]
             tp += p.numel
         else:
             rep += p.numel
-    return {"params_tp": tp, "params_rep": rep, "params_expert": expert}
+    return {
+        "params_tp": tp,
+        "params_rep": rep,
+        "params_expert": expert,
+        "num_param_tensors": tensors,
+    }
 
 
 def _activation_split(

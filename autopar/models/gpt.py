@@ -42,8 +42,14 @@ class GPTConfig:
     tie_embeddings: bool = True
     layer_norm_eps: float = 1e-5
     init_std: float = 0.02
+    # "flash": F.scaled_dot_product_attention (fused, no s x s tensors kept); "math": scores,
+    # mask, softmax, dropout and the value product as separate ops, keeping the s x s
+    # probabilities as pre-FlashAttention Megatron (2020-2022) did.
+    attention: str = "flash"
 
     def __post_init__(self) -> None:
+        if self.attention not in ("flash", "math"):
+            raise ValueError(f"GPTConfig: attention must be flash or math, got {self.attention!r}")
         if self.hidden % self.num_heads:
             raise ValueError(
                 f"GPTConfig: hidden={self.hidden} is not divisible by num_heads={self.num_heads}"
@@ -51,10 +57,11 @@ class GPTConfig:
 
 
 class GPTAttention(nn.Module):
-    """Causal multi-head attention through `F.scaled_dot_product_attention(is_causal=True)`."""
+    """Causal multi-head attention, fused (`scaled_dot_product_attention`) or step by step."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
+        self.math = config.attention == "math"
         self.num_heads = config.num_heads
         self.head_dim = config.hidden // config.num_heads
         self.dropout = config.dropout
@@ -68,14 +75,27 @@ class GPTAttention(nn.Module):
         qkv_BSN3D = self.qkv(x_BSH).view(b, s, n, 3 * d)
         q_BSND, k_BSND, v_BSND = qkv_BSN3D.split(d, dim=-1)
         dropout_p = self.dropout if self.training else 0.0
-        y_BNSD = F.scaled_dot_product_attention(
-            q_BSND.transpose(1, 2),
-            k_BSND.transpose(1, 2),
-            v_BSND.transpose(1, 2),
-            is_causal=True,
-            dropout_p=dropout_p,
-        )
+        q_BNSD, k_BNSD, v_BNSD = (t.transpose(1, 2) for t in (q_BSND, k_BSND, v_BSND))
+        if self.math:
+            y_BNSD = _math_attention(q_BNSD, k_BNSD, v_BNSD, dropout_p, self.training)
+        else:
+            y_BNSD = F.scaled_dot_product_attention(
+                q_BNSD, k_BNSD, v_BNSD, is_causal=True, dropout_p=dropout_p
+            )
         return self.resid_dropout(self.proj(y_BNSD.transpose(1, 2).reshape(b, s, h)))
+
+
+def _math_attention(
+    q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor, p: float, training: bool
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + causal mask) v with dropout on the probabilities."""
+    s, d = q_BNSD.shape[-2], q_BNSD.shape[-1]
+    scores_BNSS = torch.matmul(q_BNSD, k_BNSD.transpose(-2, -1)) * (d**-0.5)
+    pos_S = torch.arange(s, device=q_BNSD.device)
+    future_SS = pos_S[None, :] > pos_S[:, None]
+    probs_BNSS = torch.softmax(scores_BNSS.masked_fill(future_SS, float("-inf")), dim=-1)
+    probs_BNSS = F.dropout(probs_BNSS, p=p, training=training)
+    return torch.matmul(probs_BNSS, v_BNSD)
 
 
 class GPTMLP(nn.Module):

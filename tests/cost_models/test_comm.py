@@ -125,3 +125,16 @@ def test_bus_bandwidth_follows_nccl_tests():
     est = collective_time("all_gather", 1e9, group)
     assert est.bus_bandwidth_bytes_per_s == pytest.approx(100e9)
     assert math.isclose(est.bus_bandwidth_bytes_per_s, 1e9 / est.time_s * 7 / 8)
+
+
+def test_ring_latency_counts_the_steps_on_each_level():
+    # 16 ranks on 2 nodes of 8: a ring's 15 steps are 14 NVLink hops and 1 network hop
+    # (NCCL's tuning model counts nNodes-1 inter-node steps per pass the same way).
+    nvlink = Level("nvlink", 8, 1e12, 2e-6, 1.0)
+    net = Level("net", 0, 1e12, 10e-6, 1.0)
+    group = HierarchicalGroup((nvlink, net), (8, 16))
+    ring = next(e for e in collective_options("all_gather", 0.0, group) if e.algorithm == "ring")
+    assert ring.time_s == pytest.approx(14 * 2e-6 + 1 * 10e-6)
+    tree = next(e for e in collective_options("all_reduce", 0.0, group) if e.algorithm == "tree")
+    # chains of 8 inside each node, a tree of depth log2(2) = 1 across the nodes, up and down
+    assert tree.time_s == pytest.approx(2 * (7 * 2e-6 + 1 * 10e-6))
