@@ -7,6 +7,7 @@ The public API (DESIGN.md) grows phase by phase; what exists now:
     autopar.load_profile(name_or_path), autopar.shipped_profile_names()
     autopar.trace(model, example_inputs) -> ModelGraph       (imports torch on first use)
     autopar.evaluate(model, cluster, config, example_inputs, *, global_batch_size) -> Plan
+    autopar.parallelize(model, cluster, example_inputs=None, *, global_batch_size=None) -> Plan
     autopar.models.zoo / autopar.models.hf                     (built-in and Hugging Face models)
 
 Importing autopar does not import torch: profiles, clusters and the cost model work without it;
@@ -28,6 +29,9 @@ _LAZY = {
     "ModelGraph": "autopar.tracing",
     "TraceError": "autopar.tracing",
     "evaluate": "autopar.api",
+    "parallelize": "autopar.api",
+    "PlanOptions": "autopar.api",
+    "InfeasibleError": "autopar.solve.search",
     "Plan": "autopar.plan",
     "CostOptions": "autopar.estimate",
 }
@@ -57,6 +61,7 @@ __all__ = [
     "ProfileError",
     "TraceError",
     "evaluate",
+    "parallelize",
     "load_profile",
     "shipped_profile_names",
     "trace",

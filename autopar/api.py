@@ -5,15 +5,159 @@ evaluate = trace -> build_tables -> Estimator.evaluate -> Plan
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.estimate import CostOptions, Estimate, Estimator, build_tables
 from autopar.plan import Plan, StagePlan
+from autopar.solve.search import search
+from autopar.solve.space import SpaceLimits
 from autopar.tracing import ModelGraph, trace
+
+# DESIGN.md: the default global batch is about 4M tokens, a power of two in sequences.
+DEFAULT_BATCH_TOKENS = 4 * 2**20
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How parallelize searches: the cost model's options and the search's own knobs."""
+
+    cost: CostOptions = field(default_factory=CostOptions)
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    max_alternatives: int = 5
+    progress: Callable[[int, int], None] | None = field(default=None, compare=False)
+
+
+def parallelize(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Any = None,
+    *,
+    global_batch_size: int | None = None,
+    precision: str = "bf16",
+    optimizer: str = "adamw",
+    options: PlanOptions | None = None,
+    graph: ModelGraph | None = None,
+) -> Plan:
+    """Find the fastest parallel configuration of ``model`` on ``cluster`` that fits in memory.
+
+    Args:
+        model: the model (parameters may be on the meta device).
+        cluster: from `Cluster.from_profile`.
+        example_inputs: one sample's inputs; inferred (token ids of the model's context length)
+            for Hugging Face causal LMs and the zoo's language models when omitted.
+        global_batch_size: sequences per step; default about 4M tokens (stated in the plan).
+        precision, optimizer: as for `evaluate`.
+        options: PlanOptions (cost-model options, micro-batch sizes, progress callback).
+        graph: a ModelGraph already traced from this model and inputs.
+
+    Returns:
+        The best Plan, with `alternatives` (why each lost) and `report` (the search's figures).
+
+    Raises:
+        InfeasibleError: nothing fits; says how much memory the most frugal config needs and the
+            smallest number of nodes that would hold it.
+    """
+    options = options or PlanOptions()
+    notes: list[str] = []
+    t0 = time.perf_counter()
+    if graph is None:
+        if example_inputs is None:
+            example_inputs = infer_example_inputs(model)
+            notes.append(f"inputs inferred: token ids of shape {tuple(example_inputs[0].shape)}")
+        graph = trace(model, example_inputs)
+    trace_s = time.perf_counter() - t0
+    seq_len = graph.input_shapes[0][-1] if graph.input_shapes else 1
+    if global_batch_size is None:
+        global_batch_size = default_global_batch(seq_len)
+        notes.append(
+            f"global batch not given: {global_batch_size} sequences "
+            f"({global_batch_size * seq_len:,} tokens, about 4M)"
+        )
+    tables = build_tables(graph)
+    estimator = Estimator(
+        tables, cluster, precision=precision, optimizer=optimizer, options=options.cost
+    )
+    limits = SpaceLimits(
+        world_size=cluster.world_size,
+        devices_per_node=cluster.devices_per_node,
+        num_blocks=sum(1 for layer in graph.layers if layer.kind == "block"),
+        num_heads=attention_heads(graph),
+        seq_len=seq_len,
+        num_experts=max((layer.moe.num_experts for layer in graph.layers if layer.moe), default=0),
+        global_batch_size=global_batch_size,
+        micro_batch_sizes=options.micro_batch_sizes,
+    )
+    result = search(
+        estimator, limits, max_alternatives=options.max_alternatives, progress=options.progress
+    )
+    plan = plan_from_estimate(result.best, graph, cluster, precision, optimizer)
+    report = replace(result.report, trace_time_s=trace_s)
+    return replace(
+        plan,
+        alternatives=result.alternatives,
+        notes=tuple(notes),
+        report={"text": report.as_text(), **_report_fields(report)},
+    )
+
+
+def _report_fields(report: Any) -> dict[str, Any]:
+    return {
+        "num_degree_choices": report.num_degree_choices,
+        "num_configs": report.num_configs,
+        "pruned": dict(report.pruned),
+        "num_evaluated": report.num_evaluated,
+        "num_feasible": report.num_feasible,
+        "trace_time_s": report.trace_time_s,
+        "search_time_s": report.search_time_s,
+    }
+
+
+def default_global_batch(seq_len: int) -> int:
+    """The power of two in sequences nearest to 4M tokens."""
+    target = max(1, DEFAULT_BATCH_TOKENS // max(seq_len, 1))
+    power = 1
+    while power * 2 <= target:
+        power *= 2
+    return power
+
+
+def infer_example_inputs(model: nn.Module) -> tuple[torch.Tensor, ...]:
+    """Token ids of the model's context length for HF causal LMs and the zoo's LMs."""
+    config = getattr(model, "config", None)
+    seq = getattr(config, "max_position_embeddings", None) or getattr(config, "seq_len", None)
+    if seq is None:
+        raise ValueError(
+            f"cannot infer example inputs for {type(model).__name__}: pass example_inputs "
+            "(one sample, batch dimension 1)"
+        )
+    device = next(model.parameters()).device
+    return (torch.zeros(1, int(seq), dtype=torch.long, device=device),)
+
+
+def attention_heads(graph: ModelGraph) -> int:
+    """Heads of the first attention in the model (the tp degree must divide them), 0 if none."""
+    for node in graph.nodes.values():
+        if node.op_class == "attention" and node.inputs:
+            q = graph.nodes[node.inputs[0]]
+            if q.shapes and len(q.shapes[0]) == 4:
+                return q.shapes[0][1]
+    for node in graph.nodes.values():  # step-by-step attention: scores are [b, heads, s, s]
+        if (
+            node.op_class == "matmul"
+            and not node.params
+            and node.shapes
+            and len(node.shapes[0]) == 4
+        ):
+            return node.shapes[0][1]
+    return 0
 
 
 def evaluate(

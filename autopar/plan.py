@@ -56,6 +56,7 @@ class Plan:
     stages: tuple[StagePlan, ...]
     alternatives: tuple[dict[str, Any], ...] = ()
     notes: tuple[str, ...] = ()
+    report: dict[str, Any] = field(default_factory=dict)  # the search's figures (parallelize)
     schema_version: int = field(default=SCHEMA_VERSION)
 
     @property
@@ -97,6 +98,9 @@ class Plan:
                 f"  {st.index:<6} {len(st.layers):>6} {st.forward_s:10.4f} {st.backward_s:10.4f} "
                 f"{st.peak_memory_bytes / GiB:11.1f}"
             )
+        if self.alternatives:
+            lines += ["", "  nearest alternatives:"]
+            lines += [f"    {a['config']}: {a['why']}" for a in self.alternatives]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -113,6 +117,8 @@ class Plan:
         ]
         for alt in self.alternatives:
             lines.append(f"Alternative {alt.get('config')}: {alt.get('why', '')}")
+        if self.report:
+            lines.append(f"Search: {self.report.get('text', '')}")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ JSON

@@ -105,7 +105,11 @@ class Estimator:
 
     # ------------------------------------------------------------------ public
 
-    def evaluate(self, cfg: ParallelConfig, global_batch_size: int) -> Estimate:
+    def evaluate(
+        self, cfg: ParallelConfig, global_batch_size: int, *, time_bound_s: float | None = None
+    ) -> Estimate | None:
+        """Price ``cfg``; with ``time_bound_s``, return None as soon as the busiest stage's
+        work alone (a lower bound on the step) exceeds it, before simulating the pipeline."""
         cfg.validate(self.cluster)
         m = self._num_microbatches(cfg, global_batch_size)
         mesh = self._mesh(cfg)
@@ -113,6 +117,10 @@ class Estimator:
         chunks = self._chunks(cfg)
         stage_layers = self._stage_layers(cfg, chunks)
         per_stage = [self._stage_times(cfg, mesh, ls, times) for ls in stage_layers]
+        if time_bound_s is not None:
+            busy = max(m * (s["forward"] + s["backward"]) for s in per_stage)
+            if busy > time_bound_s:
+                return None
         pipe_s, inflight, busiest = self._pipeline(cfg, m, per_stage, mesh)
         tail = [
             self._step_tail(cfg, mesh, ls, st)

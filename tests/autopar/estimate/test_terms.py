@@ -71,6 +71,8 @@ def test_optimizer_and_model_state_memory(stack_tables):
     params = 4 * 1024 * 1024
     # AdamW, mixed precision: 30 bytes per parameter at 1 TB/s (+10 launches, free here)
     assert est.breakdown["optimizer"] == pytest.approx(params * 30 / HBM)
+    # clipping reads the fp32 gradients for the norm and scales them: 12 bytes per parameter
+    assert est.breakdown["grad_clip"] == pytest.approx(params * 12 / HBM)
     memory = est.stages[0].memory
     assert memory.parameters_bytes == 2 * params
     assert memory.gradients_bytes == 2 * params

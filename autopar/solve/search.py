@@ -1,0 +1,276 @@
+"""The outer search: price every config of the space, keep the fastest that fits.
+
+    for degrees in space.degree_choices (pipeline-free first):   (divisibility built in)
+        for config in space.inner_choices(degrees):
+            skip if dominated, or memory lower bound > capacity   (`_Bounds`, no pricing)
+            skip if the busiest stage's work > best step so far   (branch and bound)
+            estimate = Estimator.evaluate(config)                (cached classes, pipelines)
+            feasible if estimate.peak_memory_bytes <= capacity
+    best = min feasible by (step time, config text)               (deterministic ties)
+
+Memory bound: model state and one micro-batch's activations of the average stage; the busiest
+stage holds at least that, so the bound never prunes a config that would fit. Dominated: more
+recompute than a config that already fits (only slower), and tensor parallelism without
+sequence parallelism (the same collective volume, more memory and replicated elementwise
+work). Both claims are checked against exhaustive enumeration in tests/autopar/solve. The
+alternatives are the fastest feasible configs of other degrees and the fastest that did not
+fit, each with why it lost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from autopar.config import ParallelConfig
+from autopar.errors import AutoparError
+from autopar.estimate import Estimate, Estimator
+from autopar.solve.space import SpaceLimits, degree_choices, inner_choices
+from cost_models.memory import model_state_bytes
+
+GiB = 2**30
+
+
+class InfeasibleError(AutoparError, ValueError):
+    """No configuration of the space fits the cluster's memory."""
+
+
+@dataclass(frozen=True)
+class SolverReport:
+    num_degree_choices: int
+    num_configs: int
+    pruned: dict[str, int]
+    num_evaluated: int
+    num_feasible: int
+    search_time_s: float
+    trace_time_s: float = 0.0
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def as_text(self) -> str:
+        pruned = ", ".join(f"{k} {v}" for k, v in sorted(self.pruned.items())) or "none"
+        return (
+            f"searched {self.num_degree_choices} degree choices, {self.num_configs} configs: "
+            f"pruned {pruned}; evaluated {self.num_evaluated}, {self.num_feasible} fit; "
+            f"trace {self.trace_time_s:.2f} s, search {self.search_time_s:.2f} s"
+        )
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    best: Estimate
+    alternatives: tuple[dict[str, object], ...]
+    report: SolverReport
+
+
+def search(
+    estimator: Estimator,
+    limits: SpaceLimits,
+    *,
+    max_alternatives: int = 5,
+    progress: Callable[[int, int], None] | None = None,
+) -> SearchResult:
+    """Price the whole space; raise InfeasibleError when nothing fits."""
+    start = time.perf_counter()
+    capacity = estimator.device.memory_bytes
+    pruned: Counter[str] = Counter()
+    feasible: list[Estimate] = []
+    over: list[Estimate] = []
+    # pipeline-free configs first: no simulation, and a good incumbent for the time bound
+    degrees_list = sorted(degree_choices(limits), key=lambda d: (d[4], d))
+    feasible_best: list[float] = []
+    num_configs = 0
+    bounds = _Bounds(estimator)
+    for index, degrees in enumerate(degrees_list):
+        if progress is not None:
+            progress(index, len(degrees_list))
+        settled: set[tuple] = (
+            set()
+        )  # (config but recompute) that already fit: more recompute is slower
+        for cfg in inner_choices(limits, degrees):
+            num_configs += 1
+            key = _without_recompute(cfg)
+            if cfg.tp > 1 and not cfg.sequence_parallel:
+                # same collective volume as with SP, more memory and replicated elementwise work
+                pruned["dominated (sequence parallel off)"] += 1
+                continue
+            if key in settled:
+                pruned["dominated (more recompute than a config that fits)"] += 1
+                continue
+            if bounds.memory(cfg) > capacity:
+                pruned["memory (lower bound)"] += 1
+                continue
+            best_s = feasible_best[0] if feasible_best else None
+            est = estimator.evaluate(cfg, limits.global_batch_size, time_bound_s=best_s)
+            if est is None:
+                pruned["slower than the best so far (bound)"] += 1
+                continue
+            if est.peak_memory_bytes <= capacity:
+                feasible.append(est)
+                settled.add(key)
+                if not feasible_best or est.step_time_s < feasible_best[0]:
+                    feasible_best[:] = [est.step_time_s]
+            else:
+                over.append(est)
+    if progress is not None:
+        progress(len(degrees_list), len(degrees_list))
+    report = SolverReport(
+        num_degree_choices=len(degrees_list),
+        num_configs=num_configs,
+        pruned=dict(pruned),
+        num_evaluated=len(feasible) + len(over),
+        num_feasible=len(feasible),
+        search_time_s=time.perf_counter() - start,
+    )
+    if not feasible:
+        raise InfeasibleError(_infeasible_message(estimator, over, capacity, limits))
+    ranked = sorted(feasible, key=_rank)
+    best = ranked[0]
+    return SearchResult(best, _alternatives(best, ranked, over, capacity, max_alternatives), report)
+
+
+def _without_recompute(cfg: ParallelConfig) -> tuple:
+    return (*_degrees(cfg), cfg.zero_stage, cfg.micro_batch_size, cfg.schedule,
+            cfg.virtual_stages, cfg.sequence_parallel)  # fmt: skip
+
+
+class _Bounds:
+    """Cheap lower bounds on a config's peak memory: model state and one micro-batch's
+    activations of the average stage (the busiest stage holds at least that)."""
+
+    def __init__(self, estimator: Estimator) -> None:
+        self.estimator = estimator
+        self._activations: dict[tuple, float] = {}
+
+    def memory(self, cfg: ParallelConfig) -> float:
+        key = (cfg.recompute, cfg.tp, cfg.cp, cfg.sequence_parallel)
+        if key not in self._activations:
+            t, c = cfg.tp, cfg.cp
+            div = {"tp": t * c, "rep": c * (t if cfg.sequence_parallel else 1), "expert": t * c}
+            self._activations[key] = self.estimator.act_scale * sum(
+                v / div[k]
+                for table in self.estimator.tables.layers
+                for k, v in table.activations.get(cfg.recompute, {}).items()
+            )
+        activations = self._activations[key] * cfg.micro_batch_size / cfg.pp
+        return _state_lower_bound(self.estimator, cfg) + activations
+
+
+def _rank(est: Estimate) -> tuple[float, str]:
+    return (round(est.step_time_s, 12), est.config.as_text())
+
+
+def _state_lower_bound(estimator: Estimator, cfg: ParallelConfig) -> float:
+    tables = estimator.tables.layers
+    expert_div = max(cfg.ep, cfg.tp)
+    params = sum(t.params_tp / cfg.tp + t.params_rep + t.params_expert / expert_div for t in tables)
+    state = model_state_bytes(
+        params / cfg.pp,
+        precision=estimator.precision,  # type: ignore[arg-type]
+        optimizer=estimator.optimizer,  # type: ignore[arg-type]
+        zero_stage=cfg.zero_stage,
+        shard_degree=cfg.fsdp,
+    )
+    return state.total_bytes
+
+
+def _degrees(cfg: ParallelConfig) -> tuple[int, ...]:
+    return (cfg.dp, cfg.fsdp, cfg.cp, cfg.tp, cfg.pp, cfg.ep)
+
+
+def _alternatives(
+    best: Estimate,
+    ranked: list[Estimate],
+    over: list[Estimate],
+    capacity: float,
+    limit: int,
+) -> tuple[dict[str, object], ...]:
+    out: list[dict[str, object]] = []
+    seen = {_degrees(best.config)}
+    for est in ranked[1:]:
+        if _degrees(est.config) in seen:
+            continue
+        seen.add(_degrees(est.config))
+        slower = est.step_time_s / best.step_time_s - 1
+        out.append(_alt(est, f"slower by {slower:.1%}"))
+        if len(out) >= limit:
+            break
+    for est in sorted(over, key=_rank)[:2]:
+        if est.step_time_s < best.step_time_s:
+            excess = (est.peak_memory_bytes - capacity) / GiB
+            out.append(_alt(est, f"faster but over memory by {excess:.1f} GiB"))
+    return tuple(out)
+
+
+def _alt(est: Estimate, why: str) -> dict[str, object]:
+    return {
+        "config": est.config.as_text(),
+        "step_time_s": est.step_time_s,
+        "peak_memory_bytes": est.peak_memory_bytes,
+        "why": why,
+    }
+
+
+def _infeasible_message(
+    estimator: Estimator, over: list[Estimate], capacity: float, limits: SpaceLimits
+) -> str:
+    cluster = estimator.cluster
+    if over:
+        frugal = min(over, key=lambda e: e.peak_memory_bytes)
+        where = (
+            f"the most frugal config ({frugal.config.as_text()}) needs "
+            f"{frugal.peak_memory_bytes / GiB:.1f} GiB per device"
+        )
+    else:
+        bound = min(
+            _state_lower_bound(estimator, cfg)
+            for degrees in degree_choices(limits)
+            for cfg in inner_choices(limits, degrees)
+        )
+        where = f"even the model state alone needs at least {bound / GiB:.1f} GiB per device"
+    nodes = _smallest_cluster(estimator, limits)
+    hold = (
+        f"the smallest cluster of {cluster.profile.name} that holds it has {nodes} nodes"
+        if nodes
+        else f"no cluster of up to {_MAX_NODES} nodes of {cluster.profile.name} holds it"
+    )
+    return (
+        f"the model fits nowhere on {cluster.profile.name} x {cluster.num_nodes} nodes "
+        f"({capacity / GiB:.1f} GiB per device): {where}; {hold}"
+    )
+
+
+_MAX_NODES = 8192
+
+
+def _smallest_cluster(estimator: Estimator, limits: SpaceLimits) -> int | None:
+    """Double the nodes until the most frugal config (tensor parallel across the node, ZeRO-3
+    over the rest, full recompute, one sample per micro-batch) fits; None past _MAX_NODES."""
+    from autopar.cluster import Cluster
+
+    profile = estimator.cluster.profile
+    per_node = estimator.cluster.devices_per_node
+    tp = max(d for d in range(1, per_node + 1) if per_node % d == 0 and limits.num_heads % d == 0)
+    nodes = estimator.cluster.num_nodes
+    while nodes <= _MAX_NODES:
+        cluster = Cluster(profile, nodes, per_node)
+        fsdp = cluster.world_size // tp
+        cfg = ParallelConfig(
+            fsdp=fsdp,
+            tp=tp,
+            zero_stage=3 if fsdp > 1 else 0,
+            recompute="full",
+            sequence_parallel=tp > 1,
+        )
+        trial = Estimator(
+            estimator.tables,
+            cluster,
+            precision=estimator.precision,
+            optimizer=estimator.optimizer,
+            options=estimator.options,
+        )
+        if trial.evaluate(cfg, fsdp).peak_memory_bytes <= profile.device.memory_bytes:
+            return nodes
+        nodes *= 2
+    return None

@@ -1,0 +1,110 @@
+"""The search space: every ParallelConfig worth pricing for a model on a cluster.
+
+Degrees: tp divides the devices of a node (tensor parallelism stays inside the fast domain) and
+the attention heads; pp divides the world and is at most the number of repeated layers; cp
+divides the world and splits the sequence into 2*cp load-balanced chunks; the remaining data-
+parallel ranks split into dp x fsdp (fsdp > 1 with ZeRO 1, 2 or 3; both > 1 is HSDP); ep divides
+the non-pipeline ranks and the number of experts. Per degree choice: sequence parallelism on or
+off with tp, micro-batch size, schedule (and virtual stages) with pp, recompute policy.
+Divisibility is checked here, so every config that comes out is one the runtime can run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from autopar.config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class SpaceLimits:
+    """Facts about the model and cluster that bound the space."""
+
+    world_size: int
+    devices_per_node: int
+    num_blocks: int
+    num_heads: int
+    seq_len: int
+    num_experts: int  # 0 when the model has no MoE layer
+    global_batch_size: int
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    max_cp: int = 16
+    min_seq_for_cp: int = 16384  # context parallelism only pays for long sequences
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def degree_choices(lim: SpaceLimits) -> Iterator[tuple[int, int, int, int, int, int]]:
+    """(dp, fsdp, cp, tp, pp, ep) tuples that divide everything they must."""
+    world = lim.world_size
+    for tp in divisors(lim.devices_per_node):
+        if world % tp or (lim.num_heads and lim.num_heads % tp):
+            continue
+        for pp in divisors(world // tp):
+            if pp > max(1, lim.num_blocks):
+                continue
+            for cp in divisors(world // (tp * pp)):
+                if cp > 1 and (
+                    cp > lim.max_cp or lim.seq_len < lim.min_seq_for_cp or lim.seq_len % (2 * cp)
+                ):
+                    continue
+                data = world // (tp * pp * cp)
+                for fsdp in divisors(data):
+                    dp = data // fsdp
+                    for ep in _expert_degrees(lim, dp * fsdp * cp * tp):
+                        yield dp, fsdp, cp, tp, pp, ep
+
+
+def _expert_degrees(lim: SpaceLimits, non_pipeline: int) -> list[int]:
+    if not lim.num_experts:
+        return [1]
+    return [e for e in divisors(non_pipeline) if lim.num_experts % e == 0]
+
+
+def inner_choices(
+    lim: SpaceLimits, degrees: tuple[int, int, int, int, int, int]
+) -> Iterator[ParallelConfig]:
+    """Every config with these degrees whose batch and schedule constraints hold."""
+    dp, fsdp, cp, tp, pp, ep = degrees
+    zeros = (0,) if fsdp == 1 else (1, 2, 3)
+    sps = (False,) if tp == 1 else (True, False)
+    for mbs in lim.micro_batch_sizes:
+        per_step = mbs * dp * fsdp
+        if lim.global_batch_size % per_step:
+            continue
+        m = lim.global_batch_size // per_step
+        for schedule, v in _schedules(pp, m, lim.num_blocks):
+            for zero in zeros:
+                for sp in sps:
+                    for recompute in ("none", "selective", "full"):
+                        yield ParallelConfig(
+                            dp=dp,
+                            fsdp=fsdp,
+                            tp=tp,
+                            pp=pp,
+                            cp=cp,
+                            ep=ep,
+                            zero_stage=zero,
+                            micro_batch_size=mbs,
+                            schedule=schedule,  # type: ignore[arg-type]
+                            virtual_stages=v,
+                            recompute=recompute,  # type: ignore[arg-type]
+                            sequence_parallel=sp,
+                        )
+
+
+def _schedules(pp: int, m: int, num_blocks: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("gpipe", 1), ("zero_bubble", 1)]
+    if m >= pp:  # torch's Schedule1F1B needs as many micro-batches as stages
+        out.append(("1f1b", 1))
+    for v in (2, 4):
+        if m % pp == 0 and num_blocks >= pp * v:
+            out.append(("interleaved_1f1b", v))
+    if m >= 2 * pp and num_blocks >= 2 * pp:
+        out.append(("dualpipe_v", 2))
+    return out

@@ -1,0 +1,134 @@
+"""parallelize(): the search against exhaustive enumeration, rediscovery of known plans, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar import Cluster, InfeasibleError
+from autopar.api import attention_heads
+from autopar.estimate import Estimator, build_tables
+from autopar.models import zoo
+from autopar.solve.space import SpaceLimits, degree_choices, inner_choices
+
+
+def _traced(name: str, **overrides):
+    model = zoo.build(name, device="meta", **overrides)
+    graph = autopar.trace(model, zoo.example_inputs(name, model))
+    return model, graph
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return _traced("gpt-tiny", num_layers=4)
+
+
+@pytest.mark.parametrize("profile", ["dgx_h100", "dgx_a100_40g"])
+def test_search_equals_exhaustive_enumeration(gpt, profile):
+    model, graph = gpt
+    cluster = Cluster.from_profile(profile, num_devices=8)
+    plan = autopar.parallelize(model, cluster, global_batch_size=32, graph=graph)
+    estimator = Estimator(build_tables(graph), cluster)
+    limits = SpaceLimits(
+        world_size=8,
+        devices_per_node=8,
+        num_blocks=4,
+        num_heads=attention_heads(graph),
+        seq_len=graph.input_shapes[0][-1],
+        num_experts=0,
+        global_batch_size=32,
+    )
+    best = None
+    count = 0
+    for degrees in degree_choices(limits):
+        for cfg in inner_choices(limits, degrees):  # every config, nothing pruned
+            est = estimator.evaluate(cfg, 32)
+            count += 1
+            if est.peak_memory_bytes <= cluster.profile.device.memory_bytes and (
+                best is None or est.step_time_s < best.step_time_s
+            ):
+                best = est
+    assert count > 500
+    assert plan.step_time_s == pytest.approx(best.step_time_s, rel=1e-12)
+    assert plan.report["num_configs"] == count
+
+
+def test_model_that_fits_gets_plain_data_parallelism(gpt):
+    model, graph = gpt
+    plan = autopar.parallelize(
+        model, Cluster.from_profile("dgx_h100"), global_batch_size=64, graph=graph
+    )
+    cfg = plan.config
+    assert (cfg.dp, cfg.tp, cfg.pp, cfg.cp) == (8, 1, 1, 1) and cfg.zero_stage == 0
+    assert plan.alternatives and all("why" in a for a in plan.alternatives)
+
+
+def test_tight_memory_gets_sharded_data_parallelism():
+    # 1.3B parameters on 8 A100 40GB: replicated AdamW state (16 B/param = 21 GB) plus
+    # activations does not fit; sharding the state over the data-parallel ranks does.
+    model, graph = _traced("gpt-1.3b", num_layers=24, seq_len=2048)
+    cluster = Cluster.from_profile("dgx_a100_40g")
+    plan = autopar.parallelize(model, cluster, global_batch_size=64, graph=graph)
+    cfg = plan.config
+    assert cfg.zero_stage > 0 or cfg.tp > 1 or cfg.pp > 1
+    assert plan.peak_memory_bytes <= cluster.profile.device.memory_bytes
+
+
+def test_infeasible_model_names_the_memory_and_the_cluster_that_would_hold_it():
+    model, graph = _traced("llama-7b", num_layers=32)
+    cluster = Cluster.from_profile("local_cpu", num_devices=2)
+    with pytest.raises(InfeasibleError) as err:
+        autopar.parallelize(model, cluster, global_batch_size=2, graph=graph)
+    message = str(err.value)
+    assert "fits nowhere on local_cpu" in message
+    assert "GiB per device" in message
+    assert "nodes" in message
+
+
+def test_plans_are_deterministic(gpt):
+    model, graph = gpt
+    cluster = Cluster.from_profile("dgx_h100")
+    a = autopar.parallelize(model, cluster, global_batch_size=32, graph=graph)
+    b = autopar.parallelize(model, cluster, global_batch_size=32, graph=graph)
+    drop = {"trace_time_s", "search_time_s", "text"}
+    strip = lambda p: {k: v for k, v in p.report.items() if k not in drop}  # noqa: E731
+    assert a.config == b.config and a.step_time_s == b.step_time_s
+    assert strip(a) == strip(b)
+
+
+@pytest.mark.slow
+def test_mixture_of_experts_gets_expert_parallelism():
+    # 64 experts, top-2, 13B parameters on 16 H100: fully sharding the experts would gather
+    # all 64 experts' weights every micro-batch while each token uses two of them; splitting
+    # the experts over ranks moves only the tokens.
+    model, graph = _traced(
+        "moe-tiny", num_experts=64, top_k=2, hidden=4096, num_heads=16, num_kv_heads=4,
+        ffn_hidden=16384, expert_ffn_hidden=8192, num_layers=2, seq_len=4096,
+    )  # fmt: skip
+    plan = autopar.parallelize(
+        model, Cluster.from_profile("dgx_h100", num_nodes=2), global_batch_size=256, graph=graph
+    )
+    assert plan.config.ep > 1
+
+
+@pytest.mark.slow
+def test_very_long_sequences_get_context_parallelism():
+    model, graph = _traced("llama-8b", num_layers=2, seq_len=131072)
+    plan = autopar.parallelize(
+        model, Cluster.from_profile("dgx_h100"), global_batch_size=8, graph=graph
+    )
+    assert plan.config.cp > 1
+
+
+def test_deep_model_on_a_slow_network_gets_pipeline_parallelism(tmp_path):
+    # round.toml with a 0.1 GB/s network between nodes: gradients cannot cross it every step,
+    # one micro-batch's activations can.
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "estimate" / "round.toml").read_text()
+    slow = tmp_path / "slow.toml"
+    slow.write_text(text.replace("bandwidth_bytes_per_s = 10e9", "bandwidth_bytes_per_s = 0.1e9"))
+    model, graph = _traced("gpt-tiny", num_layers=16, hidden=512, num_heads=8, seq_len=256)
+    cluster = Cluster.from_profile(slow, num_nodes=2)
+    plan = autopar.parallelize(model, cluster, global_batch_size=64, graph=graph)
+    assert plan.config.pp > 1
