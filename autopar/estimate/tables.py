@@ -78,7 +78,8 @@ def build_tables(graph: ModelGraph) -> ModelTables:
     seq_len = graph.input_shapes[0][-1] if graph.input_shapes else 1
     hidden = _hidden_size(graph)
     float_bytes = _traced_float_bytes(graph)
-    layers = tuple(_layer_table(layer, nodes, graph) for layer in graph.layers)
+    derived = _weight_copies(graph)
+    layers = tuple(_layer_table(layer, nodes, graph, derived) for layer in graph.layers)
     return ModelTables(
         layers=layers,
         seq_len=int(seq_len),
@@ -120,7 +121,33 @@ def _is_expert(node: NodeInfo) -> bool:
     return "experts" in node.module_path.split(".")
 
 
-def _layer_table(layer: LayerInfo, nodes: dict[str, NodeInfo], graph: ModelGraph) -> LayerTable:
+def _weight_copies(graph: ModelGraph) -> set[str]:
+    """Values computed from parameters alone, with a parameter gathered per token on the way
+    (transformers' export-friendly batched_mm experts index an [E, f, h] weight by each token's
+    expert). Real MoE kernels (grouped GEMM) read each expert's weights once and store no
+    per-token copy, so these values are neither activations nor memory traffic here."""
+    copies: set[str] = set()
+    weights: set[str] = set()
+    for node in graph.nodes.values():
+        if node.kind == "parameter":
+            weights.add(node.name)
+        elif node.kind == "call" and node.inputs:
+            floats = [i for i in node.inputs if _is_float(graph.nodes[i])]
+            if floats and all(i in weights for i in floats):
+                weights.add(node.name)
+                gathered = node.op.startswith("aten.index") or any(i in copies for i in floats)
+                if gathered:
+                    copies.add(node.name)
+    return copies
+
+
+def _is_float(node: NodeInfo) -> bool:
+    return any(d.startswith(("float", "bfloat")) for d in node.dtypes)
+
+
+def _layer_table(
+    layer: LayerInfo, nodes: dict[str, NodeInfo], graph: ModelGraph, derived: set[str]
+) -> LayerTable:
     inside = set(layer.nodes)
     router = layer.moe.router if layer.moe else None
     shard: dict[str, Shard] = {}
@@ -128,9 +155,10 @@ def _layer_table(layer: LayerInfo, nodes: dict[str, NodeInfo], graph: ModelGraph
     memory: dict[Shard, list[float]] = {}
     for name in layer.nodes:
         node = nodes[name]
-        if node.kind != "call":
+        if node.kind != "call" or name in derived:
             continue
         acts = [i for i in node.inputs if nodes[i].kind not in ("parameter", "buffer", "constant")]
+        acts = [i for i in acts if i not in derived]
         classes = [shard.get(i, "rep") if i in inside else "rep" for i in acts]
         out = _propagate(node, classes, router)
         shard[name] = out
@@ -161,14 +189,17 @@ def _layer_table(layer: LayerInfo, nodes: dict[str, NodeInfo], graph: ModelGraph
                     )
                 )
             else:
+                # a matmul on gathered expert weights is the experts' weight matmul
+                copies = [i for i in node.inputs if i in derived]
+                gathered = sum(_value_bytes(nodes[i]) for i in copies)
                 matmuls.append(
                     MatmulOp(
                         node.flops,
                         node.backward_flops,
+                        min(node.flops, node.backward_flops) if copies else 0.0,
+                        max(0.0, node.bytes_read + node.bytes_written - gathered),
                         0.0,
-                        node.bytes_read + node.bytes_written,
-                        0.0,
-                        out,
+                        "expert" if copies else out,
                     )
                 )
         elif node.op == "aten.embedding.default" and node.params:
@@ -190,7 +221,7 @@ def _layer_table(layer: LayerInfo, nodes: dict[str, NodeInfo], graph: ModelGraph
         memory_ops=tuple((k, v[0], int(v[1])) for k, v in memory.items()),
         tp_allreduce_bytes=tuple(allreduce),
         **_param_split(layer, graph, nodes),
-        activations=_activation_split(layer, nodes, shard),
+        activations=_activation_split(layer, nodes, shard, derived),
         output_bytes=float(layer.output_bytes),
         moe_num_experts=layer.moe.num_experts if layer.moe else 0,
         moe_top_k=layer.moe.top_k if layer.moe else 0,
@@ -281,12 +312,14 @@ def _param_split(layer: LayerInfo, graph: ModelGraph, nodes: dict[str, NodeInfo]
 
 
 def _activation_split(
-    layer: LayerInfo, nodes: dict[str, NodeInfo], shard: dict[str, Shard]
+    layer: LayerInfo, nodes: dict[str, NodeInfo], shard: dict[str, Shard], derived: set[str]
 ) -> dict[str, dict[Shard, float]]:
     out: dict[str, dict[Shard, float]] = {}
     for policy, values in layer.saved_values.items():
         split: dict[Shard, float] = {"tp": 0.0, "rep": 0.0, "expert": 0.0}
         for v in values:
+            if v in derived:
+                continue
             split[shard.get(v, "rep")] += _value_bytes(nodes[v])
         split["tp"] += layer.saved_internal_bytes.get(policy, 0.0)  # attention statistics
         out[policy] = split

@@ -102,7 +102,7 @@ def _schedules(pp: int, m: int, num_blocks: int) -> list[tuple[str, int]]:
     out = [("gpipe", 1), ("zero_bubble", 1)]
     if m >= pp:  # torch's Schedule1F1B needs as many micro-batches as stages
         out.append(("1f1b", 1))
-    for v in (2, 4):
+    for v in (2, 3, 4):
         if m % pp == 0 and num_blocks >= pp * v:
             out.append(("interleaved_1f1b", v))
     if m >= 2 * pp and num_blocks >= 2 * pp:
