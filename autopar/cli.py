@@ -21,11 +21,14 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = verbs.add_parser(
         "demo",
-        help="price a Llama 3 8B training step's parts on a shipped cluster",
-        epilog="example: autopar demo --profile dgx_h100 --num-nodes 2",
+        help="trace a Hugging Face model on meta and plan it on a shipped cluster",
+        epilog="example: autopar demo --model llama3-8b --profile dgx_h100 --num-nodes 2",
     )
+    demo.add_argument("--model", default="llama3-8b", help="autopar.models.hf preset")
     demo.add_argument("--profile", default="dgx_h100", help="shipped profile or .toml path")
     demo.add_argument("--num-nodes", type=int, default=2)
+    demo.add_argument("--seq-len", type=int, default=8192)
+    demo.add_argument("--out", default="out", help="directory for plan.json")
 
     verbs.add_parser(
         "list-profiles",
@@ -60,7 +63,7 @@ def _run(args: argparse.Namespace) -> str:
     if args.verb == "demo":
         from autopar.demo import run_demo
 
-        return run_demo(args.profile, args.num_nodes)
+        return run_demo(args.model, args.profile, args.num_nodes, args.seq_len, args.out)
     if args.verb == "list-profiles":
         from autopar.hardware import load_profile, shipped_profile_names
 
