@@ -60,7 +60,7 @@ from torch.distributed.tensor._op_schema import (
 )
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.fx import Node
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten
 
 from autopar.solve.intra.rules import RULES, RuleContext
 from autopar.tracing.graph import NodeInfo
@@ -135,7 +135,7 @@ def _usable(
     for p in strategy.inputs:
         if isinstance(p, _StridedShard) or (isinstance(p, Partial) and p.reduce_op != "sum"):
             return False
-    for p, m in zip(strategy.inputs + strategy.outputs, in_metas + list(out_metas)):
+    for p, m in zip(strategy.inputs + strategy.outputs, in_metas + list(out_metas), strict=False):
         if isinstance(p, _StridedShard):
             return False
         if isinstance(p, Shard) and (p.dim >= len(m.shape) or m.shape[p.dim] % t):
@@ -220,7 +220,7 @@ def _pairs(result: Any, num_inputs: int) -> list[tuple[tuple, tuple]]:
         # Ops returning a list (split): one child per output, all reading the same input.
         children = [c for c in result.children if isinstance(c, OpStrategy)]
         combos = []
-        for specs in zip(*(c.strategies for c in children)):
+        for specs in zip(*(c.strategies for c in children), strict=False):
             combos.append(
                 (
                     tuple(s.output_spec.placements[0] for s in specs),
@@ -237,32 +237,51 @@ def _pairs(result: Any, num_inputs: int) -> list[tuple[tuple, tuple]]:
     return pairs
 
 
-def _compute(
-    info: NodeInfo,
-    outputs: tuple,
-    inputs: tuple,
-    in_metas: list[TensorMeta],
-    out_metas: tuple[TensorMeta, ...],
-    t: int,
-    device: DeviceSpec,
-) -> tuple[float, float]:
+def splits_work(placements: tuple[Placement, ...]) -> bool:
+    """True when each rank does 1/t of the op (some tensor of the strategy is Shard)."""
+    return any(isinstance(p, Shard) for p in placements)
+
+
+@dataclass(frozen=True)
+class _Context:
+    t: int
+    device: DeviceSpec
+    in_metas: list[TensorMeta]
+    out_metas: tuple[TensorMeta, ...]
+    param_inputs: frozenset[int]
+    batch_scale: int
+
+
+def _compute(info: NodeInfo, outputs: tuple, inputs: tuple, ctx: _Context) -> tuple[float, float]:
     if info.op_class == "view":
         return 0.0, 0.0
-    div = t if any(isinstance(p, Shard) for p in outputs + inputs) else 1
-    moved = sum(local_bytes(m, p, t) for m, p in zip(in_metas, inputs))
-    moved += sum(local_bytes(m, p, t) for m, p in zip(out_metas, outputs))
-    op_class = info.op_class if info.op_class != "other" else "elementwise"
-    dtype = _DTYPE_NAMES.get(out_metas[0].dtype, "fp32") if out_metas else "fp32"
-    fwd = op_time_s(device, op_class, info.flops / div, moved, dtype)
-    bwd = (
-        op_time_s(device, op_class, info.backward_flops / div, 2 * moved, dtype)
-        if info.requires_grad
-        else 0.0
+    t = ctx.t
+    div = t if splits_work(outputs + inputs) else 1
+    moved = 0.0
+    for i, (m, p) in enumerate(zip(ctx.in_metas, inputs, strict=False)):
+        scale = 1 if i in ctx.param_inputs else ctx.batch_scale
+        moved += scale * local_bytes(m, p, t)
+    moved += sum(
+        ctx.batch_scale * local_bytes(m, p, t) for m, p in zip(ctx.out_metas, outputs, strict=False)
     )
-    return fwd, bwd
+    op_class = info.op_class if info.op_class != "other" else "elementwise"
+    dtype = _DTYPE_NAMES.get(ctx.out_metas[0].dtype, "fp32") if ctx.out_metas else "fp32"
+    fwd = op_time_s(ctx.device, op_class, ctx.batch_scale * info.flops / div, moved, dtype)
+    if not info.requires_grad:
+        return fwd, 0.0
+    bwd_flops = ctx.batch_scale * info.backward_flops / div
+    return fwd, op_time_s(ctx.device, op_class, bwd_flops, 2 * moved, dtype)
 
 
-def node_strategies(node: Node, info: NodeInfo, t: int, device: DeviceSpec) -> NodeStrategies:
+def node_strategies(
+    node: Node,
+    info: NodeInfo,
+    t: int,
+    device: DeviceSpec,
+    *,
+    param_inputs: frozenset[int] = frozenset(),
+    batch_scale: int = 1,
+) -> NodeStrategies:
     """Every usable strategy of `node` on t ranks, deduplicated, replicated first.
 
     Args:
@@ -270,6 +289,8 @@ def node_strategies(node: Node, info: NodeInfo, t: int, device: DeviceSpec) -> N
         info: the tracer's record of it (FLOPs, op class).
         t: tensor-parallel degree (ranks of the sub-mesh).
         device: what the compute times are priced on.
+        param_inputs: indices of the tensor inputs that are parameters (not batch-scaled).
+        batch_scale: samples per micro-batch (FLOPs and activation bytes scale with it).
 
     Returns:
         NodeStrategies; never empty ("replicate everything" is always there).
@@ -292,20 +313,15 @@ def node_strategies(node: Node, info: NodeInfo, t: int, device: DeviceSpec) -> N
         tuple(Replicate() for _ in out_metas),
         tuple(Replicate() for _ in in_metas),
     )
+    ctx = _Context(t, device, in_metas, out_metas, param_inputs, batch_scale)
     seen: dict[tuple[tuple, tuple], Strategy] = {}
     for outputs, inputs in [replicated, *pairs]:
         if len(outputs) != len(out_metas) or len(inputs) != len(in_metas):
             continue
         if (outputs, inputs) in seen:
             continue
-        fwd, bwd = _compute(info, outputs, inputs, in_metas, out_metas, t, device)
-        s = Strategy(
-            outputs,
-            inputs,
-            fwd,
-            bwd,
-            source if (outputs, inputs) != replicated else ("replicated" if not pairs else source),
-        )
+        fwd, bwd = _compute(info, outputs, inputs, ctx)
+        s = Strategy(outputs, inputs, fwd, bwd, source)
         if _usable(s, in_metas, out_metas, t):
             seen[(outputs, inputs)] = s
     return NodeStrategies(node.name, tuple(a.name for a in ins), out_metas, tuple(seen.values()))
@@ -318,7 +334,3 @@ def describe(p: Placement) -> str:
     if isinstance(p, Partial):
         return f"P({p.reduce_op})"
     return "R"
-
-
-def flat_tensor_args(node: Node) -> list[Any]:
-    return tree_map_only(Node, lambda n: n.name, list(node.args))
