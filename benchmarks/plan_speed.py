@@ -52,7 +52,8 @@ def main(cases: list[str]) -> None:
         name, nodes, seq, target = CASES[case]
         verdict = "met" if r["wall_s"] <= target else "NOT met"
         print(
-            f"{name} on {nodes * 8} H100, seq {seq}: {r['wall_s']:.1f} s (target {target:.0f} s, {verdict})"
+            f"{name} on {nodes * 8} H100, seq {seq}: {r['wall_s']:.1f} s "
+            f"(target {target:.0f} s, {verdict})"
         )
         print(f"    plan {r['config']}: step {r['step_time_s']:.2f} s, MFU {r['mfu']:.1%}")
         print(f"    {r['report']}")

@@ -33,7 +33,8 @@ def main() -> None:
     graphs: dict[tuple, object] = {}
     ratios = []
     print(
-        f"{'id':<30} {'published config':<44} {'pub s':>8} {'planned config':<62} {'plan s':>8} {'ratio':>6} {'wall s':>6}"
+        f"{'id':<30} {'published config':<44} {'pub s':>8} {'planned config':<62} "
+        f"{'plan s':>8} {'ratio':>6} {'wall s':>6}"
     )
     for run in runs:
         key = tuple(sorted(run.dims.gpt_overrides().items()))
