@@ -100,12 +100,54 @@ def parallelize(
     )
     plan = plan_from_estimate(result.best, graph, cluster, precision, optimizer)
     report = replace(result.report, trace_time_s=trace_s)
+    placements, ilp = _intra_layer_placements(graph, cluster, result.best.config)
     return replace(
         plan,
         alternatives=result.alternatives,
         notes=tuple(notes),
-        report={"text": report.as_text(), **_report_fields(report)},
+        report={"text": report.as_text(), **_report_fields(report), "ilp": ilp},
+        placements=placements,
     )
+
+
+def _intra_layer_placements(
+    graph: ModelGraph, cluster: Cluster, config: Any
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Per repeated-layer class, the ILP's placements at the chosen tensor-parallel degree."""
+    if config.tp == 1:
+        return {}, []
+    from autopar.solve.intra import IntraLayerCache, solve_layer
+
+    cache = IntraLayerCache()
+    placements: dict[str, Any] = {}
+    stats: list[dict[str, Any]] = []
+    for cls in graph.classes:
+        if graph.layer(cls.representative).kind != "block":
+            continue
+        sol = solve_layer(
+            graph,
+            cls.representative,
+            cluster,
+            config.tp,
+            sequence_parallel=config.sequence_parallel,
+            cache=cache,
+        )
+        placements[cls.id] = {
+            "layer": sol.layer,
+            "parameters": dict(sol.parameter_placements),
+            "nodes": {k: ",".join(v) for k, v in sol.placements.items()},
+            "collectives": [str(c) for c in sol.collectives],
+        }
+        stats.append(
+            {
+                "class": cls.id,
+                "status": sol.status,
+                "variables": sol.num_variables,
+                "constraints": sol.num_constraints,
+                "solve_time_s": sol.solve_time_s,
+            }
+        )
+    return placements, stats
 
 
 def _report_fields(report: Any) -> dict[str, Any]:

@@ -57,6 +57,8 @@ class Plan:
     alternatives: tuple[dict[str, Any], ...] = ()
     notes: tuple[str, ...] = ()
     report: dict[str, Any] = field(default_factory=dict)  # the search's figures (parallelize)
+    # per repeated-layer class at the chosen tp: parameter and node placements, collectives
+    placements: dict[str, Any] = field(default_factory=dict)
     schema_version: int = field(default=SCHEMA_VERSION)
 
     @property
