@@ -29,7 +29,7 @@ DEFAULT_BATCH_TOKENS = 4 * 2**20
 class PlanOptions:
     """How parallelize searches: the cost model's options and the search's own knobs."""
 
-    cost: CostOptions = field(default_factory=CostOptions)
+    cost: CostOptions = field(default_factory=lambda: CostOptions(balance_stages=True))
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     max_alternatives: int = 5
     progress: Callable[[int, int], None] | None = field(default=None, compare=False)

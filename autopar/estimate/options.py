@@ -25,6 +25,10 @@ class CostOptions:
     # Bytes per gradient element in data-parallel reductions: fp32 main gradients (Megatron's
     # default accumulation and FSDP2's reduce dtype in mixed precision recipes).
     grad_bytes: int = 4
+    # Pipeline stage boundaries: False splits the repeated layers evenly (Megatron, torchtitan
+    # defaults: what evaluate() of a published config should price); True moves them so the
+    # slowest model chunk is as fast as possible (embedding and head work counted).
+    balance_stages: bool = False
     # Allocator reserve as a fraction of live memory (cost_models.memory).
     reserve_fraction: float = 0.05
 

@@ -101,6 +101,7 @@ class Estimator:
         self.act_scale = _PRECISION_BYTES[precision] / tables.traced_float_bytes
         self.peak_flops = self.device.peak(precision)
         self._pipeline_timer = PipelineTimer()
+        self._partition_cache: dict[tuple, list[int]] = {}
         self._mesh_cache: dict[tuple, MeshGroups] = {}
 
     # ------------------------------------------------------------------ public
@@ -114,7 +115,7 @@ class Estimator:
         m = self._num_microbatches(cfg, global_batch_size)
         mesh = self._mesh(cfg)
         times = self._layer_times(cfg, mesh)
-        chunks = self._chunks(cfg)
+        chunks = self._chunks(cfg, times)
         stage_layers = self._stage_layers(cfg, chunks)
         per_stage = [self._stage_times(cfg, mesh, ls, times) for ls in stage_layers]
         if time_bound_s is not None:
@@ -187,7 +188,7 @@ class Estimator:
             out[table.name] = by_class[table.class_id]
         return out
 
-    def _chunks(self, cfg: ParallelConfig) -> list[list[LayerTable]]:
+    def _chunks(self, cfg: ParallelConfig, times: dict[str, LayerTime]) -> list[list[LayerTable]]:
         layers = self.tables.layers
         blocks = [i for i, t in enumerate(layers) if t.kind == "block"]
         n_chunks = cfg.pp * cfg.virtual_stages
@@ -198,17 +199,37 @@ class Estimator:
                 f"pp={cfg.pp} x virtual_stages={cfg.virtual_stages} = {n_chunks} model chunks "
                 f"but the model has {len(blocks)} repeated layers to split"
             )
-        base, extra = divmod(len(blocks), n_chunks)
-        middle = (n_chunks - extra) // 2  # extra blocks go to the middle chunks
-        sizes = [base + (1 if middle <= k < middle + extra else 0) for k in range(n_chunks)]
+        if self.options.balance_stages:
+            sizes = self._balanced_sizes(layers, blocks, n_chunks, times)
+        else:  # Megatron's even split; extra blocks go to the middle chunks
+            base, extra = divmod(len(blocks), n_chunks)
+            middle = (n_chunks - extra) // 2
+            sizes = [base + (1 if middle <= k < middle + extra else 0) for k in range(n_chunks)]
         ends, count = [], 0
         for size in sizes:
             count += size
             ends.append(blocks[count - 1] + 1)
         ends[-1] = len(layers)  # layers after the last block ride on the last chunk
         starts = [0, *ends[:-1]]  # and those before the first block on the first
-        chunks = [list(layers[s:e]) for s, e in zip(starts, ends, strict=True)]
-        return chunks
+        return [list(layers[s:e]) for s, e in zip(starts, ends, strict=True)]
+
+    def _balanced_sizes(
+        self,
+        layers: tuple[LayerTable, ...],
+        blocks: list[int],
+        n_chunks: int,
+        times: dict[str, LayerTime],
+    ) -> list[int]:
+        """Blocks per chunk minimising the slowest chunk; the layers before the first block
+        and after the last count with the first and last block (embedding, head)."""
+        work = [times[t.name].forward_s + times[t.name].backward_s for t in layers]
+        weights = [work[i] for i in blocks]
+        weights[0] += sum(work[: blocks[0]])
+        weights[-1] += sum(work[blocks[-1] + 1 :])
+        key = (n_chunks, tuple(float(f"{w:.6g}") for w in weights))
+        if key not in self._partition_cache:
+            self._partition_cache[key] = linear_partition(weights, n_chunks)
+        return self._partition_cache[key]
 
     def _stage_layers(
         self, cfg: ParallelConfig, chunks: list[list[LayerTable]]
@@ -401,3 +422,34 @@ class Estimator:
             communication_buffer_bytes=buffers,
             reserve_fraction=self.options.reserve_fraction,
         )
+
+
+def linear_partition(weights: list[float], parts: int) -> list[int]:
+    """Sizes of ``parts`` contiguous non-empty groups of ``weights`` whose largest sum is the
+    smallest possible. Bisection on that largest sum with a greedy feasibility check (greedy
+    filling is optimal for a given bound), then splitting groups until there are ``parts``;
+    splitting never raises the maximum. O(n log(sum/eps)) instead of the O(n^2 k) table."""
+    if not 1 <= parts <= len(weights):
+        raise ValueError(f"cannot split {len(weights)} items into {parts} non-empty groups")
+
+    def greedy(bound: float) -> list[list[float]]:
+        groups: list[list[float]] = [[]]
+        for w in weights:
+            if groups[-1] and sum(groups[-1]) + w > bound:
+                groups.append([])
+            groups[-1].append(w)
+        return groups
+
+    lo, hi = max(weights), sum(weights)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if len(greedy(mid)) <= parts:
+            hi = mid
+        else:
+            lo = mid
+    groups = greedy(hi)
+    while len(groups) < parts:
+        i = max((j for j, g in enumerate(groups) if len(g) > 1), key=lambda j: sum(groups[j]))
+        g = groups[i]
+        groups[i : i + 1] = [g[: len(g) // 2], g[len(g) // 2 :]]
+    return [len(g) for g in groups]
