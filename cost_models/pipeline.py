@@ -312,7 +312,9 @@ def _simulate(
     last = p * v - 1
     hop_prev = [c if j > 0 and rank_of[j - 1] != rank_of[j] else 0.0 for j in range(last + 1)]
     hop_next = [c if j < last and rank_of[j + 1] != rank_of[j] else 0.0 for j in range(last + 1)]
-    end: dict[str, dict[tuple[int, int], float]] = {"F": {}, "B": {}, "W": {}}
+    m = 1 + max((op[1] for ops in prepared for op in ops), default=0)
+    # end[kind][micro-batch][virtual stage]; lists index faster than dicts of tuples
+    end = {kind: [[None] * (last + 1) for _ in range(m)] for kind in ("F", "B", "W")}
     end_f, end_b = end["F"], end["B"]
     pos, free = [0] * p, [0.0] * p
     starts: list[list[float]] = [[] for _ in range(p)]
@@ -326,26 +328,27 @@ def _simulate(
                 if kind == "F":
                     ready = 0.0
                     if j > 0:
-                        done = end_f.get((i, j - 1))
+                        done = end_f[i][j - 1]
                         if done is None:
                             break
                         ready = done + hop_prev[j]
                 elif kind == "B":
-                    ready = end_f.get((i, j))
+                    ready = end_f[i][j]
                     if ready is None:
                         break
                     if j < last:
-                        done = end_b.get((i, j + 1))
+                        done = end_b[i][j + 1]
                         if done is None:
                             break
-                        ready = max(ready, done + hop_next[j])
+                        if done + hop_next[j] > ready:
+                            ready = done + hop_next[j]
                 else:
-                    ready = end_b.get((i, j))
+                    ready = end_b[i][j]
                     if ready is None:
                         break
                 start = t_free if t_free > ready else ready
                 t_free = start + dur[kind]
-                end[kind][(i, j)] = t_free
+                end[kind][i][j] = t_free
                 starts[s].append(start)
                 k += 1
             if k != pos[s]:
@@ -358,38 +361,26 @@ def _simulate(
     return starts
 
 
-def _peak_held_times(
-    ops: tuple[tuple[str, int, int, int], ...],
-    starts: list[float],
-    dur: dict[str, float],
-    splits_backward: bool,
-    v: int,
-) -> float:
-    """Max over time of (#F started - #last-backward ended) / v; releases first on ties."""
-    release_kind = "W" if splits_backward else "B"
-    events = [(t, 1, 1) for (kind, *_), t in zip(ops, starts, strict=True) if kind == "F"]
-    events += [
-        (t + dur[kind], 0, -1)
-        for (kind, *_), t in zip(ops, starts, strict=True)
-        if kind == release_kind
-    ]
-    held = peak = 0
-    for _, _, delta in sorted(events):
-        held += delta
-        peak = max(peak, held)
-    return peak / v
+@functools.lru_cache(maxsize=256)
+def _peak_held(schedule: str, p: int, m: int, v: int) -> tuple[float, ...]:
+    """Per rank, the max over time of (#F started - #last-backward ended) / v.
 
-
-def _peak_held(tasks: list[PipelineTask], splits_backward: bool, v: int) -> float:
-    """Max over time of (#F started - #last-backward ended) / v; releases first on ties."""
-    release_kind = "W" if splits_backward else "B"
-    events = [(t.start_s, 1, 1) for t in tasks if t.kind == "F"]
-    events += [(t.end_s, 0, -1) for t in tasks if t.kind == release_kind]
-    held = peak = 0
-    for _, _, delta in sorted(events):
-        held += delta
-        peak = max(peak, held)
-    return peak / v
+    A rank runs its ops one at a time in order, so an op's release (the end of its B, or W for
+    split schedules) comes before the next op starts: the time order of these events is the op
+    order, releases first on ties. The peak is a running count over the order and does not
+    depend on the times (a pure memo, like `_prepared`)."""
+    release = "W" if _SCHEDULES[schedule].splits_backward else "B"
+    peaks = []
+    for ops in _prepared(schedule, p, m, v):
+        held = peak = 0
+        for kind, *_ in ops:
+            if kind == "F":
+                held += 1
+                peak = max(peak, held)
+            elif kind == release:
+                held -= 1
+        peaks.append(peak / v)
+    return tuple(peaks)
 
 
 def _validate(
@@ -497,9 +488,6 @@ def simulate_pipeline(
         step_time_s=step,
         bubble_fraction=(step - busiest) / busiest if busiest > 0 else 0.0,
         busy_s=busy,
-        peak_inflight_microbatches=tuple(
-            _peak_held_times(prepared[s], starts[s], durations[s], spec.splits_backward, v)
-            for s in range(p)
-        ),
+        peak_inflight_microbatches=_peak_held(schedule, p, m, v),
         tasks=tuple(sorted(tasks, key=lambda t: (t.start_s, t.stage))),
     )
