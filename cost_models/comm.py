@@ -31,8 +31,13 @@ ceil(log2 D_{L-1}) a_L (`_ring_latency`, `_tree_latency`).
     hierarchical (L >= 1)       all-reduce = RS inside the level-(L-1) domain (S)
                                  + all-reduce across domains (S / r_{L-1}, n / r_{L-1} ranks,
                                    the r_{L-1} shards in parallel, each on its own link)
-                                 + AG inside the domain (S); all-gather and reduce-scatter the
-                                 same two phases; each phase priced by its own cheapest algorithm
+                                 + AG inside the domain (S); each phase priced by its own
+                                 cheapest algorithm. All-gather and reduce-scatter have no
+                                 two-level form here: NCCL runs them as rings (its tuning model
+                                 gives Tree to all-reduce only), and a two-level all-gather
+                                 exists only where the runtime composes it, which HSDP (dp x
+                                 fsdp) does and the planner's search covers. Pricing one here
+                                 made 1,536-GPU ZeRO-3 look 2x faster than measured.
     all-to-all                  (n-1) a_L + max_l ((r_l - r_{l-1}) / n * S) / (eff_l * bw_l)
                                  (the share of each rank's data bound for ranks reached over
                                  level l, every level's links working at once)
@@ -290,19 +295,6 @@ def _hier_all_reduce(s: float, g: HierarchicalGroup) -> float | None:
     )
 
 
-def _hier_gather(s: float, g: HierarchicalGroup) -> float | None:
-    # all-gather: across domains first (each rank's shard, S/n in, S/r_{L-1} out), then inside
-    # the domain (S out); reduce-scatter is the mirror image with the same volumes.
-    parts = _split(g)
-    if parts is None:
-        return None
-    inner, outer = parts
-    return (
-        collective_time("all_gather", s / inner.size, outer).time_s
-        + collective_time("all_gather", s, inner).time_s
-    )
-
-
 def _all_to_all(s: float, g: HierarchicalGroup) -> float:
     n = g.size
     below = (1,) + g.ranks_per_domain[:-1]
@@ -333,11 +325,7 @@ _HIER_ALGORITHMS = (
     ("in_network", {"all_reduce": _in_network_all_reduce}),
     (
         "hierarchical",
-        {
-            "all_reduce": _hier_all_reduce,
-            "all_gather": _hier_gather,
-            "reduce_scatter": _hier_gather,
-        },
+        {"all_reduce": _hier_all_reduce},
     ),
     ("pairwise", {"all_to_all": _all_to_all}),
     ("direct", {"send_recv": _send_recv}),
