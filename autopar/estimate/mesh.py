@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
+from cost_models.comm import collective_time
 
 
 class MeshGroups:
@@ -36,8 +37,6 @@ class MeshGroups:
         key = (collective, nbytes, axis)
         cached = self._cache.get(key)
         if cached is None:
-            from cost_models.comm import collective_time
-
             group = (
                 self._cp_pair
                 if (axis == "cp" and collective == "send_recv")

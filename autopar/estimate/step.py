@@ -269,7 +269,7 @@ class Estimator:
         out["backward"] += fsdp_b
         return out
 
-    def _params_on_rank(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
+    def params_on_rank(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
         expert_div = max(cfg.ep, cfg.tp)
         return sum(
             t.params_tp / cfg.tp + t.params_rep + t.params_expert / expert_div for t in layers
@@ -284,7 +284,7 @@ class Estimator:
         grad_ratio = self.options.grad_bytes / pbytes
         gathers, scatters = [], []
         for table in layers:
-            size = self._params_on_rank(cfg, [table]) * pbytes
+            size = self.params_on_rank(cfg, [table]) * pbytes
             if not size:
                 continue
             # one collective per layer (FSDP units), or one per parameter tensor (ZeRO-3 as
@@ -329,7 +329,7 @@ class Estimator:
     def _step_tail(
         self, cfg: ParallelConfig, mesh: MeshGroups, layers: list[LayerTable], st: dict[str, float]
     ) -> dict[str, float]:
-        params = self._params_on_rank(cfg, layers)
+        params = self.params_on_rank(cfg, layers)
         grad = params * self.options.grad_bytes
         pbytes = params * _PRECISION_BYTES[self.precision]
         sync = 0.0
@@ -388,7 +388,7 @@ class Estimator:
     def _stage_memory(
         self, cfg: ParallelConfig, index: int, layers: list[LayerTable], inflight: float
     ) -> PeakMemory:
-        params = self._params_on_rank(cfg, layers)
+        params = self.params_on_rank(cfg, layers)
         state = model_state_bytes(
             params,
             precision=self.precision,  # type: ignore[arg-type]
@@ -400,19 +400,18 @@ class Estimator:
         div = {"tp": t * c, "rep": c * (t if cfg.sequence_parallel else 1), "expert": t * c}
         per_mb = transient = logits = 0.0
         for table in layers:
-            split = table.activations.get(cfg.recompute, {})
-            per_mb += sum(v * b / div[k] for k, v in split.items()) * self.act_scale
-            none = sum(v * b / div[k] for k, v in table.activations.get("none", {}).items())
-            transient = max(
-                transient,
-                none * self.act_scale
-                - sum(v * b / div[k] for k, v in split.items()) * self.act_scale,
+            kept, none = (
+                self.act_scale
+                * sum(v * b / div[k] for k, v in table.activations.get(p, {}).items())
+                for p in (cfg.recompute, "none")
             )
+            per_mb += kept
+            transient = max(transient, none - kept)
             logits += table.vocab_logits_bytes * b / (t * c) * self.act_scale * 2
         activations = per_mb * max(1.0, inflight) + transient + logits
         pbytes = _PRECISION_BYTES[self.precision]
         if cfg.zero_stage == 3:
-            largest = max((self._params_on_rank(cfg, [x]) for x in layers), default=0.0)
+            largest = max((self.params_on_rank(cfg, [x]) for x in layers), default=0.0)
             buffers = 2 * largest * (pbytes + self.options.grad_bytes)
         else:
             buffers = 2 * min(self.options.ddp_bucket_bytes, params * self.options.grad_bytes)

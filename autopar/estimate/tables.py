@@ -14,6 +14,7 @@ also costs one; any other op is sharded when one of its inputs is. Ops inside ex
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from autopar.tracing.graph import LayerInfo, ModelGraph, NodeInfo
@@ -166,8 +167,6 @@ def _layer_table(
             weight = sum(
                 graph.parameters[p].num_bytes for p in node.params if p in graph.parameters
             )
-            if _gathers_weights(node, weight):
-                continue
             matmuls.append(
                 MatmulOp(
                     flops=node.flops,
@@ -208,7 +207,7 @@ def _layer_table(
             memory.setdefault("rep", [0.0, 0])
             memory["rep"][0] += node.bytes_written * 2
             memory["rep"][1] += 1
-        elif node.op_class in ("elementwise", "reduction") and not _gathers_weights(node, 0):
+        elif node.op_class in ("elementwise", "reduction"):
             entry = memory.setdefault(out, [0.0, 0])
             entry[0] += node.bytes_read + node.bytes_written
             entry[1] += 1
@@ -255,27 +254,13 @@ def _compute_shard(node: NodeInfo, router: str | None) -> Shard:
     return "rep" if router and node.module_path == router else "tp"
 
 
-def _gathers_weights(node: NodeInfo, weight_bytes: float) -> bool:
-    # transformers' batched_mm experts gather a copy of the expert weights per token (an
-    # export-friendly stand-in); real MoE kernels read each expert's weights once, so the
-    # gather and the per-token weight bytes are not costed.
-    return node.op.startswith("aten.index") and bool(node.params)
-
-
 def _value_bytes(node: NodeInfo) -> float:
     return float(
         sum(
-            _numel(s) * _DTYPE_BYTES.get(d, 1)
+            math.prod(s) * _DTYPE_BYTES.get(d, 1)
             for s, d in zip(node.shapes, node.dtypes, strict=False)
         )
     )
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _param_split(layer: LayerInfo, graph: ModelGraph, nodes: dict[str, NodeInfo]) -> dict[str, int]:

@@ -162,9 +162,7 @@ def _rank(est: Estimate) -> tuple[float, str]:
 
 
 def _state_lower_bound(estimator: Estimator, cfg: ParallelConfig) -> float:
-    tables = estimator.tables.layers
-    expert_div = max(cfg.ep, cfg.tp)
-    params = sum(t.params_tp / cfg.tp + t.params_rep + t.params_expert / expert_div for t in tables)
+    params = estimator.params_on_rank(cfg, list(estimator.tables.layers))
     state = model_state_bytes(
         params / cfg.pp,
         precision=estimator.precision,  # type: ignore[arg-type]
