@@ -15,10 +15,11 @@ from torch import nn
 
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
+from autopar.errors import ConfigError
 from autopar.estimate import CostOptions, Estimate, Estimator, build_tables
 from autopar.plan import Plan, StagePlan
 from autopar.solve.search import search
-from autopar.solve.space import SpaceLimits
+from autopar.solve.space import SpaceLimits, shape_problems
 from autopar.tracing import ModelGraph, trace
 
 # DESIGN.md: the default global batch is about 4M tokens, a power of two in sequences.
@@ -33,6 +34,9 @@ class PlanOptions:
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     max_alternatives: int = 5
     progress: Callable[[int, int], None] | None = field(default=None, compare=False)
+    # stop pricing new degree choices after this many seconds once a plan fits; the plan
+    # then says it is the best found and bounds its optimality gap (None: search it all)
+    time_limit_s: float | None = None
 
 
 def parallelize(
@@ -85,28 +89,38 @@ def parallelize(
     estimator = Estimator(
         tables, cluster, precision=precision, optimizer=optimizer, options=options.cost
     )
-    limits = SpaceLimits(
-        world_size=cluster.world_size,
-        devices_per_node=cluster.devices_per_node,
-        num_blocks=sum(1 for layer in graph.layers if layer.kind == "block"),
-        num_heads=attention_heads(graph),
-        seq_len=seq_len,
-        num_experts=max((layer.moe.num_experts for layer in graph.layers if layer.moe), default=0),
-        global_batch_size=global_batch_size,
-        micro_batch_sizes=options.micro_batch_sizes,
-    )
+    limits = space_limits(model, graph, cluster, global_batch_size, options.micro_batch_sizes)
     result = search(
-        estimator, limits, max_alternatives=options.max_alternatives, progress=options.progress
+        estimator,
+        limits,
+        max_alternatives=options.max_alternatives,
+        progress=options.progress,
+        time_limit_s=options.time_limit_s,
     )
     plan = plan_from_estimate(result.best, graph, cluster, precision, optimizer)
     report = replace(result.report, trace_time_s=trace_s)
+    if report.num_unsearched:
+        notes.append(
+            f"search stopped at its time limit ({options.time_limit_s} s): "
+            f"{report.num_unsearched} of {report.num_degree_choices} degree choices unsearched; "
+            f"this is the best plan found, at most {report.optimality_gap:.0%} slower than the "
+            "optimum (compute bound)"
+        )
+    t_ilp = time.perf_counter()
     placements, ilp = _intra_layer_placements(graph, cluster, result.best.config)
+    ilp_s = time.perf_counter() - t_ilp
     return replace(
         plan,
         alternatives=result.alternatives,
         notes=tuple(notes),
-        report={"text": report.as_text(), **_report_fields(report), "ilp": ilp},
+        report={"text": report.as_text(timings=False), **_report_fields(report), "ilp": ilp},
         placements=placements,
+        timings={
+            "trace": trace_s,
+            "search": report.search_time_s,
+            "ilp": ilp_s,
+            "total": time.perf_counter() - t0,
+        },
     )
 
 
@@ -144,7 +158,6 @@ def _intra_layer_placements(
                 "status": sol.status,
                 "variables": sol.num_variables,
                 "constraints": sol.num_constraints,
-                "solve_time_s": sol.solve_time_s,
             }
         )
     return placements, stats
@@ -157,8 +170,8 @@ def _report_fields(report: Any) -> dict[str, Any]:
         "pruned": dict(report.pruned),
         "num_evaluated": report.num_evaluated,
         "num_feasible": report.num_feasible,
-        "trace_time_s": report.trace_time_s,
-        "search_time_s": report.search_time_s,
+        "num_unsearched": report.num_unsearched,
+        "optimality_gap": report.optimality_gap,
     }
 
 
@@ -182,6 +195,38 @@ def infer_example_inputs(model: nn.Module) -> tuple[torch.Tensor, ...]:
         )
     device = next(model.parameters()).device
     return (torch.zeros(1, int(seq), dtype=torch.long, device=device),)
+
+
+def space_limits(
+    model: nn.Module,
+    graph: ModelGraph,
+    cluster: Cluster,
+    global_batch_size: int,
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
+) -> SpaceLimits:
+    """The model's and cluster's facts that bound the search space and refuse configs."""
+    return SpaceLimits(
+        world_size=cluster.world_size,
+        devices_per_node=cluster.devices_per_node,
+        num_blocks=sum(1 for layer in graph.layers if layer.kind == "block"),
+        num_heads=attention_heads(graph),
+        seq_len=graph.input_shapes[0][-1] if graph.input_shapes else 1,
+        num_experts=max((layer.moe.num_experts for layer in graph.layers if layer.moe), default=0),
+        global_batch_size=global_batch_size,
+        micro_batch_sizes=micro_batch_sizes,
+        num_kv_heads=_kv_heads(model),
+    )
+
+
+def _kv_heads(model: nn.Module) -> int:
+    """Key/value heads from the model's config (zoo: num_kv_heads, Hugging Face:
+    num_key_value_heads); 0 when the model does not say."""
+    config = getattr(model, "config", None)
+    for name in ("num_kv_heads", "num_key_value_heads"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
 
 
 def attention_heads(graph: ModelGraph) -> int:
@@ -238,6 +283,15 @@ def evaluate(
         if example_inputs is None:
             raise ValueError("evaluate needs example_inputs (one sample) or a traced graph")
         graph = trace(model, example_inputs)
+    problems = config.problems(cluster) + shape_problems(
+        config, space_limits(model, graph, cluster, global_batch_size)
+    )
+    if problems:
+        raise ConfigError(
+            f"config {config.as_text()} cannot run {graph.model_type} on "
+            f"{cluster.profile.name} x {cluster.num_nodes} ({cluster.world_size} devices): "
+            + "; ".join(problems)
+        )
     tables = build_tables(graph)
     estimator = Estimator(
         tables, cluster, precision=precision, optimizer=optimizer, options=options

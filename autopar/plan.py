@@ -60,6 +60,9 @@ class Plan:
     # per repeated-layer class at the chosen tp: parameter and node placements, collectives
     placements: dict[str, Any] = field(default_factory=dict)
     schema_version: int = field(default=SCHEMA_VERSION)
+    # wall-clock figures of this run (trace, search, ILP seconds): shown by summary() and
+    # explain() but not saved, so the same inputs give a byte-identical plan.json
+    timings: dict[str, float] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def tokens_per_s(self) -> float:
@@ -104,6 +107,10 @@ class Plan:
             lines += ["", "  nearest alternatives:"]
             lines += [f"    {a['config']}: {a['why']}" for a in self.alternatives]
         lines += [f"  note: {n}" for n in self.notes]
+        if self.timings:
+            lines.append(
+                "  planned in " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items())
+            )
         return "\n".join(lines)
 
     def explain(self) -> str:
@@ -121,12 +128,15 @@ class Plan:
             lines.append(f"Alternative {alt.get('config')}: {alt.get('why', '')}")
         if self.report:
             lines.append(f"Search: {self.report.get('text', '')}")
+        if self.timings:
+            lines.append("Timings: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items()))
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ JSON
 
     def to_json(self) -> str:
         data = asdict(self)
+        del data["timings"]  # wall clock differs run to run; the plan does not
         return json.dumps(data, indent=1, sort_keys=True)
 
     @classmethod

@@ -40,6 +40,7 @@ def one(case: str) -> dict[str, object]:
         "step_time_s": plan.step_time_s,
         "mfu": plan.mfu,
         "report": plan.report["text"],
+        "timings": plan.timings,
     }
 
 
@@ -57,6 +58,7 @@ def main(cases: list[str]) -> None:
         )
         print(f"    plan {r['config']}: step {r['step_time_s']:.2f} s, MFU {r['mfu']:.1%}")
         print(f"    {r['report']}")
+        print("    " + ", ".join(f"{k} {v:.2f} s" for k, v in r["timings"].items()))
 
 
 if __name__ == "__main__":

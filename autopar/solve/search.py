@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError
@@ -47,14 +47,28 @@ class SolverReport:
     search_time_s: float
     trace_time_s: float = 0.0
     extra: dict[str, object] = field(default_factory=dict)
+    # set when the search hit its time limit: degree choices left unpriced, and the most the
+    # returned plan can be slower than the best of the whole space (against the compute
+    # bound: no config runs the model's FLOPs faster than the cluster's peak)
+    num_unsearched: int = 0
+    optimality_gap: float = 0.0
 
-    def as_text(self) -> str:
+    def as_text(self, timings: bool = True) -> str:
+        """One line; ``timings=False`` leaves out the wall-clock seconds (for saved plans)."""
         pruned = ", ".join(f"{k} {v}" for k, v in sorted(self.pruned.items())) or "none"
-        return (
+        text = (
             f"searched {self.num_degree_choices} degree choices, {self.num_configs} configs: "
-            f"pruned {pruned}; evaluated {self.num_evaluated}, {self.num_feasible} fit; "
-            f"trace {self.trace_time_s:.2f} s, search {self.search_time_s:.2f} s"
+            f"pruned {pruned}; evaluated {self.num_evaluated}, {self.num_feasible} fit"
         )
+        if self.num_unsearched:
+            text += (
+                f"; STOPPED at the time limit with {self.num_unsearched} degree choices "
+                f"unsearched: the plan is the best found, at most {self.optimality_gap:.0%} "
+                "slower than the optimum"
+            )
+        if timings:
+            text += f"; trace {self.trace_time_s:.2f} s, search {self.search_time_s:.2f} s"
+        return text
 
 
 @dataclass(frozen=True)
@@ -70,9 +84,16 @@ def search(
     *,
     max_alternatives: int = 5,
     progress: Callable[[int, int], None] | None = None,
+    time_limit_s: float | None = None,
 ) -> SearchResult:
-    """Price the whole space; raise InfeasibleError when nothing fits."""
+    """Price the whole space; raise InfeasibleError when nothing fits.
+
+    With ``time_limit_s``, degree choices not reached by then are left unpriced once a config
+    fits; the report says how many and bounds the optimality gap.
+    """
     start = time.perf_counter()
+    deadline = None if time_limit_s is None else start + time_limit_s
+    num_unsearched = 0
     capacity = estimator.device.memory_bytes
     pruned: Counter[str] = Counter()
     feasible: list[Estimate] = []
@@ -83,6 +104,9 @@ def search(
     num_configs = 0
     bounds = _Bounds(estimator)
     for index, degrees in enumerate(degrees_list):
+        if deadline is not None and feasible and time.perf_counter() > deadline:
+            num_unsearched = len(degrees_list) - index
+            break
         if progress is not None:
             progress(index, len(degrees_list))
         settled: set[tuple] = (
@@ -122,11 +146,15 @@ def search(
         num_evaluated=len(feasible) + len(over),
         num_feasible=len(feasible),
         search_time_s=time.perf_counter() - start,
+        num_unsearched=num_unsearched,
     )
     if not feasible:
         raise InfeasibleError(_infeasible_message(estimator, over, capacity, limits))
     ranked = sorted(feasible, key=_rank)
     best = ranked[0]
+    if num_unsearched:
+        # step time >= model FLOPs / (world * peak) = mfu * step time for every config
+        report = replace(report, optimality_gap=1.0 - best.mfu)
     return SearchResult(best, _alternatives(best, ranked, over, capacity, max_alternatives), report)
 
 

@@ -28,9 +28,39 @@ class SpaceLimits:
     seq_len: int
     num_experts: int  # 0 when the model has no MoE layer
     global_batch_size: int
+    num_kv_heads: int = 0  # 0 when unknown or equal to num_heads
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     max_cp: int = 16
     min_seq_for_cp: int = 16384  # context parallelism only pays for long sequences
+
+
+def shape_problems(cfg: ParallelConfig, lim: SpaceLimits) -> list[str]:
+    """Every way the model's shapes refuse the config's degrees (empty when they divide).
+
+    The same rules `degree_choices` builds in, stated with the numbers for a config the user
+    gave: heads (and key/value heads) over tp, repeated layers over pp x virtual stages,
+    experts over ep, the sequence over 2 * cp load-balanced chunks.
+    """
+    out: list[str] = []
+    if cfg.tp > 1 and lim.num_heads and lim.num_heads % cfg.tp:
+        out.append(f"tp={cfg.tp} does not divide the model's {lim.num_heads} attention heads")
+    if cfg.tp > 1 and lim.num_kv_heads and lim.num_kv_heads % cfg.tp:
+        out.append(f"tp={cfg.tp} does not divide the model's {lim.num_kv_heads} key/value heads")
+    chunks = cfg.pp * cfg.virtual_stages
+    if chunks > 1 and chunks > lim.num_blocks:
+        out.append(
+            f"pp={cfg.pp} x virtual_stages={cfg.virtual_stages} = {chunks} model chunks but "
+            f"the model has {lim.num_blocks} repeated layers to split"
+        )
+    if cfg.ep > 1 and (not lim.num_experts or lim.num_experts % cfg.ep):
+        has = f"{lim.num_experts} experts" if lim.num_experts else "no expert layers"
+        out.append(f"ep={cfg.ep} does not divide the model's experts: it has {has}")
+    if cfg.cp > 1 and lim.seq_len % (2 * cfg.cp):
+        out.append(
+            f"cp={cfg.cp} needs the sequence in 2 x cp = {2 * cfg.cp} equal chunks, "
+            f"but seq_len={lim.seq_len} does not divide"
+        )
+    return out
 
 
 def divisors(n: int) -> list[int]:
@@ -42,6 +72,8 @@ def degree_choices(lim: SpaceLimits) -> Iterator[tuple[int, int, int, int, int, 
     world = lim.world_size
     for tp in divisors(lim.devices_per_node):
         if world % tp or (lim.num_heads and lim.num_heads % tp):
+            continue
+        if lim.num_kv_heads and lim.num_kv_heads % tp:
             continue
         for pp in divisors(world // tp):
             if pp > max(1, lim.num_blocks):
