@@ -1,7 +1,7 @@
 """The ``autopar`` command line (also ``python -m autopar``).
 
-Verbs so far: ``demo`` (the README's main job), ``list-profiles``, ``cluster``. Exit codes:
-0 success, 2 bad input (argparse's convention, also used for profile errors).
+Verbs so far: ``demo`` (the README's main job), ``list-profiles``, ``cluster``, ``profile``.
+Exit codes: 0 success, 2 bad input (argparse's convention, also used for profile errors).
 """
 
 from __future__ import annotations
@@ -45,13 +45,25 @@ def _parser() -> argparse.ArgumentParser:
     cluster.add_argument("profile", help="shipped profile name or .toml path")
     cluster.add_argument("--num-nodes", type=int, default=1)
     cluster.add_argument("--slice", help="TPU slice shape, e.g. 4x4x4")
+
+    prof = verbs.add_parser(
+        "profile",
+        help="measure this machine (under torchrun) and write a hardware profile",
+        epilog="example: autopar profile --out hardware_profiles/local_cpu.toml --node-devices 8",
+    )
+    prof.add_argument("--out", required=True, help="profile .toml to write")
+    prof.add_argument("--nproc", type=int, default=2, help="ranks to launch (default 2)")
+    prof.add_argument("--quick", action="store_true", help="few sizes, seconds (for tests)")
+    prof.add_argument("--node-devices", type=int, help="node.devices to write (default: --nproc)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        print(_run(args))
+        text = _run(args)
+        if text:  # `profile` prints on torchrun's rank 0 only
+            print(text)
     except AutoparError as e:
         print(f"autopar: error: {e}", file=sys.stderr)
         return 2
@@ -64,6 +76,10 @@ def _run(args: argparse.Namespace) -> str:
         from autopar.demo import run_demo
 
         return run_demo(args.model, args.profile, args.num_nodes, args.seq_len, args.out)
+    if args.verb == "profile":
+        from autopar.profiler import ProfileOptions, profile
+
+        return profile(ProfileOptions(args.out, args.nproc, args.quick, args.node_devices))
     if args.verb == "list-profiles":
         from autopar.hardware import load_profile, shipped_profile_names
 

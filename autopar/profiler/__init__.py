@@ -1,0 +1,16 @@
+"""Measure the machine it runs on and write a hardware profile: ``autopar profile``.
+
+In: a `ProfileOptions` (the output file, ranks, quick or full). Out: a profile TOML in the
+schema of ``hardware_profiles/README.md`` that `autopar.Cluster.from_profile(path)` loads, with
+the raw measurements it was fitted to in its ``[measured]`` table.
+
+Modules:
+    compute   matmul (fp32, bf16), attention, memory copy, elementwise, launch overhead
+    comm      all-reduce, all-gather, reduce-scatter, all-to-all, send/recv per topology level
+    document  fits (`cost_models.fit`) and the TOML text
+    run       the driver: launches itself under torchrun, measures, writes on rank 0
+"""
+
+from autopar.profiler.run import ProfileOptions, profile
+
+__all__ = ["ProfileOptions", "profile"]

@@ -1,0 +1,165 @@
+"""Compute measurements on this rank's device: matmul, attention, memory copy, elementwise.
+
+In: the device, a `ComputePlan` (which sizes), and a progress callback. Out: a list of
+`ComputeMeasurement` (op, dtype, shape, FLOPs, bytes moved, seconds), the raw points that
+`autopar.profiler.document` fits efficiency curves to. Every rank runs the same ops at the same
+time, so a measurement includes the contention of the ranks sharing the machine (on a CPU, one
+core each under torchrun's default of one thread per rank).
+
+Timing: a call is run once to warm up (allocation, kernel selection), then ``repeats`` times a
+batch of calls sized to take about ``target_s``; the time of one call is the best batch's mean
+(as `timeit` advises: slower batches were slowed by something else, not by the op).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+Progress = Callable[[str], None]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ComputeMeasurement:
+    op: str  # "matmul", "attention", "copy", "add", "launch"
+    dtype: str
+    shape: str  # "m x k x n", "b x h x s x d", or the element count
+    flops: float
+    bytes_moved: float
+    time_s: float
+
+
+@dataclass(frozen=True)
+class ComputePlan:
+    """Which sizes to measure. `quick` is a handful of points for tests (seconds, not minutes)."""
+
+    matmul_sizes: tuple[int, ...]
+    attention_seq_lens: tuple[int, ...]
+    memory_numels: tuple[int, ...]
+    attention_dtype: str
+    target_s: float
+    repeats: int
+
+    @classmethod
+    def for_device(cls, device: torch.device, *, quick: bool) -> ComputePlan:
+        gpu = device.type == "cuda"
+        if quick:
+            return cls((64, 256, 512), (128, 512), (2**16, 2**20, 2**22, 2**24), "fp32", 0.01, 2)
+        matmul = (32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+        seq = (64, 128, 256, 512, 1024, 2048)
+        numels = tuple(2**k for k in range(10, 27, 2))
+        if gpu:
+            matmul = matmul + (4096, 8192)
+            seq = seq + (4096, 8192)
+            numels = numels + (2**28,)
+        # Attention in the dtype training runs in there: bf16 on a GPU, fp32 on a CPU.
+        return cls(matmul, seq, numels, "bf16" if gpu else "fp32", 0.05, 5)
+
+
+def time_call(
+    fn: Callable[[], object], device: torch.device, *, target_s: float, repeats: int
+) -> float:
+    """Seconds of one ``fn()`` call: best of ``repeats`` batches of about ``target_s`` each."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    first = max(time.perf_counter() - start, 1e-7)
+    calls = max(1, min(10_000, int(target_s / first)))
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def measure_compute(
+    device: torch.device, plan: ComputePlan, progress: Progress
+) -> list[ComputeMeasurement]:
+    """Run every measurement of ``plan`` on ``device``; see the module docstring."""
+    out = [_launch(device, plan)]
+    progress(f"launch overhead {out[0].time_s * 1e6:.1f} us")
+    for name in DTYPES:
+        for n in plan.matmul_sizes:
+            m = _matmul(device, plan, name, n)
+            out.append(m)
+            progress(f"matmul {name} {m.shape}: {m.flops / m.time_s / 1e9:.1f} GFLOP/s")
+    for s in plan.attention_seq_lens:
+        m = _attention(device, plan, s)
+        out.append(m)
+        progress(f"attention {m.dtype} {m.shape}: {m.flops / m.time_s / 1e9:.1f} GFLOP/s")
+    for numel in plan.memory_numels:
+        for m in (_copy(device, plan, numel), _add(device, plan, numel)):
+            out.append(m)
+            progress(f"{m.op} {numel * 4 / 2**20:g} MiB: {m.bytes_moved / m.time_s / 1e9:.2f} GB/s")
+    return out
+
+
+def _launch(device: torch.device, plan: ComputePlan) -> ComputeMeasurement:
+    # One tiny op: what every op pays before doing any work (dispatch, kernel launch).
+    a = torch.ones(1, device=device)
+    b = torch.ones(1, device=device)
+    c = torch.empty(1, device=device)
+    t = time_call(lambda: torch.add(a, b, out=c), device, target_s=plan.target_s, repeats=5)
+    return ComputeMeasurement("launch", "fp32", "1", 1.0, 12.0, t)
+
+
+def _matmul(device: torch.device, plan: ComputePlan, dtype: str, n: int) -> ComputeMeasurement:
+    a = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
+    b = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
+    c = torch.empty(n, n, device=device, dtype=DTYPES[dtype])
+    t = time_call(
+        lambda: torch.mm(a, b, out=c), device, target_s=plan.target_s, repeats=plan.repeats
+    )
+    return ComputeMeasurement(
+        "matmul", dtype, f"{n}x{n}x{n}", 2.0 * n**3, 3.0 * n * n * a.element_size(), t
+    )
+
+
+def _attention(device: torch.device, plan: ComputePlan, seq: int) -> ComputeMeasurement:
+    # Forward, not causal: QK^T and PV, 2 * 2 * b * h * s^2 * d FLOPs.
+    b, h, d = 1, 8, 64
+    dtype = DTYPES[plan.attention_dtype]
+    q, k, v = (torch.randn(b, h, seq, d, device=device, dtype=dtype) for _ in range(3))
+    with torch.no_grad():
+        t = time_call(
+            lambda: F.scaled_dot_product_attention(q, k, v),
+            device,
+            target_s=plan.target_s,
+            repeats=plan.repeats,
+        )
+    return ComputeMeasurement(
+        "attention",
+        plan.attention_dtype,
+        f"{b}x{h}x{seq}x{d}",
+        4.0 * b * h * seq * seq * d,
+        4.0 * b * h * seq * d * q.element_size(),
+        t,
+    )
+
+
+def _copy(device: torch.device, plan: ComputePlan, numel: int) -> ComputeMeasurement:
+    src = torch.randn(numel, device=device)
+    dst = torch.empty(numel, device=device)
+    t = time_call(lambda: dst.copy_(src), device, target_s=plan.target_s, repeats=plan.repeats)
+    return ComputeMeasurement("copy", "fp32", str(numel), 0.0, 8.0 * numel, t)
+
+
+def _add(device: torch.device, plan: ComputePlan, numel: int) -> ComputeMeasurement:
+    a = torch.randn(numel, device=device)
+    b = torch.randn(numel, device=device)
+    c = torch.empty(numel, device=device)
+    t = time_call(
+        lambda: torch.add(a, b, out=c), device, target_s=plan.target_s, repeats=plan.repeats
+    )
+    return ComputeMeasurement("add", "fp32", str(numel), float(numel), 12.0 * numel, t)

@@ -1,0 +1,309 @@
+"""Measurements -> a hardware profile TOML (schema of ``hardware_profiles/README.md``).
+
+In: the compute and communication measurements of one run and a `RunInfo` (date, machine,
+software, ranks). Out: the text of a profile that `autopar.hardware.load_profile` reads, whose
+numbers are fitted with `cost_models.fit`, and whose ``[measured]`` table keeps every raw point,
+so a reader (or a test) can check each fitted number against what produced it.
+
+    launch_overhead_s   time of a one-element add (the `launch` measurement): t0
+    peak_flops_per_s.d  fitted large-size rate of dtype d's matmuls (or the best measured rate,
+                        if higher), on times less t0: a measured peak, not a datasheet one
+    efficiency.matmul   one curve fitted to both dtypes' rates, each over its own peak
+    efficiency.attention  SDPA forward rates over the peak of the dtype they ran in
+    memory bandwidth    as a peak: copy and add, x = bytes moved, less cache-resident sizes
+                        (`_memory_points`); efficiency.memory its curve
+    topology.levels[l]  `cost_models.fit.fit_level` on level l's collectives: latency and the
+                        achieved bandwidth, efficiency 1
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autopar.profiler.comm import LevelMeasurement, LevelPlan
+from autopar.profiler.compute import ComputeMeasurement
+from cost_models.fit import CommMeasurement, CurveFit, LevelFit, fit_efficiency_curve, fit_level
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    name: str  # the profile's name: the output file's stem
+    kind: str  # "cpu" or "gpu"
+    date: str  # ISO 8601, UTC
+    command: str
+    machine: str  # "AMD EPYC, 2 cores, 23.4 GiB RAM" or the GPU's name
+    num_cores: int
+    device_name: str
+    memory_bytes: float  # per rank
+    torch_version: str
+    backend: str
+    world_size: int
+    ranks_per_node: int
+    node_devices: int  # node.devices written: ranks a plan may use per node
+    threads_per_rank: int
+    wall_s: float
+
+
+@dataclass(frozen=True)
+class Fits:
+    launch_overhead_s: float
+    peaks: dict[str, CurveFit]  # dtype -> its matmul fit (the peak is .peak)
+    matmul: CurveFit
+    attention: CurveFit
+    attention_dtype: str
+    memory: CurveFit
+    levels: tuple[LevelFit, ...]
+
+
+def fit_measurements(
+    compute: Sequence[ComputeMeasurement],
+    comm: Sequence[LevelMeasurement],
+    levels: Sequence[LevelPlan],
+) -> Fits:
+    """Fit every profile number (module docstring)."""
+    t0 = statistics.median(m.time_s for m in compute if m.op == "launch")
+    peaks = {}
+    for dtype in ("fp32", "bf16"):
+        sizes, rates = _points(compute, t0, "flops", ops=("matmul",), dtype=dtype)
+        peaks[dtype] = fit_efficiency_curve(sizes, rates)
+    sizes, rates = [], []
+    for dtype, fit in peaks.items():
+        x, r = _points(compute, t0, "flops", ops=("matmul",), dtype=dtype)
+        sizes += x
+        rates += [v / fit.peak for v in r]
+    matmul = fit_efficiency_curve(sizes, rates, peak=1.0)
+    attention_dtype = next(m.dtype for m in compute if m.op == "attention")
+    x, r = _points(compute, t0, "flops", ops=("attention",), dtype=attention_dtype)
+    attention = fit_efficiency_curve(x, r, peak=peaks[attention_dtype].peak)
+    memory = fit_efficiency_curve(*_memory_points(compute, t0))
+    level_fits = tuple(
+        fit_level(
+            [
+                CommMeasurement(m.collective, m.message_bytes, m.group_size, m.time_s)
+                for m in comm
+                if m.level == lv.name
+            ],
+            name=lv.name,
+            devices_per_domain=lv.devices_per_domain,
+        )
+        for lv in levels
+    )
+    return Fits(t0, peaks, matmul, attention, attention_dtype, memory, level_fits)
+
+
+def _points(
+    compute: Sequence[ComputeMeasurement],
+    t0: float,
+    size: str,
+    *,
+    ops: tuple[str, ...],
+    dtype: str | None = None,
+) -> tuple[list[float], list[float]]:
+    """(size, rate) of the chosen ops, rates on the time less the launch overhead."""
+    sizes, rates = [], []
+    for m in compute:
+        if m.op in ops and (dtype is None or m.dtype == dtype) and m.time_s > t0:
+            x = getattr(m, size)
+            sizes.append(x)
+            rates.append(x / (m.time_s - t0))
+    return sizes, rates
+
+
+def _memory_points(
+    compute: Sequence[ComputeMeasurement], t0: float
+) -> tuple[list[float], list[float]]:
+    """Copy and add points, less those served from cache.
+
+    An op whose data fits in a cache runs faster than memory allows, which the curve (rising
+    with size to one ceiling) cannot express; such points (rate above 1.1x the largest op's)
+    are left out, so that the curve prices memory-bound ops at the memory's rate; the two
+    largest sizes always stay, so that there is a slope to fit.
+    """
+    sizes, rates = _points(compute, t0, "bytes_moved", ops=("copy", "add"))
+    two_largest = sorted(set(sizes))[-2:]
+    ceiling = 1.1 * max(r for x, r in zip(sizes, rates, strict=True) if x == two_largest[-1])
+    kept = [(x, r) for x, r in zip(sizes, rates, strict=True) if r <= ceiling or x in two_largest]
+    return [x for x, _ in kept], [r for _, r in kept]
+
+
+def render(
+    info: RunInfo,
+    fits: Fits,
+    compute: Sequence[ComputeMeasurement],
+    comm: Sequence[LevelMeasurement],
+) -> str:
+    """The profile's TOML text."""
+    run = (
+        f"measured by `{info.command}` on {info.date} ({info.machine}; torch "
+        f"{info.torch_version}; {info.world_size} ranks over {info.backend}, "
+        f"{info.threads_per_rank} thread(s) each, all measuring at once)"
+    )
+
+    def fit_note(fit: CurveFit, what: str) -> str:
+        return f"{run}: {what}; fit {fit.as_text()}; raw times in [measured]"
+
+    peaks = fits.peaks
+    level_names = ", ".join(f.level.name for f in fits.levels)
+    shared = ""
+    if info.kind == "cpu" and info.node_devices > info.num_cores:
+        shared = f"; ranks beyond the {info.num_cores} cores share them, which is not priced"
+    lines = [
+        f"# {info.name}: autopar hardware profile, schema_version 1 (format: README.md here).",
+        f"# Written by `{info.command}`; every number is fitted to the points in [measured].",
+        "",
+        "schema_version = 1",
+        f"name = {_s(info.name)}",
+        "description = "
+        + _s(
+            f"{info.machine}: {info.node_devices} PyTorch ranks per node over {info.backend} "
+            f"({level_names}); measured by `autopar profile` on {info.date[:10]} with "
+            f"{info.world_size} ranks x {info.threads_per_rank} thread(s){shared}"
+        ),
+        f"kind = {_s(info.kind)}",
+        'spec_device = ""',
+        "",
+        "[device]",
+        f"name = {_s(info.device_name)}",
+        f"memory_bytes = {_n(info.memory_bytes)}",
+        f"memory_bandwidth_bytes_per_s = {_n(fits.memory.peak)}",
+        f"launch_overhead_s = {_n(fits.launch_overhead_s)}",
+        "source = "
+        + _s(
+            f"{run}: memory_bytes = {'RAM / node.devices' if info.kind == 'cpu' else 'device'} "
+            f"memory; bandwidth = the memory curve's peak (copy and add, bytes moved over "
+            f"time less launch overhead); launch_overhead_s = median time of a one-element add"
+        ),
+        "",
+        "[device.peak_flops_per_s]",
+        *(f"{dtype} = {_n(fit.peak)}" for dtype, fit in peaks.items()),
+        "source = "
+        + _s(
+            f"{run}: per dtype the fitted large-size rate of square matmuls "
+            + "; ".join(f"{d}: {f.as_text()}" for d, f in peaks.items())
+            + "; a measured peak, not a datasheet one"
+        ),
+        "",
+        "# efficiency(x) = max * x / (x + half_size); x = FLOPs of one op (matmul, attention)",
+        "# or bytes moved by one op (memory)",
+        *_curve(
+            "matmul",
+            fits.matmul,
+            fit_note(fits.matmul, "fp32 and bf16 matmul rates over their dtype's peak"),
+        ),
+        *_curve(
+            "attention",
+            fits.attention,
+            fit_note(
+                fits.attention,
+                f"{fits.attention_dtype} scaled_dot_product_attention forward "
+                f"(b=1, h=8, d=64) over the {fits.attention_dtype} peak",
+            ),
+        ),
+        *_curve(
+            "memory",
+            fits.memory,
+            fit_note(
+                fits.memory,
+                "copy_ and add over bytes moved, less cache-resident sizes (faster "
+                "than the largest op by over 10%)",
+            ),
+        ),
+        "",
+        "[node]",
+        f"devices = {info.node_devices}",
+        "source = "
+        + _s(
+            f"{run}: ranks a plan may use per node (given to `autopar profile --node-devices`; "
+            f"{info.ranks_per_node} measured)"
+        ),
+        "",
+        "# innermost level first; devices_per_domain = 0 is the whole cluster (scale-out)",
+    ]
+    for fit in fits.levels:
+        lv = fit.level
+        lines += [
+            "[[topology.levels]]",
+            f"name = {_s(lv.name)}",
+            f"devices_per_domain = {lv.devices_per_domain}",
+            f"bandwidth_bytes_per_s = {_n(lv.bandwidth_bytes_per_s)}",
+            f"latency_s = {_n(lv.latency_s)}",
+            "efficiency = 1.0",
+            "source = "
+            + _s(
+                f"{run}: alpha-beta fitted (cost_models.fit.fit_level) to "
+                f"{fit.num_points} timed collectives on this level (all-reduce, all-gather, "
+                f"reduce-scatter, all-to-all, send/recv) with cost_models.comm's formulas, "
+                f"typical error x{math.exp(fit.rms_log_ratio):.2f}; predicted / measured, "
+                f"median by collective: {_ratios(fit, comm)}; bandwidth is the achieved one, so "
+                f"efficiency is 1; raw times in [measured]"
+            ),
+        ]
+    lines += _measured(info, compute, comm)
+    return "\n".join(lines) + "\n"
+
+
+def _ratios(fit: LevelFit, comm: Sequence[LevelMeasurement]) -> str:
+    """Per collective, the median of predicted over measured time on this level."""
+    by_kind: dict[str, list[float]] = {}
+    for m in comm:
+        if m.level == fit.level.name:
+            predicted = fit.time_s(m.collective, m.message_bytes, m.group_size)
+            by_kind.setdefault(m.collective, []).append(predicted / m.time_s)
+    return ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in by_kind.items())
+
+
+def _curve(op: str, fit: CurveFit, source: str) -> list[str]:
+    return [
+        f"[device.efficiency.{op}]",
+        f"max = {_n(fit.curve.max)}",
+        f"half_size = {_n(fit.curve.half_size)}",
+        f"source = {_s(source)}",
+    ]
+
+
+def _measured(
+    info: RunInfo, compute: Sequence[ComputeMeasurement], comm: Sequence[LevelMeasurement]
+) -> list[str]:
+    lines = [
+        "",
+        "# The raw measurements this profile was fitted to (ignored by the loader).",
+        "[measured]",
+        f"date = {_s(info.date)}",
+        f"command = {_s(info.command)}",
+        f"machine = {_s(info.machine)}",
+        f"torch = {_s(info.torch_version)}",
+        f"backend = {_s(info.backend)}",
+        f"world_size = {info.world_size}",
+        f"ranks_per_node = {info.ranks_per_node}",
+        f"threads_per_rank = {info.threads_per_rank}",
+        f"wall_s = {info.wall_s:.1f}",
+        "compute = [",
+    ]
+    lines += [
+        f"    {{ op = {_s(m.op)}, dtype = {_s(m.dtype)}, shape = {_s(m.shape)}, "
+        f"flops = {_n(m.flops)}, bytes_moved = {_n(m.bytes_moved)}, time_s = {_n(m.time_s)} }},"
+        for m in compute
+    ]
+    lines += ["]", "comm = ["]
+    lines += [
+        f"    {{ level = {_s(m.level)}, collective = {_s(m.collective)}, "
+        f"group_size = {m.group_size}, message_bytes = {_n(m.message_bytes)}, "
+        f"time_s = {_n(m.time_s)} }},"
+        for m in comm
+    ]
+    return [*lines, "]"]
+
+
+def _s(text: str) -> str:
+    """A TOML basic string (JSON's escapes are TOML's)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _n(value: float) -> str:
+    """A TOML float with 5 significant digits."""
+    text = f"{float(value):.5g}"
+    return text if any(c in text for c in ".en") else text + ".0"

@@ -1,0 +1,123 @@
+"""Profile writing without ranks: synthetic measurements of a known machine -> a profile TOML
+that loads and holds that machine's numbers."""
+
+from __future__ import annotations
+
+import pytest
+import tomllib
+
+import autopar
+from autopar.errors import ProfileError
+from autopar.profiler import ProfileOptions
+from autopar.profiler.comm import LevelMeasurement, LevelPlan, group_sizes
+from autopar.profiler.compute import ComputeMeasurement
+from autopar.profiler.document import RunInfo, fit_measurements, render
+from cost_models.comm import HierarchicalGroup, Level, collective_time
+from cost_models.compute import EfficiencyCurve
+
+T0 = 2e-6
+PEAKS = {"fp32": 1e11, "bf16": 4e11}
+MATMUL = EfficiencyCurve(0.9, 1e6)
+ATTENTION = EfficiencyCurve(0.6, 5e6)
+BANDWIDTH = 3e10
+LOOPBACK = Level("loopback", 0, 2.5e9, 1e-4, 1.0)
+
+
+def _compute() -> list[ComputeMeasurement]:
+    out = [ComputeMeasurement("launch", "fp32", "1", 1.0, 12.0, T0)]
+    for dtype, peak in PEAKS.items():
+        for n in (32, 64, 128, 256, 512, 1024):
+            flops = 2.0 * n**3
+            t = T0 + flops / (peak * MATMUL.at(flops))
+            out.append(ComputeMeasurement("matmul", dtype, f"{n}x{n}x{n}", flops, 0.0, t))
+    for s in (128, 512, 2048):
+        flops = 4.0 * 8 * s * s * 64
+        t = T0 + flops / (PEAKS["fp32"] * ATTENTION.at(flops))
+        out.append(ComputeMeasurement("attention", "fp32", f"1x8x{s}x64", flops, 0.0, t))
+    for numel in (2**16, 2**20, 2**24):
+        out.append(
+            ComputeMeasurement(
+                "copy", "fp32", str(numel), 0.0, 8.0 * numel, T0 + 8.0 * numel / BANDWIDTH
+            )
+        )
+    return out
+
+
+def _comm() -> list[LevelMeasurement]:
+    group = HierarchicalGroup((LOOPBACK,), (2,))
+    return [
+        LevelMeasurement("loopback", kind, s, 2, collective_time(kind, s, group).time_s)
+        for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+        for s in (2**12, 2**16, 2**20, 2**24)
+    ]
+
+
+def _info(**changes) -> RunInfo:
+    info = dict(
+        name="synthetic",
+        kind="cpu",
+        date="2026-01-01T00:00:00+00:00",
+        command="autopar profile --out synthetic.toml --nproc 2",
+        machine="Test CPU, 2 cores",
+        num_cores=2,
+        device_name="Test CPU rank",
+        memory_bytes=3 * 2**30,
+        torch_version="2.13.0",
+        backend="gloo",
+        world_size=2,
+        ranks_per_node=2,
+        node_devices=8,
+        threads_per_rank=1,
+        wall_s=12.0,
+    )
+    return RunInfo(**{**info, **changes})
+
+
+def test_synthetic_machine_is_recovered_and_the_profile_loads(tmp_path):
+    compute, comm = _compute(), _comm()
+    fits = fit_measurements(compute, comm, (LevelPlan("loopback", 0, (0, 1)),))
+    path = tmp_path / "synthetic.toml"
+    path.write_text(render(_info(), fits, compute, comm))
+
+    profile = autopar.load_profile(path)
+    d = profile.device
+    assert d.launch_overhead_s == pytest.approx(T0, rel=1e-4)
+    # the measured peak is the fitted large-size rate, so max is 1 and the rate is kept
+    for dtype, peak in PEAKS.items():
+        assert d.peak(dtype) == pytest.approx(peak * MATMUL.max, rel=1e-3)
+    assert d.matmul.max == pytest.approx(1.0, rel=1e-3)
+    assert d.matmul.half_size == pytest.approx(1e6, rel=1e-3)
+    assert d.peak("fp32") * d.attention.max == pytest.approx(1e11 * 0.6, rel=1e-3)
+    assert d.attention.half_size == pytest.approx(5e6, rel=1e-3)
+    assert d.memory_bandwidth_bytes_per_s == pytest.approx(BANDWIDTH, rel=1e-3)
+    (level,) = profile.levels
+    assert level.latency_s == pytest.approx(1e-4, rel=1e-3)
+    assert level.bandwidth_bytes_per_s == pytest.approx(2.5e9, rel=1e-3)
+    assert profile.devices_per_node == 8 and profile.kind == "cpu"
+    assert "ranks beyond the 2 cores share them" in profile.description
+    assert all("autopar profile --out synthetic.toml" in s for s in profile.sources.values())
+
+    raw = tomllib.loads(path.read_text())["measured"]
+    assert raw["date"].startswith("2026") and raw["torch"] == "2.13.0"
+    assert len(raw["compute"]) == len(compute) and len(raw["comm"]) == len(comm)
+    assert autopar.Cluster.from_profile(path).world_size == 8
+
+
+def test_group_sizes_are_powers_of_two_and_the_whole_level():
+    assert group_sizes(1) == ()
+    assert group_sizes(2) == (2,)
+    assert group_sizes(6) == (2, 4, 6)
+    assert group_sizes(8) == (2, 4, 8)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"out": "x.json"}, "must name a .toml file"),
+        ({"out": "x.toml", "num_procs": 0}, "--nproc must be >= 1"),
+        ({"out": "x.toml", "node_devices": 0}, "--node-devices must be >= 1"),
+    ],
+)
+def test_bad_options_are_refused(kwargs, match):
+    with pytest.raises(ProfileError, match=match):
+        ProfileOptions(**kwargs)

@@ -1,0 +1,71 @@
+"""A real profile: ``python -m autopar profile --quick`` launches 2 gloo ranks under torchrun,
+and the profile it writes loads and predicts back the raw times it recorded."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+import autopar
+from cost_models.comm import HierarchicalGroup, collective_time
+from cost_models.compute import op_time_s
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.multiprocess
+def test_quick_two_rank_profile_loads_and_matches_its_measurements(tmp_path):
+    out = tmp_path / "mini.toml"
+    done = subprocess.run(
+        [sys.executable, "-m", "autopar", "profile", "--out", str(out), "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[profile" in done.stderr and "wrote" in done.stderr  # progress, from rank 0 only
+    assert done.stderr.count("] launch overhead") == 1
+    assert "mini:" in done.stdout  # the summary
+    assert not list(tmp_path.glob(".*partial*"))
+
+    profile = autopar.load_profile(out)
+    cluster = autopar.Cluster.from_profile(out)
+    assert cluster.world_size == 2 and profile.kind == "cpu" and profile.name == "mini"
+    d = profile.device
+    assert d.peak("fp32") > 1e9 and d.peak("bf16") > 1e9
+    assert d.memory_bandwidth_bytes_per_s > 1e8 and d.launch_overhead_s > 0
+    (level,) = profile.levels
+    assert level.name == "loopback" and level.devices_per_domain == 0
+    assert level.latency_s > 0 and level.bandwidth_bytes_per_s > 1e7
+
+    raw = tomllib.loads(out.read_text())["measured"]
+    assert raw["world_size"] == 2 and raw["backend"] == "gloo"
+    assert raw["torch"] and raw["machine"] and raw["date"][:2] == "20"
+    assert "--quick" in raw["command"]
+    assert all(raw["command"] in s for s in profile.sources.values())
+
+    # Compute: the profile prices each measured large-enough matmul near its measured time.
+    for m in raw["compute"]:
+        if m["op"] == "matmul" and m["flops"] >= 3e7:
+            predicted = op_time_s(d, "matmul", m["flops"], 0.0, m["dtype"])
+            assert 0.5 < predicted / m["time_s"] < 2.0, m
+
+    # Communication: one alpha-beta for every collective is a compromise (gloo runs each its
+    # own way), but each measurement is predicted within a few times, and typically closely.
+    group = HierarchicalGroup((level,), (2,))
+    ratios = {}
+    for m in raw["comm"]:
+        predicted = collective_time(m["collective"], m["message_bytes"], group).time_s
+        ratios.setdefault(m["collective"], []).append(predicted / m["time_s"])
+    assert set(ratios) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
+    everything = [r for rs in ratios.values() for r in rs]
+    assert min(everything) > 0.1 and max(everything) < 10, ratios
+    assert 0.5 < statistics.median(everything) < 2, ratios
+    assert 0.25 < statistics.median(ratios["all_reduce"]) < 4, ratios
