@@ -70,9 +70,9 @@ class GPTAttention(nn.Module):
         self.resid_dropout = dropout(config.dropout)
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        b, s, h = x_BSH.shape
-        n, d = self.num_heads, self.head_dim
-        qkv_BSN3D = self.qkv(x_BSH).view(b, s, n, 3 * d)
+        b, s, _ = x_BSH.shape
+        d = self.head_dim
+        qkv_BSN3D = self.qkv(x_BSH).view(b, s, -1, 3 * d)  # -1: local heads under TP
         q_BSND, k_BSND, v_BSND = qkv_BSN3D.split(d, dim=-1)
         dropout_p = self.dropout if self.training else 0.0
         q_BNSD, k_BNSD, v_BNSD = (t.transpose(1, 2) for t in (q_BSND, k_BSND, v_BSND))
@@ -82,7 +82,7 @@ class GPTAttention(nn.Module):
             y_BNSD = F.scaled_dot_product_attention(
                 q_BNSD, k_BNSD, v_BNSD, is_causal=True, dropout_p=dropout_p
             )
-        return self.resid_dropout(self.proj(y_BNSD.transpose(1, 2).reshape(b, s, h)))
+        return self.resid_dropout(self.proj(y_BNSD.transpose(1, 2).reshape(b, s, -1)))
 
 
 def _math_attention(

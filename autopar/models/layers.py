@@ -102,9 +102,9 @@ class GQAttention(nn.Module):
     ) -> torch.Tensor:
         b, s, _ = x_BSH.shape
         d = self.head_dim
-        q_BNSD = self.q_proj(x_BSH).view(b, s, self.num_heads, d).transpose(1, 2)
-        k_BKSD = self.k_proj(x_BSH).view(b, s, self.num_kv_heads, d).transpose(1, 2)
-        v_BKSD = self.v_proj(x_BSH).view(b, s, self.num_kv_heads, d).transpose(1, 2)
+        q_BNSD = self.q_proj(x_BSH).view(b, s, -1, d).transpose(1, 2)
+        k_BKSD = self.k_proj(x_BSH).view(b, s, -1, d).transpose(1, 2)
+        v_BKSD = self.v_proj(x_BSH).view(b, s, -1, d).transpose(1, 2)
         q_BNSD = apply_rope(q_BNSD, cos_SD, sin_SD)
         k_BKSD = apply_rope(k_BKSD, cos_SD, sin_SD)
         k_BNSD = repeat_kv(k_BKSD, self.num_heads // self.num_kv_heads)
@@ -113,7 +113,7 @@ class GQAttention(nn.Module):
         y_BNSD = F.scaled_dot_product_attention(
             q_BNSD, k_BNSD, v_BNSD, is_causal=True, dropout_p=dropout_p
         )
-        return self.o_proj(y_BNSD.transpose(1, 2).reshape(b, s, self.num_heads * d))
+        return self.o_proj(y_BNSD.transpose(1, 2).reshape(b, s, -1))
 
 
 def repeat_kv(x_BKSD: torch.Tensor, num_repeats: int) -> torch.Tensor:
