@@ -1,0 +1,14 @@
+"""autopar's runtime: what a generated program imports to run a plan under torchrun.
+
+Modules (each documents its public functions at its top):
+    mesh             torchrun environment + ParallelConfig -> DeviceMesh (pp, dp, fsdp, cp, tp)
+    tensor_parallel  the plan's placements -> a TP/SP plan -> DTensor parallelize_module
+    data_parallel    replicated DP (explicit all-reduce), FSDP2 by ZeRO stage, HSDP
+    recompute        full / selective activation checkpointing per block
+    task             model factory, loss and data (synthetic or a user hook) of a plan
+    trainer          the training loop: AdamW, clipping, accumulation, measured vs predicted
+    parts, pipeline, context_parallel, expert_parallel   (pipeline and cp-ep helpers)
+
+Submodules are imported on use, so `import autopar.runtime` stays cheap and free of
+torch.distributed side effects.
+"""

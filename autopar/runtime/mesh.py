@@ -1,0 +1,156 @@
+"""The device mesh of a plan: torchrun's environment + a ParallelConfig -> a named DeviceMesh.
+
+In: the environment torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) and
+a `ParallelConfig`. Out: a `RuntimeMesh`, a `torch.distributed.device_mesh.DeviceMesh` with the
+axes "pp", "dp", "fsdp", "cp", "tp" (outer to inner, every axis present, size 1 included) and
+the coordinates of this rank.
+
+Invariant: the rank layout is `autopar.estimate.mesh.MeshGroups`' -- tp innermost (stride 1),
+then cp, fsdp, dp, and pp outermost -- because the mesh is `arange(world).reshape(pp, dp, fsdp,
+cp, tp)`, so a group the planner priced (say tp inside a node) is the group the program uses.
+
+Public functions:
+    init_distributed(device=None) -> (rank, world_size, device)   # process group from torchrun
+    build_mesh(config, device_type=None) -> RuntimeMesh           # refuses a wrong world size
+    check_world_size(config, world_size)                          # the clear error, alone
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.config import ParallelConfig
+from autopar.errors import AutoparError
+
+AXES = ("pp", "dp", "fsdp", "cp", "tp")  # outer to inner
+DATA_AXES = ("dp", "fsdp")  # ranks that see different samples
+
+
+class WorldSizeError(AutoparError, RuntimeError):
+    """The program runs on a different number of ranks than the plan was made for."""
+
+
+def check_world_size(config: ParallelConfig, world_size: int) -> None:
+    """Raise WorldSizeError unless ``world_size`` equals the plan's dp*fsdp*cp*tp*pp."""
+    if world_size != config.world_size:
+        raise WorldSizeError(
+            f"the plan needs {config.world_size} ranks (pp={config.pp} x dp={config.dp} x "
+            f"fsdp={config.fsdp} x cp={config.cp} x tp={config.tp}) but torchrun started "
+            f"{world_size} (WORLD_SIZE={world_size}); launch with --nproc-per-node x --nnodes = "
+            f"{config.world_size}"
+        )
+
+
+def init_distributed(device: str | None = None) -> tuple[int, int, torch.device]:
+    """Initialise the default process group from torchrun's environment (once per process).
+
+    Backend: nccl when the device is a CUDA GPU, gloo otherwise. ``device`` "cpu" or "cuda"
+    forces one; by default CUDA is used when available, each rank on GPU LOCAL_RANK.
+
+    Returns:
+        (rank, world_size, the torch.device this rank computes on).
+
+    Raises:
+        WorldSizeError: RANK / WORLD_SIZE are not set (not started by torchrun).
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = torch.device(device, local_rank) if device == "cuda" else torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        missing = [
+            k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+        ]
+        if missing:
+            raise WorldSizeError(
+                f"torchrun's environment is missing {', '.join(missing)}: start the program "
+                "with torchrun --nproc-per-node=N (see the program's docstring)"
+            )
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            device_id=dev if dev.type == "cuda" else None,
+        )
+    return dist.get_rank(), dist.get_world_size(), dev
+
+
+@dataclass(frozen=True)
+class RuntimeMesh:
+    """The plan's DeviceMesh and this rank's place in it.
+
+    `coords[axis]` is this rank's index along an axis; `data_rank` its index among the
+    dp*fsdp ranks that see different samples (dp outer, fsdp inner), `num_data_ranks` their
+    count.
+    """
+
+    mesh: DeviceMesh
+    config: ParallelConfig
+    rank: int
+    coords: dict[str, int]
+
+    def size(self, axis: str) -> int:
+        return self.mesh.size(AXES.index(axis))
+
+    def __getitem__(self, axes: str | tuple[str, ...]) -> DeviceMesh:
+        return self.mesh[axes]
+
+    @property
+    def data_rank(self) -> int:
+        return self.coords["dp"] * self.size("fsdp") + self.coords["fsdp"]
+
+    @property
+    def num_data_ranks(self) -> int:
+        return self.size("dp") * self.size("fsdp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords["pp"]
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """The process group of ``axis`` that holds this rank."""
+        return self.mesh.get_group(axis)
+
+    def as_text(self) -> str:
+        shape = " x ".join(f"{a}={self.size(a)}" for a in AXES)
+        where = ", ".join(f"{a}={self.coords[a]}" for a in AXES)
+        return f"mesh {shape} on {self.mesh.device_type}; rank {self.rank} at ({where})"
+
+
+def build_mesh(config: ParallelConfig, device_type: str | None = None) -> RuntimeMesh:
+    """The plan's mesh over the initialised default process group.
+
+    Args:
+        config: the plan's ParallelConfig; its world size must equal the process group's.
+        device_type: "cpu" or "cuda"; default: the backend's (nccl -> cuda, else cpu).
+
+    Raises:
+        WorldSizeError: the world size differs from the plan's (the message names both).
+    """
+    if not dist.is_initialized():
+        init_distributed(device_type)
+    world_size = dist.get_world_size()
+    check_world_size(config, world_size)
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    sizes = {
+        "pp": config.pp,
+        "dp": config.dp,
+        "fsdp": config.fsdp,
+        "cp": config.cp,
+        "tp": config.tp,
+    }
+    layout = torch.arange(world_size).reshape(tuple(sizes[a] for a in AXES))
+    mesh = DeviceMesh(device_type, layout, mesh_dim_names=AXES)
+    rank = dist.get_rank()
+    coords = mesh.get_coordinate()
+    assert coords is not None  # every rank is in the mesh: it spans the world
+    return RuntimeMesh(mesh, config, rank, dict(zip(AXES, coords, strict=True)))

@@ -1,0 +1,167 @@
+"""What a training run trains: the model factory, its loss and its data, from a plan's record.
+
+In: a `module:function` factory path and its JSON keyword arguments (as `Plan.model_source`
+records them), optionally a `module:function` data hook. Out: a `Task` -- `build()` makes the
+model (seeded, identical on every rank), `forward(model, inputs)` gives the outputs the loss
+reads, `loss(outputs, targets)`, and `batch(step, start, stop)` the samples [start, stop) of
+step `step`'s global batch.
+
+Known factories:
+    autopar.models.zoo:build   kwargs {"name": preset, **overrides}: the zoo's loss and inputs
+    autopar.models.hf:build    kwargs {"name": preset, **overrides}: next-token loss on
+                               `.logits`, random token ids of the plan's sequence length
+    anything else              the user's factory; next-token loss on random token ids when the
+                               model's config has `vocab_size`, otherwise a data hook is needed
+
+Synthetic data: step `s`'s global batch is generated from seed `seed + s` alone, so every rank
+(and the single-process reference) sees the same samples; a rank slices its own rows.
+
+Data hook: `--data module:fn` names `fn(step, start, stop) -> (inputs, targets)`, returning
+samples [start, stop) of the step's global batch (inputs a tuple of tensors, batch first).
+
+Public functions:
+    resolve_callable("module:fn") -> the object
+    task_from_source(factory, kwargs, seq_len=None, data=None, seed=0) -> Task
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.models import zoo
+
+Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
+ZOO_FACTORY = "autopar.models.zoo:build"
+HF_FACTORY = "autopar.models.hf:build"
+
+
+def resolve_callable(path: str) -> Any:
+    """Import ``"package.module:attr"`` and return the attribute (ValueError names the path)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"expected 'module:function', got {path!r}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import {module_name!r} (from {path!r}): {e}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{module_name!r} has no attribute {attr!r} (from {path!r})")
+        obj = getattr(obj, part)
+    return obj
+
+
+@dataclass(frozen=True)
+class Task:
+    """A model to build, how to call it, its loss, and its data (see the module docstring)."""
+
+    build: Callable[[], nn.Module]
+    forward: Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    batch: Callable[[int, int, int], Batch]  # (step, start, stop)
+    description: str = ""
+
+
+def _call(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return model(*inputs)
+
+
+def _logits(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return model(*inputs).logits
+
+
+def task_from_source(
+    factory: str,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    global_batch_size: int,
+    seq_len: int | None = None,
+    data: str | Callable[[int, int, int], Batch] | None = None,
+    seed: int = 0,
+) -> Task:
+    """The Task of a recorded model factory (see the module docstring).
+
+    Args:
+        factory: "module:function" returning the model.
+        kwargs: its keyword arguments (JSON values).
+        global_batch_size: samples per step (the synthetic generator makes this many).
+        seq_len: token-id length for synthetic language-model data (the plan's).
+        data: a data hook (callable or "module:fn"); replaces synthetic data.
+        seed: synthetic data's base seed.
+    """
+    kwargs = dict(kwargs or {})
+    hook = resolve_callable(data) if isinstance(data, str) else data
+    if factory == ZOO_FACTORY:
+        name = kwargs["name"]
+        build = _zoo_builder(kwargs)
+        probe = _ConfigProbe(zoo.config(name, **_overrides(kwargs)))
+
+        def zoo_batch(step: int, start: int, stop: int) -> Batch:
+            inputs, targets = zoo.example_batch(
+                name, probe, batch_size=global_batch_size, seq_len=seq_len, seed=seed + step
+            )
+            return tuple(t[start:stop] for t in inputs), targets[start:stop]
+
+        return Task(build, _call, zoo.loss_fn(name), hook or zoo_batch, f"zoo {name}")
+    build_fn = resolve_callable(factory)
+
+    def build() -> nn.Module:
+        return build_fn(**kwargs)
+
+    forward = _logits if factory == HF_FACTORY else _call
+    if hook is not None:
+        return Task(build, forward, zoo.lm_loss, hook, factory)
+    with torch.device("meta"):
+        config = getattr(build_fn(**kwargs), "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is None or seq_len is None:
+        raise ValueError(
+            f"no synthetic data for {factory}: its model has no config.vocab_size (or the plan "
+            "no sequence length); pass a data hook (--data module:fn, fn(step, start, stop) -> "
+            "(inputs, targets))"
+        )
+    return Task(
+        build, forward, zoo.lm_loss, _token_batch(vocab, seq_len, global_batch_size, seed), factory
+    )
+
+
+class _ConfigProbe(nn.Module):
+    """What `zoo.example_batch` reads of a model -- its config and its device (the CPU) --
+    without building the model."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.anchor = nn.Parameter(torch.zeros(()))
+
+
+def _overrides(kwargs: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in kwargs.items() if k not in ("name", "seed", "device")}
+    # JSON has no tuples: the zoo's tuple-valued fields (ConvNet channels) come back as lists
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
+
+
+def _zoo_builder(kwargs: dict[str, Any]) -> Callable[[], nn.Module]:
+    name, seed = kwargs["name"], int(kwargs.get("seed", 0))
+
+    def build() -> nn.Module:
+        return zoo.build(name, seed=seed, **_overrides(kwargs))
+
+    return build
+
+
+def _token_batch(
+    vocab: int, seq_len: int, global_batch_size: int, seed: int
+) -> Callable[[int, int, int], Batch]:
+    def batch(step: int, start: int, stop: int) -> Batch:
+        gen = torch.Generator().manual_seed(seed + step)
+        ids = torch.randint(0, vocab, (global_batch_size, seq_len), generator=gen)[start:stop]
+        return (ids,), ids
+
+    return batch

@@ -1,0 +1,306 @@
+"""Tensor and sequence parallelism on DTensor: plan placements -> a TP plan -> parallelize_module.
+
+In: a model, the plan's `ParallelConfig` and `plan.placements` (per repeated-layer class, the
+intra-layer ILP's parameter placements, "S(0)" / "S(1)" / "R"). Out: a *TP plan*, plain data
+`{module path: style}` that a generated program prints and passes back, and the model with
+its parameters turned into DTensors on the mesh's "tp" axis by torch's `parallelize_module`.
+
+Where the placements come from. With `plan.placements` present, a linear whose weight is
+"S(0)" (output features split) is column parallel, "S(1)" (input features split) row
+parallel, "R" replicated. Without them, the Megatron rule the estimator prices
+(`autopar/estimate/tables.py`): in each attention / MLP the projections that read the block's
+input (q/k/v, qkv, fc, gate/up) are column parallel, the one that writes back (o, proj, down)
+row parallel. A model with no repeated blocks (the zoo's MLP) is a chain of linears: column,
+row, column, ... as the estimator's propagation alternates; a chain that ends sharded gathers
+its output. Embeddings, the LM head, convolutions, norms (without SP), MoE routers and experts
+stay replicated: exact, and what the estimator assumes for them.
+
+Exactness: a column-parallel linear whose partner is not row parallel gathers its output
+("colwise_gather"), a row-parallel one without a column partner splits its replicated input
+itself ("rowwise_from_replicate"); so any placement the ILP picks computes the same numbers.
+
+The styles and the collectives they imply (forward; the backward mirrors them):
+
+    colwise                  none (input replicated); backward: all-reduce of the input grad
+    rowwise                  all-reduce of the output (Megatron's g)
+    colwise_gather           all-gather of the output
+    rowwise_from_replicate   none in (local split); all-reduce of the output
+    rowwise_to_seq           reduce-scatter of the output along the sequence (SP)
+    sequence_parallel        none: a norm on a sequence shard; bwd: all-reduce of its weight grad
+    gather_seq/N             all-gather of input 0 along the sequence (SP), N positional inputs
+    shard_seq/N              none: input 0 split along the sequence (the first block, SP)
+    gather_out               all-gather of the output along the sequence (the last block, SP)
+    shard_seq_gather_out/N   both (a model with one block)
+
+Public functions:
+    tp_plan(model, config, placements=None) -> dict[str, str]
+    apply_tensor_parallel(model, tp_mesh, plan) -> model
+    reduce_partial_grads(model) -> int  # SP norm weight grads: Partial -> Replicate
+    collectives_of(style) -> str      # the comment the program prints
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from autopar.config import ParallelConfig
+
+# Megatron roles by attribute name (zoo, Hugging Face Llama / GPT-2 / Mixtral, torchtitan).
+COLUMN_NAMES = frozenset({"qkv", "q_proj", "k_proj", "v_proj", "fc", "gate_proj", "up_proj"})
+COLUMN_NAMES |= {"c_attn", "c_fc", "wq", "wk", "wv", "w1", "w3"}
+ROW_NAMES = frozenset({"proj", "o_proj", "down_proj", "c_proj", "wo", "w2"})
+REPLICATED_SCOPES = frozenset({"experts", "router", "gate"})  # expert parallelism's, or tiny
+
+_COLLECTIVES = {
+    "colwise": "fwd: none; bwd: all-reduce of the input gradient (Megatron f)",
+    "rowwise": "fwd: all-reduce of the output (Megatron g); bwd: none",
+    "colwise_gather": "fwd: all-gather of the output; bwd: split",
+    "rowwise_from_replicate": "fwd: local split of the input, all-reduce of the output",
+    "rowwise_to_seq": "fwd: reduce-scatter of the output along the sequence; bwd: all-gather",
+    "sequence_parallel": "fwd: none (norm on a sequence shard); bwd: weight-grad all-reduce",
+    "gather_seq": "fwd: all-gather of the input along the sequence; bwd: reduce-scatter",
+    "shard_seq": "fwd: none (local split along the sequence); bwd: all-gather",
+    "gather_out": "fwd: all-gather of the output along the sequence; bwd: local split",
+    "shard_seq_gather_out": "fwd: local split in, all-gather of the output along the sequence",
+}
+
+
+def collectives_of(style: str) -> str:
+    """What ``style`` (as in a TP plan, with or without "/N") communicates over the tp axis."""
+    return _COLLECTIVES[style.split("/")[0]]
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks: items of the outermost ModuleLists whose items hold linears."""
+    found: list[tuple[str, nn.Module]] = []
+    taken: list[str] = []
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or any(path.startswith(t + ".") for t in taken):
+            continue
+        items = list(module.named_children())
+        if items and all(_has_linear(m) and not isinstance(m, nn.Linear) for _, m in items):
+            found += [(f"{path}.{name}", m) for name, m in items]
+            taken.append(path)
+    return found
+
+
+def _has_linear(module: nn.Module) -> bool:
+    return any(isinstance(m, nn.Linear) for m in module.modules())
+
+
+def _num_inputs(module: nn.Module) -> int:
+    params = inspect.signature(module.forward).parameters.values()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(1 for p in params if p.kind in kinds and p.default is inspect.Parameter.empty)
+
+
+def tp_plan(
+    model: nn.Module, config: ParallelConfig, placements: dict | None = None
+) -> dict[str, str]:
+    """The TP plan of ``model``: module path -> style (see the module docstring).
+
+    Args:
+        model: the model (real or meta parameters; only names and structure are read).
+        config: the plan's config; tp == 1 gives an empty plan.
+        placements: `plan.placements` (class id -> {"layer", "parameters"}), or None for the
+            Megatron rule.
+
+    Raises:
+        ValueError: sequence parallelism asked for where a block has no column/row pair.
+    """
+    if config.tp == 1:
+        return {}
+    weights = _class_weights(model, placements or {})
+    blocks = find_blocks(model)
+    plan: dict[str, str] = {}
+    if not blocks:
+        return _chain_plan(model, weights)
+    all_pairs = True
+    for path, block in blocks:
+        block_plan, paired = _block_plan(path, block, weights)
+        plan.update(block_plan)
+        all_pairs &= paired
+    if config.sequence_parallel:
+        if not all_pairs:
+            raise ValueError(
+                "sequence_parallel needs column/row parallel pairs in every block; the plan's "
+                "placements replicate some projections: run without sequence_parallel"
+            )
+        _add_sequence_parallel(plan, blocks)
+    return plan
+
+
+def _class_weights(model: nn.Module, placements: dict) -> dict[str, str]:
+    """Weight placement per linear module path, from per-class placements (representative
+    `layer` prefix swapped for every block of the same class)."""
+    out: dict[str, str] = {}
+    blocks = find_blocks(model)
+    for class_id, entry in placements.items():
+        rep = entry["layer"]
+        for path, block in blocks:
+            if type(block).__name__ != class_id and path != rep:
+                continue
+            for name, placement in entry["parameters"].items():
+                if name.startswith(rep + ".") and name.endswith(".weight"):
+                    module = path + name[len(rep) : -len(".weight")]
+                    out[module] = placement
+    return out
+
+
+def _block_plan(
+    path: str, block: nn.Module, weights: dict[str, str]
+) -> tuple[dict[str, str], bool]:
+    """Styles of one block's linears, grouped by their parent (attention, MLP); and whether
+    every group is a Megatron column/row pair."""
+    groups: dict[str, dict[str, list[str]]] = {}
+    for name, module in block.named_modules():
+        parts = name.split(".")
+        if not isinstance(module, nn.Linear) or REPLICATED_SCOPES & set(parts):
+            continue
+        role = "col" if parts[-1] in COLUMN_NAMES else "row" if parts[-1] in ROW_NAMES else None
+        if role is None:
+            continue
+        full = f"{path}.{name}"
+        placement = weights.get(full, "S(0)" if role == "col" else "S(1)")
+        groups.setdefault(".".join(parts[:-1]), {"col": [], "row": []})[role].append(
+            (full, placement)
+        )
+    plan: dict[str, str] = {}
+    all_pairs = bool(groups)
+    for members in groups.values():
+        cols, rows = members["col"], members["row"]
+        paired = all(p == "S(0)" for _, p in cols) and all(p == "S(1)" for _, p in rows)
+        paired = paired and bool(cols) and bool(rows)
+        all_pairs &= paired
+        for full, placement in cols:
+            if placement == "S(0)":
+                plan[full] = "colwise" if paired else "colwise_gather"
+        for full, placement in rows:
+            if placement == "S(1)":
+                plan[full] = "rowwise" if paired else "rowwise_from_replicate"
+    return plan, all_pairs
+
+
+def _chain_plan(model: nn.Module, weights: dict[str, str]) -> dict[str, str]:
+    """A model without blocks: its linears in order, Megatron's alternation (or the
+    placements), a sharded end gathered."""
+    linears = [p for p, m in model.named_modules() if isinstance(m, nn.Linear)]
+    plan: dict[str, str] = {}
+    sharded = False  # is the activation entering the next linear split over tp?
+    prev = ""
+    for path in linears:
+        placement = weights.get(path, "S(1)" if sharded else "S(0)")
+        if sharded and placement != "S(1)":  # the previous column-parallel one must gather
+            plan[prev] = "colwise_gather"
+            sharded = False
+        if placement == "S(0)":
+            plan[path], sharded = "colwise", True
+        elif placement == "S(1)":
+            plan[path] = "rowwise" if sharded else "rowwise_from_replicate"
+            sharded = False
+        prev = path
+    if sharded:
+        plan[linears[-1]] = "colwise_gather"
+    return plan
+
+
+def _add_sequence_parallel(plan: dict[str, str], blocks: list[tuple[str, nn.Module]]) -> None:
+    """Norms on sequence shards, attention/MLP inputs gathered, row outputs reduce-scattered;
+    the residual stream between blocks stays a local sequence shard (as torchtitan)."""
+    for i, (path, block) in enumerate(blocks):
+        n = _num_inputs(block)
+        first, last = i == 0, i == len(blocks) - 1
+        if first and last:
+            plan[path] = f"shard_seq_gather_out/{n}"
+        elif first:
+            plan[path] = f"shard_seq/{n}"
+        elif last:
+            plan[path] = "gather_out"
+        for name, child in block.named_children():
+            if "norm" in type(child).__name__.lower():
+                plan[f"{path}.{name}"] = "sequence_parallel"
+        parents = {
+            k.rsplit(".", 1)[0] for k in plan if k.startswith(path + ".") and "wise" in plan[k]
+        }
+        for parent in parents:
+            plan[parent] = f"gather_seq/{_num_inputs(block.get_submodule(parent[len(path) + 1 :]))}"
+        for key, style in list(plan.items()):
+            if key.startswith(path + ".") and style == "rowwise":
+                plan[key] = "rowwise_to_seq"
+
+
+def _style(style: str) -> ParallelStyle:
+    name, _, count = style.partition("/")
+    rest = (None,) * (int(count or 1) - 1)
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel()
+    if name == "colwise_gather":
+        return ColwiseParallel(output_layouts=Replicate())
+    if name == "rowwise_from_replicate":
+        return RowwiseParallel(input_layouts=Replicate())
+    if name == "rowwise_to_seq":
+        return RowwiseParallel(output_layouts=Shard(1))
+    if name == "sequence_parallel":
+        return SequenceParallel()
+    if name == "gather_seq":
+        return PrepareModuleInput(
+            input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest)
+        )
+    if name == "shard_seq":
+        return PrepareModuleInput(
+            input_layouts=(Replicate(), *rest),
+            desired_input_layouts=(Shard(1), *rest),
+            use_local_output=True,
+        )
+    if name == "gather_out":
+        return PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
+        )
+    if name == "shard_seq_gather_out":
+        return PrepareModuleInputOutput(
+            input_layouts=(Replicate(), *rest),
+            desired_input_layouts=(Shard(1), *rest),
+            use_local_input=True,
+            output_layouts=Shard(1),
+            desired_output_layouts=Replicate(),
+        )
+    raise ValueError(f"unknown tensor-parallel style {style!r}; known: {', '.join(_COLLECTIVES)}")
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str]) -> nn.Module:
+    """Turn ``model``'s planned modules into DTensor modules on the 1-D ``tp_mesh`` (in place).
+
+    Module paths are applied in plan order; an empty plan leaves the model as it is.
+    """
+    if plan:
+        parallelize_module(model, tp_mesh, {path: _style(s) for path, s in plan.items()})
+    return model
+
+
+def reduce_partial_grads(model: nn.Module) -> int:
+    """All-reduce the gradients DTensor left as partial sums (a sequence-parallel norm's weight
+    sees only its sequence shard) into replicated ones; returns how many there were."""
+    count = 0
+    for p in model.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            placements = [Replicate() if pl.is_partial() else pl for pl in g.placements]
+            p.grad = g.redistribute(g.device_mesh, placements)
+            count += 1
+    return count

@@ -1,0 +1,336 @@
+"""The training loop generated programs and tests run: a Task + a plan's config -> step results.
+
+In: a `Task` (model factory, loss, data), the plan's `ParallelConfig`, the global batch, the
+plan's placements and predictions, `TrainOptions`. Out: per step the global-batch loss, the
+pre-clip global gradient norm, the measured step time and this rank's memory; each step is
+printed next to the plan's prediction.
+
+One step, on every rank:
+    for each of the rank's micro-batches:  loss_mb = loss(model(x_mb), y_mb) / num_micro
+                                           loss_mb.backward()     (ZeRO-1 syncs on the last)
+    data-parallel gradient sync            (explicit all-reduce for dp; FSDP2 reduce-scatters)
+    norm^2 = sum_p sum(local grad_p^2) * share_p, all-reduced over the world, where share_p =
+             (distinct shards of p) * pp / world counts every replica once (DTensor placements
+             say which mesh axes shard p; a parameter lives on one pipeline stage)
+    grads *= min(1, max_norm / (norm + 1e-6))   (torch.nn.utils.clip_grad_norm_'s formula)
+    AdamW step
+The loss printed is the global-batch mean: mean over micro-batches, then over data ranks.
+
+Data: data rank r of D = dp*fsdp gets samples [r*B/D, (r+1)*B/D) of the step's global batch,
+split into consecutive micro-batches of `micro_batch_size`.
+
+Parallelisation order (as torchtitan): pipeline split -> tensor/sequence parallel -> context
+parallel -> expert parallel -> recompute -> FSDP2 / replication. Pipeline, context and expert
+parallelism are the modules `pipeline`, `context_parallel`, `expert_parallel` of this package;
+the call points below are marked "CALL POINT".
+
+Public functions:
+    TrainOptions, StepResult
+    parallelize_model(model, mesh, config, placements=None) -> ParallelModel
+    train(task, config, global_batch_size, ...) -> list[StepResult]
+    reference_run(task, global_batch_size, options) -> list[StepResult]   # plain single process
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from autopar.config import ParallelConfig
+from autopar.runtime.data_parallel import DataParallel, apply_data_parallel
+from autopar.runtime.mesh import RuntimeMesh, build_mesh
+from autopar.runtime.recompute import apply_recompute
+from autopar.runtime.task import Task
+from autopar.runtime.tensor_parallel import (
+    apply_tensor_parallel,
+    find_blocks,
+    reduce_partial_grads,
+    tp_plan,
+)
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """How to train: steps, AdamW, clipping, seed, precision, device, printing."""
+
+    steps: int = 3
+    lr: float = 1e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    precision: str = "fp32"  # "fp32", or "bf16": autocast forward, fp32 master weights
+    device: str | None = None  # None: cuda when available, else cpu
+    log: bool = True
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The plan's figures the program prints beside its measurements."""
+
+    step_time_s: float | None = None
+    stage_memory_bytes: tuple[dict[str, float], ...] = ()
+    stage_peak_bytes: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    loss: float
+    grad_norm: float  # before clipping
+    step_time_s: float
+    memory_bytes: dict[str, float] = field(default_factory=dict)  # this rank's
+
+
+@dataclass
+class ParallelModel:
+    """A model on the plan's mesh, with what the loop needs to drive it."""
+
+    model: nn.Module
+    mesh: RuntimeMesh
+    data_parallel: DataParallel
+    tp_plan: dict[str, str]
+    blocks: list[str]
+
+
+def parallelize_model(
+    model: nn.Module, mesh: RuntimeMesh, config: ParallelConfig, placements: dict | None = None
+) -> ParallelModel:
+    """Apply the plan to a full, seeded ``model`` (identical on every rank), in place."""
+    if config.pp > 1:  # CALL POINT: autopar.runtime.pipeline cuts the stage(s) of this rank
+        raise NotImplementedError("pipeline parallelism: autopar.runtime.pipeline not wired yet")
+    blocks = find_blocks(model)
+    plan = tp_plan(model, config, placements)
+    apply_tensor_parallel(model, mesh["tp"], plan)
+    if config.cp > 1:  # CALL POINT: autopar.runtime.context_parallel (attention over cp)
+        raise NotImplementedError(
+            "context parallelism: autopar.runtime.context_parallel not wired yet"
+        )
+    if config.ep > 1:  # CALL POINT: autopar.runtime.expert_parallel (all-to-all dispatch)
+        raise NotImplementedError(
+            "expert parallelism: autopar.runtime.expert_parallel not wired yet"
+        )
+    apply_recompute(blocks, config.recompute)
+    data_parallel = apply_data_parallel(model, blocks, mesh, config)
+    return ParallelModel(model, mesh, data_parallel, plan, [p for p, _ in blocks])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _norm_share(grad: torch.Tensor, pp: int, world: int) -> float:
+    """The weight of this rank's squared local gradient in the world sum (module docstring)."""
+    shards = 1
+    if isinstance(grad, DTensor):
+        for dim, placement in enumerate(grad.placements):
+            if placement.is_partial():
+                raise RuntimeError("a gradient is still Partial after the data-parallel sync")
+            if placement.is_shard():
+                shards *= grad.device_mesh.size(dim)
+    return shards * pp / world
+
+
+def memory_of(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
+    """This rank's parameter, gradient and optimizer-state bytes (local shards) and peak."""
+    params = list(model.parameters())
+    out = {
+        "parameters": float(sum(_local(p).numel() * p.element_size() for p in params)),
+        "gradients": float(
+            sum(
+                _local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None
+            )
+        ),
+        "optimizer": 0.0,
+    }
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:  # not the step count
+                    out["optimizer"] += _local(value).numel() * value.element_size()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["peak"] = float(torch.cuda.max_memory_allocated())
+    else:  # Linux reports the peak resident set in KiB
+        out["peak"] = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return out
+
+
+def _make_optimizer(model: nn.Module, options: TrainOptions) -> torch.optim.Optimizer:
+    # foreach=False: parameters may be DTensors on different meshes (TP 1-D, FSDP 2-D) and
+    # plain tensors at once; the per-parameter loop handles every mix
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=options.lr,
+        betas=options.betas,
+        weight_decay=options.weight_decay,
+        foreach=False,
+    )
+
+
+def train(
+    task: Task,
+    config: ParallelConfig,
+    global_batch_size: int,
+    *,
+    options: TrainOptions | None = None,
+    placements: dict | None = None,
+    prediction: Prediction | None = None,
+    mesh: RuntimeMesh | None = None,
+) -> list[StepResult]:
+    """Train ``task`` under ``config`` for ``options.steps`` steps on this rank's share.
+
+    Must run on every rank of a process group whose size is ``config.world_size`` (started by
+    torchrun, or by the test harness); the mesh is built when not given.
+
+    Raises:
+        WorldSizeError: the world size differs from the plan's.
+        ValueError: the global batch does not split into the plan's micro-batches.
+    """
+    options = options or TrainOptions()
+    prediction = prediction or Prediction()
+    mesh = mesh or build_mesh(config, options.device)
+    num_data, mbs = mesh.num_data_ranks, config.micro_batch_size
+    if global_batch_size % (num_data * mbs):
+        raise ValueError(
+            f"global batch {global_batch_size} is not a multiple of data ranks {num_data} x "
+            f"micro_batch_size {mbs}"
+        )
+    per_rank = global_batch_size // num_data
+    num_micro = per_rank // mbs
+    device = torch.device(mesh.mesh.device_type)
+    model = task.build().to(device)
+    pm = parallelize_model(model, mesh, config, placements)
+    optimizer = _make_optimizer(model, options)
+    world, start = dist.get_world_size(), mesh.data_rank * per_rank
+    if options.log and mesh.rank == 0:
+        print(f"[autopar] {mesh.as_text()}; {pm.data_parallel.as_text()}", flush=True)
+    results = []
+    for step in range(options.steps):
+        t0 = time.perf_counter()
+        inputs, targets = task.batch(step, start, start + per_rank)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for i in range(num_micro):
+            mb = slice(i * mbs, (i + 1) * mbs)
+            with _autocast(device, options.precision):
+                out = task.forward(model, tuple(t[mb].to(device) for t in inputs))
+            loss = task.loss(out, targets[mb].to(device)) / num_micro
+            pm.data_parallel.before_backward(is_last_microbatch=i == num_micro - 1)
+            loss.backward()
+            loss_sum += _local(loss.detach()).double().cpu()
+        reduce_partial_grads(model)  # SP norms: weight-grad all-reduce over tp
+        pm.data_parallel.sync_gradients()
+        grad_norm, mean_loss = _global_norm_and_loss(model, loss_sum, mesh, world)
+        coef = min(1.0, options.max_grad_norm / (grad_norm + 1e-6))
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    _local(p.grad).mul_(coef)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_time = time.perf_counter() - t0
+        memory = memory_of(model, optimizer)
+        results.append(StepResult(step + 1, mean_loss, grad_norm, step_time, memory))
+        if options.log and mesh.rank == 0:
+            print(_step_line(results[-1], options.steps, prediction, mesh.pp_rank), flush=True)
+    if options.log:
+        _print_rank_memory(results[-1].memory, mesh, prediction)
+    return results
+
+
+def _global_norm_and_loss(
+    model: nn.Module, loss_sum: torch.Tensor, mesh: RuntimeMesh, world: int
+) -> tuple[float, float]:
+    """One all-reduce over the world of [weighted squared gradient norm, weighted loss]."""
+    pp = mesh.size("pp")
+    total = torch.zeros(2, dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is not None:
+            local = _local(p.grad).detach().double()
+            total[0] += local.pow(2).sum() * _norm_share(p.grad, pp, world)
+    # CALL POINT (pipeline): only the last stage holds the loss; the others add 0 here
+    total[1] = loss_sum * pp / world
+    dist.all_reduce(total)
+    return math.sqrt(total[0].item()), total[1].item()
+
+
+def _autocast(device: torch.device, precision: str) -> Any:
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision != "fp32":
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+    return contextlib.nullcontext()
+
+
+def _mib(x: float | None) -> str:
+    return "-" if x is None else f"{x / MiB:.2f}"
+
+
+def _step_line(r: StepResult, steps: int, pred: Prediction, stage: int) -> str:
+    m = r.memory
+    plan_mem = pred.stage_memory_bytes[stage] if pred.stage_memory_bytes else {}
+    plan_time = f" (plan {pred.step_time_s:.4f} s)" if pred.step_time_s else ""
+    return (
+        f"step {r.step}/{steps}  loss {r.loss:.6f}  grad_norm {r.grad_norm:.6f}  "
+        f"time {r.step_time_s:.4f} s{plan_time}  rank0 MiB params {_mib(m['parameters'])}"
+        f"/{_mib(plan_mem.get('parameters'))} grads {_mib(m['gradients'])}"
+        f"/{_mib(plan_mem.get('gradients'))} optim {_mib(m['optimizer'])}"
+        f"/{_mib(plan_mem.get('optimizer'))} (measured/plan)"
+    )
+
+
+def _print_rank_memory(memory: dict[str, float], mesh: RuntimeMesh, pred: Prediction) -> None:
+    """Every rank's memory, gathered to rank 0 and printed one line each."""
+    rows: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, (mesh.rank, mesh.pp_rank, memory))
+    if mesh.rank != 0:
+        return
+    for rank, stage, mem in rows:
+        plan_peak = pred.stage_peak_bytes[stage] if pred.stage_peak_bytes else None
+        print(
+            f"[autopar] rank {rank} memory MiB: params {_mib(mem['parameters'])} grads "
+            f"{_mib(mem['gradients'])} optim {_mib(mem['optimizer'])} peak {_mib(mem['peak'])}"
+            f" (plan peak {_mib(plan_peak)})",
+            file=sys.stdout,
+            flush=True,
+        )
+
+
+def reference_run(
+    task: Task, global_batch_size: int, options: TrainOptions | None = None
+) -> list[StepResult]:
+    """The single-process run the sharded ones must match: the whole global batch at once,
+    plain torch, AdamW, `clip_grad_norm_`."""
+    options = options or TrainOptions()
+    model = task.build()
+    optimizer = _make_optimizer(model, options)
+    results = []
+    for step in range(options.steps):
+        t0 = time.perf_counter()
+        inputs, targets = task.batch(step, 0, global_batch_size)
+        loss = task.loss(task.forward(model, inputs), targets)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), options.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        results.append(
+            StepResult(
+                step + 1,
+                loss.item(),
+                norm.item(),
+                time.perf_counter() - t0,
+                memory_of(model, optimizer),
+            )
+        )
+    return results

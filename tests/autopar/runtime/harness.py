@@ -1,0 +1,133 @@
+"""Multi-rank test harness: spawn N gloo ranks, run configs, compare with one process.
+
+In: a world size and a list of `Case`s (zoo model, ParallelConfig, global batch, optional
+placements). Out: per case the per-step (loss, pre-clip grad norm) of rank 0, and the same
+for the single-process reference (`autopar.runtime.trainer.reference_run`).
+
+One spawn per world size runs all its cases, because starting processes is the slow part on
+a shared 2-core machine; each spawn takes a free port (bound to port 0) so concurrent test
+runs do not collide.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from autopar.config import ParallelConfig
+from autopar.runtime.task import ZOO_FACTORY, task_from_source
+from autopar.runtime.trainer import TrainOptions, reference_run, train
+
+OPTIONS = TrainOptions(steps=3, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, log=False)
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str  # zoo preset
+    config: ParallelConfig
+    global_batch_size: int = 4
+    placements: dict | None = None
+    overrides: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.config.as_text()}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def task_of(case: Case):
+    return task_from_source(
+        ZOO_FACTORY,
+        {"name": case.model, **case.overrides},
+        global_batch_size=case.global_batch_size,
+    )
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Any, args: tuple, out_dir: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(*args)
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def run_ranks(world_size: int, fn: Any, *args: Any) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` spawned gloo ranks; their return values by rank."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(
+            _entry,
+            args=(world_size, free_port(), fn, args, tmp),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+        return [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+def run_cases(cases: list[Case]) -> list[list[tuple[float, float]]]:
+    """On one rank: train every case; per case per step (loss, grad_norm)."""
+    out = []
+    for case in cases:
+        steps = train(
+            task_of(case),
+            case.config,
+            case.global_batch_size,
+            options=OPTIONS,
+            placements=case.placements,
+        )
+        out.append([(r.loss, r.grad_norm) for r in steps])
+    return out
+
+
+def reference(case: Case) -> list[tuple[float, float]]:
+    torch.set_num_threads(1)
+    return [
+        (r.loss, r.grad_norm) for r in reference_run(task_of(case), case.global_batch_size, OPTIONS)
+    ]
+
+
+def max_rel_error(got: list[tuple[float, float]], want: list[tuple[float, float]]) -> float:
+    return max(
+        abs(g - w) / abs(w)
+        for gs, ws in zip(got, want, strict=True)
+        for g, w in zip(gs, ws, strict=True)
+    )
+
+
+def check_cases(world_size: int, cases: list[Case], rtol: float = 1e-5) -> dict[str, float]:
+    """Run ``cases`` on ``world_size`` ranks; assert every rank matches the reference within
+    ``rtol``; return the max relative error per case label."""
+    per_rank = run_ranks(world_size, run_cases, cases)
+    errors = {}
+    for i, case in enumerate(cases):
+        want = reference(case)
+        err = max(max_rel_error(results[i], want) for results in per_rank)
+        errors[case.label] = err
+        assert err <= rtol, (
+            f"{case.label}: max relative error {err:.2e} > {rtol}: {per_rank[0][i]} vs {want}"
+        )
+    return errors
