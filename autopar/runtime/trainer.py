@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.config import ParallelConfig
 from autopar.runtime.data_parallel import DataParallel, apply_data_parallel
@@ -138,7 +139,9 @@ def _norm_share(grad: torch.Tensor, pp: int, world: int) -> float:
         for dim, placement in enumerate(grad.placements):
             if placement.is_partial():
                 raise RuntimeError("a gradient is still Partial after the data-parallel sync")
-            if placement.is_shard():
+            # FSDP over TP shards a dim twice: the fsdp axis' placement is a _StridedShard,
+            # which is not a Shard subclass (is_shard() is False) but splits all the same
+            if placement.is_shard() or isinstance(placement, _StridedShard):
                 shards *= grad.device_mesh.size(dim)
     return shards * pp / world
 

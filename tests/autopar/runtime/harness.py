@@ -39,7 +39,8 @@ class Case:
 
     @property
     def label(self) -> str:
-        return f"{self.model} {self.config.as_text()}"
+        extra = " +placements" if self.placements else ""
+        return f"{self.model} {self.config.as_text()}{extra}"
 
 
 def free_port() -> int:
@@ -127,6 +128,7 @@ def check_cases(world_size: int, cases: list[Case], rtol: float = 1e-5) -> dict[
         want = reference(case)
         err = max(max_rel_error(results[i], want) for results in per_rank)
         errors[case.label] = err
+        print(f"{case.label}: max relative error {err:.1e}")
         assert err <= rtol, (
             f"{case.label}: max relative error {err:.2e} > {rtol}: {per_rank[0][i]} vs {want}"
         )
