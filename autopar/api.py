@@ -5,6 +5,8 @@ evaluate = trace -> build_tables -> Estimator.evaluate -> Plan
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -17,7 +19,7 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.errors import ConfigError
 from autopar.estimate import CostOptions, Estimate, Estimator, build_tables
-from autopar.plan import Plan, StagePlan
+from autopar.plan import ModelSource, Plan, StagePlan
 from autopar.solve.search import search
 from autopar.solve.space import SpaceLimits, shape_problems
 from autopar.tracing import ModelGraph, trace
@@ -49,6 +51,7 @@ def parallelize(
     optimizer: str = "adamw",
     options: PlanOptions | None = None,
     graph: ModelGraph | None = None,
+    model_factory: ModelFactory = None,
 ) -> Plan:
     """Find the fastest parallel configuration of ``model`` on ``cluster`` that fits in memory.
 
@@ -61,6 +64,10 @@ def parallelize(
         precision, optimizer: as for `evaluate`.
         options: PlanOptions (cost-model options, micro-batch sizes, progress callback).
         graph: a ModelGraph already traced from this model and inputs.
+        model_factory: how the generated program builds the model: "module:function", or
+            ("module:function", {kwargs}); default: the factory the zoo and Hugging Face
+            builders record on the model (`model.autopar_factory`), else none (`plan.save`
+            then writes plan.json only).
 
     Returns:
         The best Plan, with `alternatives` (why each lost) and `report` (the search's figures).
@@ -98,6 +105,7 @@ def parallelize(
         time_limit_s=options.time_limit_s,
     )
     plan = plan_from_estimate(result.best, graph, cluster, precision, optimizer)
+    plan = replace(plan, **_sources(model, model_factory, cluster))
     report = replace(result.report, trace_time_s=trace_s)
     if report.num_unsearched:
         notes.append(
@@ -258,6 +266,7 @@ def evaluate(
     optimizer: str = "adamw",
     options: CostOptions | None = None,
     graph: ModelGraph | None = None,
+    model_factory: ModelFactory = None,
 ) -> Plan:
     """Price one parallel configuration of ``model`` on ``cluster`` with autopar's cost model.
 
@@ -271,6 +280,7 @@ def evaluate(
         optimizer: "adamw", "adam", "sgd", "sgd_momentum".
         options: framework behaviour (overlaps, buffer sizes); defaults: `CostOptions()`.
         graph: a ModelGraph already traced from this model and inputs (skips tracing).
+        model_factory: as for `parallelize`: what the saved program calls to build the model.
 
     Returns:
         A Plan with the predicted step time, its breakdown, memory per stage and MFU.
@@ -297,7 +307,33 @@ def evaluate(
         tables, cluster, precision=precision, optimizer=optimizer, options=options
     )
     estimate = estimator.evaluate(config, global_batch_size)
-    return plan_from_estimate(estimate, graph, cluster, precision, optimizer)
+    plan = plan_from_estimate(estimate, graph, cluster, precision, optimizer)
+    return replace(plan, **_sources(model, model_factory, cluster))
+
+
+ModelFactory = str | tuple[str, dict[str, Any]] | None
+
+
+def _sources(model: nn.Module, factory: ModelFactory, cluster: Cluster) -> dict[str, Any]:
+    """The plan's model_source (factory, JSON kwargs, fingerprint) and cluster_fingerprint."""
+    from autopar.runtime.task import model_fingerprint
+
+    where = f"{cluster.profile.name}|{cluster.num_nodes}|{cluster.devices_per_node}"
+    cluster_fp = hashlib.sha256(f"{where}|{cluster.world_size}".encode()).hexdigest()[:16]
+    if factory is None:
+        recorded = getattr(model, "autopar_factory", None)
+        factory = (recorded["factory"], recorded["kwargs"]) if recorded else None
+    if factory is None:
+        return {"model_source": None, "cluster_fingerprint": cluster_fp}
+    path, kwargs = (factory, {}) if isinstance(factory, str) else factory
+    if not isinstance(path, str) or ":" not in path:
+        raise ValueError(f"model_factory must be 'module:function' (with kwargs), got {path!r}")
+    try:
+        kwargs = json.loads(json.dumps(kwargs))  # JSON values only; tuples become lists
+    except TypeError as e:
+        raise ValueError(f"model_factory kwargs must be JSON values: {e}") from None
+    source = ModelSource(path, kwargs, model_fingerprint(model))
+    return {"model_source": source, "cluster_fingerprint": cluster_fp}
 
 
 def plan_from_estimate(

@@ -15,7 +15,9 @@ from typing import Any
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError
 
-SCHEMA_VERSION = 1
+# 2: model_source (factory, kwargs, fingerprint) and cluster_fingerprint, so that a saved
+# plan rebuilds its model and its program refuses another model
+SCHEMA_VERSION = 2
 GiB = 2**30
 
 
@@ -33,6 +35,21 @@ class StagePlan:
         str, float
     ]  # parameters, gradients, optimizer, activations, buffers, reserve
     peak_memory_bytes: float
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """How the generated program builds the model: ``factory`` ("module:function") called with
+    ``kwargs`` (JSON values); ``fingerprint`` hashes the parameter names and shapes
+    (`autopar.runtime.task.model_fingerprint`) so the program refuses a different model."""
+
+    factory: str
+    kwargs: dict[str, Any]
+    fingerprint: str
+
+    def as_text(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
+        return f"{self.factory}({args})  [fingerprint {self.fingerprint}]"
 
 
 @dataclass(frozen=True)
@@ -59,6 +76,10 @@ class Plan:
     report: dict[str, Any] = field(default_factory=dict)  # the search's figures (parallelize)
     # per repeated-layer class at the chosen tp: parameter and node placements, collectives
     placements: dict[str, Any] = field(default_factory=dict)
+    # the model's factory (None: the model came with no factory; plan.save then writes no
+    # program) and a hash of the cluster (profile, nodes, devices per node, world size)
+    model_source: ModelSource | None = None
+    cluster_fingerprint: str = ""
     schema_version: int = field(default=SCHEMA_VERSION)
     # wall-clock figures of this run (trace, search, ILP seconds): shown by summary() and
     # explain() but not saved, so the same inputs give a byte-identical plan.json
@@ -106,6 +127,8 @@ class Plan:
         if self.alternatives:
             lines += ["", "  nearest alternatives:"]
             lines += [f"    {a['config']}: {a['why']}" for a in self.alternatives]
+        if self.model_source is not None:
+            lines.append(f"  model from  {self.model_source.as_text()}")
         lines += [f"  note: {n}" for n in self.notes]
         if self.timings:
             lines.append(
@@ -159,16 +182,27 @@ class Plan:
             )
             data["alternatives"] = tuple(data.get("alternatives", ()))
             data["notes"] = tuple(data.get("notes", ()))
+            if data.get("model_source") is not None:
+                data["model_source"] = ModelSource(**data["model_source"])
             return cls(**data)
         except (KeyError, TypeError) as e:
             raise PlanError(f"plan JSON is missing or has unexpected fields: {e}") from None
 
-    def save(self, directory: str | Path) -> Path:
-        """Write ``plan.json`` into ``directory`` (created if needed); returns its path."""
+    def save(self, directory: str | Path, *, program: bool = True) -> Path:
+        """Write ``plan.json`` into ``directory`` (created if needed) and, when the plan knows
+        its model factory and ``program`` is true, the generated ``train.py`` beside it
+        (`autopar.codegen.generate`); returns the plan's path.
+
+        Run the program with ``torchrun --nproc-per-node=N directory/train.py``.
+        """
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         path = out / "plan.json"
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(self.to_json())
         tmp.replace(path)  # never leave a half-written plan behind
+        if program and self.model_source is not None:
+            from autopar.codegen import generate  # codegen imports torch; plans need not
+
+            generate(self, out)
         return path

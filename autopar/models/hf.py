@@ -122,6 +122,9 @@ def build(
             f"{name}: experts implementation is {got!r}, asked for {asked!r}; "
             "torch.export needs a data-independent one (batched_mm)"
         )
+    # how to build it again (with real weights): a plan records this for its generated program
+    kwargs = {"name": name, "seed": seed, **overrides}
+    model.autopar_factory = {"factory": "autopar.models.hf:build", "kwargs": kwargs}
     return model
 
 

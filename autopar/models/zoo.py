@@ -38,6 +38,7 @@ from autopar.models.moe import MoE, MoEConfig
 from autopar.models.simple import MLP, ConvNet, ConvNetConfig, MLPConfig
 
 Device = str | torch.device
+FACTORY = "autopar.models.zoo:build"  # the `module:function` path plans record
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -229,7 +230,13 @@ def build(name: str, *, device: Device = "cpu", seed: int = 0, **overrides: Any)
     cfg = config(name, **overrides)
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
-        return entry.model_cls(cfg)
+        model = entry.model_cls(cfg)
+    # how to build it again: a plan records this, and its generated program calls it
+    model.autopar_factory = {
+        "factory": FACTORY,
+        "kwargs": {"name": name, "seed": seed, **overrides},
+    }
+    return model
 
 
 def example_inputs(

@@ -21,11 +21,14 @@ samples [start, stop) of the step's global batch (inputs a tuple of tensors, bat
 
 Public functions:
     resolve_callable("module:fn") -> the object
+    model_fingerprint(model) -> str          # hash of parameter names and shapes
+    check_fingerprint(model, expected)       # the program's refusal of another model
     task_from_source(factory, kwargs, seq_len=None, data=None, seed=0) -> Task
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +58,23 @@ def resolve_callable(path: str) -> Any:
             raise ValueError(f"{module_name!r} has no attribute {attr!r} (from {path!r})")
         obj = getattr(obj, part)
     return obj
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """16 hex digits of SHA-256 over the parameter names and shapes (tied parameters once),
+    the same for a model on the meta device and its real twin."""
+    text = "\n".join(f"{n}:{tuple(p.shape)}" for n, p in model.named_parameters())
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_fingerprint(model: nn.Module, expected: str) -> None:
+    """Raise ValueError when ``model`` is not the model the plan was made for."""
+    got = model_fingerprint(model)
+    if expected and got != expected:
+        raise ValueError(
+            f"the plan was made for a model with fingerprint {expected}, but the factory built "
+            f"one with fingerprint {got} (other parameter names or shapes): re-plan this model"
+        )
 
 
 @dataclass(frozen=True)

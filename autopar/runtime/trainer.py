@@ -51,7 +51,7 @@ from autopar.config import ParallelConfig
 from autopar.runtime.data_parallel import DataParallel, apply_data_parallel
 from autopar.runtime.mesh import RuntimeMesh, build_mesh
 from autopar.runtime.recompute import apply_recompute
-from autopar.runtime.task import Task
+from autopar.runtime.task import Task, check_fingerprint
 from autopar.runtime.tensor_parallel import (
     apply_tensor_parallel,
     find_blocks,
@@ -107,13 +107,20 @@ class ParallelModel:
 
 
 def parallelize_model(
-    model: nn.Module, mesh: RuntimeMesh, config: ParallelConfig, placements: dict | None = None
+    model: nn.Module,
+    mesh: RuntimeMesh,
+    config: ParallelConfig,
+    placements: dict | None = None,
+    tp: dict[str, str] | None = None,
 ) -> ParallelModel:
-    """Apply the plan to a full, seeded ``model`` (identical on every rank), in place."""
+    """Apply the plan to a full, seeded ``model`` (identical on every rank), in place.
+
+    ``tp`` is a TP plan (module -> style) as a generated program spells it out; without it the
+    TP plan is derived from ``placements`` (`tensor_parallel.tp_plan`)."""
     if config.pp > 1:  # CALL POINT: autopar.runtime.pipeline cuts the stage(s) of this rank
         raise NotImplementedError("pipeline parallelism: autopar.runtime.pipeline not wired yet")
     blocks = find_blocks(model)
-    plan = tp_plan(model, config, placements)
+    plan = tp if tp is not None else tp_plan(model, config, placements)
     apply_tensor_parallel(model, mesh["tp"], plan)
     if config.cp > 1:  # CALL POINT: autopar.runtime.context_parallel (attention over cp)
         raise NotImplementedError(
@@ -191,8 +198,13 @@ def train(
     placements: dict | None = None,
     prediction: Prediction | None = None,
     mesh: RuntimeMesh | None = None,
+    tp: dict[str, str] | None = None,
+    fingerprint: str = "",
 ) -> list[StepResult]:
     """Train ``task`` under ``config`` for ``options.steps`` steps on this rank's share.
+
+    ``tp``: an explicit TP plan (see `parallelize_model`); ``fingerprint``: the plan's model
+    fingerprint, checked against the built model.
 
     Must run on every rank of a process group whose size is ``config.world_size`` (started by
     torchrun, or by the test harness); the mesh is built when not given.
@@ -214,7 +226,8 @@ def train(
     num_micro = per_rank // mbs
     device = torch.device(mesh.mesh.device_type)
     model = task.build().to(device)
-    pm = parallelize_model(model, mesh, config, placements)
+    check_fingerprint(model, fingerprint)
+    pm = parallelize_model(model, mesh, config, placements, tp)
     optimizer = _make_optimizer(model, options)
     world, start = dist.get_world_size(), mesh.data_rank * per_rank
     if options.log and mesh.rank == 0:
@@ -241,14 +254,14 @@ def train(
                 if p.grad is not None:
                     _local(p.grad).mul_(coef)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         step_time = time.perf_counter() - t0
-        memory = memory_of(model, optimizer)
+        memory = memory_of(model, optimizer)  # before zero_grad: gradients still held
+        optimizer.zero_grad(set_to_none=True)
         results.append(StepResult(step + 1, mean_loss, grad_norm, step_time, memory))
         if options.log and mesh.rank == 0:
             print(_step_line(results[-1], options.steps, prediction, mesh.pp_rank), flush=True)
     if options.log:
-        _print_rank_memory(results[-1].memory, mesh, prediction)
+        _print_rank_memory(results[-1].memory_bytes, mesh, prediction)
     return results
 
 
@@ -281,7 +294,7 @@ def _mib(x: float | None) -> str:
 
 
 def _step_line(r: StepResult, steps: int, pred: Prediction, stage: int) -> str:
-    m = r.memory
+    m = r.memory_bytes
     plan_mem = pred.stage_memory_bytes[stage] if pred.stage_memory_bytes else {}
     plan_time = f" (plan {pred.step_time_s:.4f} s)" if pred.step_time_s else ""
     return (
