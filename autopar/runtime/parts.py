@@ -1,0 +1,242 @@
+"""How a model is cut for pipelining: embed -> repeated blocks -> head, with explicit positions.
+
+In: a model instance. Out: its `ModelParts` -- the module paths of the embedding step, of the
+`nn.ModuleList` of repeated blocks and of the head, and four functions that run them:
+
+    h   = parts.embed(m, inputs, positions)    # token ids + positions -> hidden   (first stage)
+    ctx = parts.context(m, h, positions)       # per-stage context: RoPE tables, causal mask
+    h   = parts.block(block, h, ctx)           # one repeated block
+    out = parts.head(m, h)                     # hidden -> logits                  (last stage)
+
+`m` is the model itself or any module that holds the same submodules under the same paths
+(a pipeline chunk, `autopar.runtime.pipeline.StageModule`), so the functions run unchanged on
+either. Invariant (tests/autopar/runtime/test_parts.py): `run(model, inputs)` -- embed, every
+block, head -- equals `model(*inputs)` (HF: `.logits`).
+
+Positions are explicit: `positions_S` holds the global position of each of the S tokens of
+the inputs, `arange(S)` for a whole sequence. Context parallelism
+(`autopar.runtime.context_parallel`) passes a sequence shard's global positions, so the
+learned position table (GPT) and the rotary tables (Llama) are those of the shard's tokens.
+
+The registry `PARTS` is keyed by class name ("module.QualName") so that transformers is not
+imported to look up a zoo model; `parts_of(model)` walks the class's MRO (the zoo's `Llama`
+and `MoE` share `DecoderLM`'s entry).
+
+Public functions:
+    parts_of(model) -> ModelParts              # KeyError-free: ValueError names the class
+    has_parts(model) -> bool
+    run(model, inputs, positions=None) -> out  # embed -> blocks -> head, without pipelining
+    default_positions(inputs) -> positions_S   # arange over the sequence dim of inputs[0]
+    tied_parameters(model, parts) -> ((head param path, embed param path), ...)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch import nn
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """A model's pipeline anatomy (see the module docstring).
+
+    Paths are dotted module paths from the model's root. `shared` modules hold no trainable
+    parameters and are needed on every stage (HF's rotary embedding with its `inv_freq`).
+    """
+
+    embed_modules: tuple[str, ...]
+    blocks: str
+    head_modules: tuple[str, ...]
+    embed: Callable[[nn.Module, tuple[Tensor, ...], Tensor], Tensor]
+    context: Callable[[nn.Module, Tensor, Tensor], Any]
+    block: Callable[[nn.Module, Tensor, Any], Tensor]
+    head: Callable[[nn.Module, Tensor], Tensor]
+    shared_modules: tuple[str, ...] = ()
+
+    def num_blocks(self, model: nn.Module) -> int:
+        return len(model.get_submodule(self.blocks))
+
+
+def default_positions(inputs: tuple[Tensor, ...]) -> Tensor:
+    """`arange(S)` on the inputs' device, S = inputs[0].shape[1] (token ids `[B, S]`)."""
+    ids = inputs[0]
+    return torch.arange(ids.shape[1], device=ids.device)
+
+
+def rope_at(positions_S: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """Rotary tables at given positions; equals `layers.rope_cos_sin` (same ops, same order)
+    when ``positions_S`` is `arange(S)`."""
+    device = positions_S.device
+    inv_freq_D2 = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    )
+    pos_S = positions_S.to(torch.float32)
+    freqs_SD2 = pos_S[:, None] * inv_freq_D2[None, :]
+    emb_SD = torch.cat((freqs_SD2, freqs_SD2), dim=-1)
+    return emb_SD.cos(), emb_SD.sin()
+
+
+# ------------------------------------------------------------------ zoo GPT
+
+
+def _gpt_parts(model: nn.Module) -> ModelParts:
+    def embed(m: nn.Module, inputs: tuple[Tensor, ...], positions_S: Tensor) -> Tensor:
+        (ids_BS,) = inputs
+        return m.emb_dropout(m.tok_emb(ids_BS) + m.pos_emb(positions_S))
+
+    return ModelParts(
+        embed_modules=("tok_emb", "pos_emb", "emb_dropout"),
+        blocks="blocks",
+        head_modules=("ln_f", "lm_head"),
+        embed=embed,
+        context=lambda m, h, positions_S: None,
+        block=lambda block, h, ctx: block(h),
+        head=lambda m, h: m.lm_head(m.ln_f(h)),
+    )
+
+
+# ------------------------------------------------------------------ zoo Llama / MoE
+
+
+def _decoder_parts(model: nn.Module) -> ModelParts:
+    head_dim, theta = model.head_dim, model.config.rope_theta
+
+    def embed(m: nn.Module, inputs: tuple[Tensor, ...], positions_S: Tensor) -> Tensor:
+        (ids_BS,) = inputs
+        return m.embed_tokens(ids_BS)
+
+    return ModelParts(
+        embed_modules=("embed_tokens",),
+        blocks="layers",
+        head_modules=("norm", "lm_head"),
+        embed=embed,
+        context=lambda m, h, positions_S: rope_at(positions_S, head_dim, theta),
+        block=lambda layer, h, ctx: layer(h, *ctx),
+        head=lambda m, h: m.lm_head(m.norm(h)),
+    )
+
+
+# ------------------------------------------------------------------ Hugging Face decoders
+
+
+def _hf_decoder_parts(model: nn.Module) -> ModelParts:
+    """LlamaForCausalLM and its look-alikes (Mistral, Qwen2, Mixtral): `model.embed_tokens`,
+    `model.layers`, `model.norm`, `model.rotary_emb`, `lm_head`, as `LlamaModel.forward`."""
+    from transformers.masking_utils import create_causal_mask
+
+    config = model.config
+
+    def embed(m: nn.Module, inputs: tuple[Tensor, ...], positions_S: Tensor) -> Tensor:
+        (ids_BS,) = inputs
+        return m.get_submodule("model.embed_tokens")(ids_BS)
+
+    def context(m: nn.Module, h: Tensor, positions_S: Tensor) -> dict[str, Any]:
+        position_ids = positions_S[None, :]
+        mask = create_causal_mask(
+            config=config,
+            inputs_embeds=h,
+            attention_mask=None,
+            past_key_values=None,
+            position_ids=position_ids,
+        )
+        rope = m.get_submodule("model.rotary_emb")(h, position_ids=position_ids)
+        return {
+            "attention_mask": mask,
+            "position_embeddings": rope,
+            "position_ids": position_ids,
+            "past_key_values": None,
+            "use_cache": False,
+        }
+
+    def head(m: nn.Module, h: Tensor) -> Tensor:
+        return m.lm_head(m.get_submodule("model.norm")(h))
+
+    return ModelParts(
+        embed_modules=("model.embed_tokens",),
+        blocks="model.layers",
+        head_modules=("model.norm", "lm_head"),
+        embed=embed,
+        context=context,
+        block=lambda layer, h, ctx: layer(h, **ctx),
+        head=head,
+        shared_modules=("model.rotary_emb",),
+    )
+
+
+_HF = "transformers.models"
+PARTS: MappingProxyType[str, Callable[[nn.Module], ModelParts]] = MappingProxyType(
+    {
+        "autopar.models.gpt.GPT": _gpt_parts,
+        "autopar.models.llama.DecoderLM": _decoder_parts,  # Llama, MoE
+        f"{_HF}.llama.modeling_llama.LlamaForCausalLM": _hf_decoder_parts,
+        f"{_HF}.mistral.modeling_mistral.MistralForCausalLM": _hf_decoder_parts,
+        f"{_HF}.qwen2.modeling_qwen2.Qwen2ForCausalLM": _hf_decoder_parts,
+        f"{_HF}.mixtral.modeling_mixtral.MixtralForCausalLM": _hf_decoder_parts,
+    }
+)
+
+
+def _class_key(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def has_parts(model: nn.Module) -> bool:
+    """Whether the registry knows how to cut ``model``."""
+    return any(_class_key(c) in PARTS for c in type(model).__mro__)
+
+
+def parts_of(model: nn.Module) -> ModelParts:
+    """The `ModelParts` of ``model`` (the registry entry of its class or nearest base).
+
+    Raises:
+        ValueError: no entry for the class; the message lists the known classes.
+    """
+    for cls in type(model).__mro__:
+        make = PARTS.get(_class_key(cls))
+        if make is not None:
+            return make(model)
+    known = ", ".join(k.rsplit(".", 1)[-1] for k in PARTS)
+    raise ValueError(
+        f"autopar does not know how to cut {type(model).__name__} into pipeline stages "
+        f"(known: {known}); add a ModelParts entry to autopar.runtime.parts.PARTS"
+    )
+
+
+def run(
+    model: nn.Module,
+    inputs: tuple[Tensor, ...],
+    positions_S: Tensor | None = None,
+    parts: ModelParts | None = None,
+) -> Tensor:
+    """embed -> every block -> head on the whole ``model`` (no pipelining): the reference the
+    pipeline chunks are cut from, and a forward with explicit positions for context parallelism.
+    """
+    parts = parts or parts_of(model)
+    positions_S = default_positions(inputs) if positions_S is None else positions_S
+    h = parts.embed(model, inputs, positions_S)
+    ctx = parts.context(model, h, positions_S)
+    for block in model.get_submodule(parts.blocks):
+        h = parts.block(block, h, ctx)
+    return parts.head(model, h)
+
+
+def tied_parameters(model: nn.Module, parts: ModelParts) -> tuple[tuple[str, str], ...]:
+    """(head parameter path, embed parameter path) for every parameter object the head shares
+    with the embedding (GPT-2's `lm_head.weight` is `tok_emb.weight`)."""
+    embed_params = {}
+    for path in parts.embed_modules:
+        for name, p in model.get_submodule(path).named_parameters(remove_duplicate=False):
+            embed_params.setdefault(id(p), f"{path}.{name}")
+    out = []
+    for path in parts.head_modules:
+        for name, p in model.get_submodule(path).named_parameters(remove_duplicate=False):
+            if id(p) in embed_params:
+                out.append((f"{path}.{name}", embed_params[id(p)]))
+    return tuple(out)
