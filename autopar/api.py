@@ -9,7 +9,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -19,10 +19,12 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.errors import ConfigError
 from autopar.estimate import CostOptions, Estimate, Estimator, build_tables
+from autopar.layout import mesh_axes
 from autopar.plan import ModelSource, Plan, StagePlan
 from autopar.solve.search import search
 from autopar.solve.space import SpaceLimits, shape_problems
 from autopar.tracing import ModelGraph, trace
+from autopar.whatif import sensitivity
 
 # DESIGN.md: the default global batch is about 4M tokens, a power of two in sequences.
 DEFAULT_BATCH_TOKENS = 4 * 2**20
@@ -39,6 +41,9 @@ class PlanOptions:
     # stop pricing new degree choices after this many seconds once a plan fits; the plan
     # then says it is the best found and bounds its optimality gap (None: search it all)
     time_limit_s: float | None = None
+    # re-plan on 2x inter-node bandwidth and on +50% HBM for explain() (`autopar.whatif`);
+    # two more searches on the same cost tables
+    sensitivity: bool = True
 
 
 def parallelize(
@@ -117,16 +122,37 @@ def parallelize(
     t_ilp = time.perf_counter()
     placements, ilp = _intra_layer_placements(graph, cluster, result.best.config)
     ilp_s = time.perf_counter() - t_ilp
+    t_whatif = time.perf_counter()
+    what_if = ()
+    if options.sensitivity:
+        what_if = sensitivity(
+            tables,
+            cluster,
+            limits,
+            result.best,
+            precision=precision,
+            optimizer=optimizer,
+            options=options.cost,
+            time_limit_s=options.time_limit_s,
+        )
+    whatif_s = time.perf_counter() - t_whatif
     return replace(
         plan,
         alternatives=result.alternatives,
         notes=tuple(notes),
-        report={"text": report.as_text(timings=False), **_report_fields(report), "ilp": ilp},
+        report={
+            "text": report.as_text(timings=False),
+            **_report_fields(report),
+            "ilp": ilp,
+            "limits": json.loads(json.dumps(asdict(limits))),  # JSON values: the plan reloads
+        },
         placements=placements,
+        sensitivity=what_if,
         timings={
             "trace": trace_s,
             "search": report.search_time_s,
             "ilp": ilp_s,
+            "what-if": whatif_s,
             "total": time.perf_counter() - t0,
         },
     )
@@ -375,4 +401,5 @@ def plan_from_estimate(
         mfu=estimate.mfu,
         breakdown=dict(estimate.breakdown),
         stages=stages,
+        mesh=mesh_axes(cluster, estimate.config),
     )

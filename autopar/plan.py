@@ -80,6 +80,10 @@ class Plan:
     # program) and a hash of the cluster (profile, nodes, devices per node, world size)
     model_source: ModelSource | None = None
     cluster_fingerprint: str = ""
+    # how each mesh axis lies on the topology (`autopar.layout.mesh_axes`), and the what-if
+    # re-plans (`autopar.whatif.sensitivity`): data, so summary() and explain() need no cluster
+    mesh: tuple[dict[str, Any], ...] = ()
+    sensitivity: tuple[dict[str, Any], ...] = ()
     schema_version: int = field(default=SCHEMA_VERSION)
     # wall-clock figures of this run (trace, search, ILP seconds): shown by summary() and
     # explain() but not saved, so the same inputs give a byte-identical plan.json
@@ -96,64 +100,25 @@ class Plan:
     # ------------------------------------------------------------------ text
 
     def summary(self) -> str:
-        cfg = self.config
-        lines = [
-            f"Plan for {self.model} ({self.num_params / 1e9:.2f} B params, seq {self.seq_len}) on "
-            f"{self.cluster} x {self.num_nodes} = {self.world_size} devices",
-            f"  config      {cfg.as_text()}",
-            f"  batch       {self.global_batch_size} sequences = {self.num_microbatches} "
-            f"micro-batches of {cfg.micro_batch_size} x {cfg.data_parallel_size} data-parallel",
-            f"  step time   {self.step_time_s:.3f} s   MFU {self.mfu:.1%}   "
-            f"{self.tokens_per_s:,.0f} tokens/s",
-            f"  memory      peak {self.peak_memory_bytes / GiB:.1f} GiB of "
-            f"{self.memory_capacity_bytes / GiB:.1f} GiB"
-            + ("" if self.fits else "   DOES NOT FIT"),
-            "",
-            "  step-time breakdown:",
-        ]
-        for name, seconds in self.breakdown.items():
-            if seconds > 0:
-                share = seconds / self.step_time_s
-                lines.append(f"    {name:<18} {seconds:9.4f} s  {share:6.1%}")
-        lines += [
-            "",
-            f"  {'stage':<6} {'layers':>6} {'fwd/mb s':>10} {'bwd/mb s':>10} {'memory GiB':>11}",
-        ]
-        for st in self.stages:
-            lines.append(
-                f"  {st.index:<6} {len(st.layers):>6} {st.forward_s:10.4f} {st.backward_s:10.4f} "
-                f"{st.peak_memory_bytes / GiB:11.1f}"
-            )
-        if self.alternatives:
-            lines += ["", "  nearest alternatives:"]
-            lines += [f"    {a['config']}: {a['why']}" for a in self.alternatives]
-        if self.model_source is not None:
-            lines.append(f"  model from  {self.model_source.as_text()}")
-        lines += [f"  note: {n}" for n in self.notes]
-        if self.timings:
-            lines.append(
-                "  planned in " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items())
-            )
-        return "\n".join(lines)
+        """One screen: config, where each mesh axis runs, step-time breakdown, MFU, stages,
+        the nearest alternatives (`autopar.plan_text.summary_text`)."""
+        from autopar.plan_text import summary_text
+
+        return summary_text(self)
 
     def explain(self) -> str:
-        terms = {k: v for k, v in self.breakdown.items() if v > 0}
-        top = max(terms, key=terms.__getitem__) if terms else "none"
-        worst = max(self.stages, key=lambda s: s.peak_memory_bytes)
-        biggest = max(worst.memory_bytes, key=worst.memory_bytes.__getitem__)
-        lines = [
-            f"Bottleneck: {top} takes {terms.get(top, 0.0) / self.step_time_s:.0%} of the step.",
-            f"Memory: stage {worst.index} is the fullest at {worst.peak_memory_bytes / GiB:.1f} "
-            f"GiB of {self.memory_capacity_bytes / GiB:.1f} GiB; its largest part is {biggest} "
-            f"({worst.memory_bytes[biggest] / GiB:.1f} GiB).",
-        ]
-        for alt in self.alternatives:
-            lines.append(f"Alternative {alt.get('config')}: {alt.get('why', '')}")
-        if self.report:
-            lines.append(f"Search: {self.report.get('text', '')}")
-        if self.timings:
-            lines.append("Timings: " + ", ".join(f"{k} {v:.2f} s" for k, v in self.timings.items()))
-        return "\n".join(lines)
+        """Why this plan: bottleneck, binding constraint, what each runner-up loses, and the
+        sensitivity to 2x inter-node bandwidth and +50% HBM (`autopar.plan_text`)."""
+        from autopar.plan_text import explain_text
+
+        return explain_text(self)
+
+    def plot(self, kind: str, path: str | Path) -> Path:
+        """Save a PNG: ``kind`` is "pipeline" (Gantt per stage), "memory" (per stage) or
+        "breakdown" (step time by term); see `autopar.plots` (needs matplotlib)."""
+        from autopar.plots import plot_plan
+
+        return plot_plan(self, kind, path)
 
     # ------------------------------------------------------------------ JSON
 
@@ -182,6 +147,8 @@ class Plan:
             )
             data["alternatives"] = tuple(data.get("alternatives", ()))
             data["notes"] = tuple(data.get("notes", ()))
+            data["mesh"] = tuple(data.get("mesh", ()))
+            data["sensitivity"] = tuple(data.get("sensitivity", ()))
             if data.get("model_source") is not None:
                 data["model_source"] = ModelSource(**data["model_source"])
             return cls(**data)

@@ -235,6 +235,7 @@ def _alt(est: Estimate, why: str) -> dict[str, object]:
         "step_time_s": est.step_time_s,
         "peak_memory_bytes": est.peak_memory_bytes,
         "why": why,
+        "breakdown": dict(est.breakdown),  # what it loses, term by term (Plan.explain)
     }
 
 
