@@ -154,6 +154,12 @@ def _binding(plan: Plan) -> str:
         )
     if not plan.fits:
         return f"Binding constraint: memory. This config does not fit ({cap:.1f} GiB per device)."
+    if not plan.report:
+        spare = (plan.memory_capacity_bytes - plan.peak_memory_bytes) / GiB
+        return (
+            f"Binding constraint: not searched (a config priced by evaluate); it fits with "
+            f"{spare:.1f} GiB per device to spare."
+        )
     return (
         "Binding constraint: none on memory: no faster config was found that does not fit; "
         "the degrees are bound by divisibility and the cluster's size."
