@@ -1,7 +1,9 @@
 """The ``autopar`` command line (also ``python -m autopar``).
 
-Verbs so far: ``demo`` (the README's main job), ``list-profiles``, ``cluster``, ``profile``.
-Exit codes: 0 success, 2 bad input (argparse's convention, also used for profile errors).
+Verbs: ``demo`` (the README's main job), ``plan``, ``explain``, ``compare``, ``list-models``,
+``list-profiles``, ``cluster``, ``profile``; the planning verbs live in `autopar.commands`.
+Exit codes: 0 success, 2 a usage error (argparse), 1 an autopar error (bad profile, unknown
+model, a config that does not fit, ...): its message on stderr, no traceback.
 """
 
 from __future__ import annotations
@@ -55,7 +57,58 @@ def _parser() -> argparse.ArgumentParser:
     prof.add_argument("--nproc", type=int, default=2, help="ranks to launch (default 2)")
     prof.add_argument("--quick", action="store_true", help="few sizes, seconds (for tests)")
     prof.add_argument("--node-devices", type=int, help="node.devices to write (default: --nproc)")
+    _add_planning_verbs(verbs)
     return parser
+
+
+def _add_planning_verbs(verbs: argparse._SubParsersAction) -> None:
+    from autopar.commands.plan_verb import PRECISIONS
+
+    plan = verbs.add_parser(
+        "plan",
+        help="find the fastest parallel plan of a model on a cluster; write plan.json",
+        epilog="example: autopar plan llama3-8b --profile dgx_h100 --nodes 2 --batch 512 "
+        "-o out/  (MODEL: a zoo name or Hugging Face preset from `autopar list-models`, a "
+        "config.json path, or module:factory)",
+    )
+    plan.add_argument("model", help="zoo name, Hugging Face preset, config.json or module:factory")
+    plan.add_argument("--profile", default="dgx_h100", help="shipped profile or .toml path")
+    plan.add_argument("--nodes", type=int, help="nodes of the profile (default 1)")
+    plan.add_argument("--devices", type=int, help="total devices instead of --nodes")
+    plan.add_argument("--batch", type=int, help="global batch in sequences (default ~4M tokens)")
+    plan.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
+    plan.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    plan.add_argument("--time-limit", type=float, help="search time limit in seconds")
+    plan.add_argument("-o", "--out", default="out", help="directory for plan.json (default out/)")
+    plan.add_argument("--json", action="store_true", help="print the plan's JSON only")
+    plan.add_argument("--plots", metavar="DIR", help="write pipeline/memory/breakdown PNGs here")
+
+    explain = verbs.add_parser(
+        "explain",
+        help="why a saved plan: bottleneck, binding constraint, runners-up, sensitivity",
+        epilog="example: autopar explain out/plan.json --summary",
+    )
+    explain.add_argument("plan", help="a plan.json")
+    explain.add_argument("--summary", action="store_true", help="print the summary first")
+    explain.add_argument("--plots", metavar="DIR", help="write the plan's PNGs here")
+
+    compare = verbs.add_parser(
+        "compare",
+        help="a saved plan beside a config you give, on the same model, cluster and batch",
+        epilog="example: autopar compare out/plan.json --config "
+        "tp=8,pp=2,schedule=interleaved_1f1b,v=2,sp=1  (keys: dp fsdp tp pp cp ep zero mbs "
+        "schedule v recompute sp)",
+    )
+    compare.add_argument("plan", help="a plan.json")
+    compare.add_argument("--config", required=True, help="key=value,... (ParallelConfig fields)")
+    compare.add_argument("--profile", help="profile .toml path when the plan's is not shipped")
+    compare.add_argument("--json", action="store_true", help="print both plans' JSON")
+
+    verbs.add_parser(
+        "list-models",
+        help="list the zoo models and Hugging Face presets",
+        epilog="example: autopar list-models",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,12 +119,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(text)
     except AutoparError as e:
         print(f"autopar: error: {e}", file=sys.stderr)
-        return 2
+        return 1
     return 0
+
+
+_PLANNING_VERBS = {
+    "plan": "autopar.commands.plan_verb:run_plan",
+    "explain": "autopar.commands.plan_verb:run_explain",
+    "compare": "autopar.commands.compare:run_compare",
+    "list-models": "autopar.commands.models:run_list_models",
+}
 
 
 def _run(args: argparse.Namespace) -> str:
     # Imports inside the verbs keep `autopar --help` fast.
+    if args.verb in _PLANNING_VERBS:
+        import importlib
+
+        module, function = _PLANNING_VERBS[args.verb].split(":")
+        return getattr(importlib.import_module(module), function)(args)
     if args.verb == "demo":
         from autopar.demo import run_demo
 

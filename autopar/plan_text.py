@@ -196,6 +196,8 @@ def _loses(plan: Plan, alt: dict[str, Any]) -> str:
     if alt["peak_memory_bytes"] > plan.memory_capacity_bytes:
         excess = (alt["peak_memory_bytes"] - plan.memory_capacity_bytes) / GiB
         return f"{head}, but over memory by {excess:.1f} GiB: it does not fit"
+    if abs(delta) < 1e-4:
+        return f"{head}, ties this plan's step time (ranked after it by its config text)"
     terms = alt.get("breakdown")
     if not terms:
         return f"{head} ({alt.get('why', '')})"
