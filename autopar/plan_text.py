@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     from autopar.plan import Plan
 
 GiB = 2**30
+# the breakdown's documented order (README); a loaded plan's dict comes back sorted by name
+TERM_ORDER = (
+    *("compute_forward", "compute_backward", "recompute", "tp_comm", "cp_comm", "ep_comm"),
+    *("fsdp_comm", "pipeline_bubble", "dp_comm", "optimizer", "grad_clip"),
+)
 COMPUTE_TERMS = ("compute_forward", "compute_backward", "recompute", "optimizer", "grad_clip")
 
 
@@ -35,7 +40,7 @@ def summary_text(plan: Plan) -> str:
         "",
         "  step-time breakdown:",
     ]
-    for name, seconds in plan.breakdown.items():
+    for name, seconds in ordered_terms(plan.breakdown):
         if seconds > 0:
             share = seconds / plan.step_time_s
             lines.append(f"    {name:<18} {seconds:9.4f} s  {share:6.1%}")
@@ -248,3 +253,9 @@ def sensitivity_lines(entries: tuple[dict[str, Any], ...], config_text: str) -> 
                 f"({new:+.1%}; this plan's config alone {same:+.1%})"
             )
     return lines
+
+
+def ordered_terms(breakdown: dict[str, float]) -> list[tuple[str, float]]:
+    """The breakdown in `TERM_ORDER`, terms it does not know after them by name."""
+    rank = {name: i for i, name in enumerate(TERM_ORDER)}
+    return sorted(breakdown.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0]))

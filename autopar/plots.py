@@ -166,7 +166,9 @@ def figure_memory(plan: Plan) -> Figure:
 
 def figure_breakdown(plan: Plan) -> Figure:
     """Horizontal bars: the step time by breakdown term (terms that are zero left out)."""
-    terms = [(k, v) for k, v in plan.breakdown.items() if v > 0]
+    from autopar.plan_text import ordered_terms
+
+    terms = [(k, v) for k, v in ordered_terms(plan.breakdown) if v > 0]
     fig = _figure(7, 1.0 + 0.35 * max(len(terms), 1))
     ax = fig.add_subplot()
     names = [k for k, _ in terms]

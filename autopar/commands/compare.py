@@ -97,7 +97,9 @@ def compare_text(plan: Any, yours: Any) -> str:
          f"{(yours.peak_memory_bytes - plan.peak_memory_bytes) / GiB:+.1f} GiB"),
         ("micro-batches", str(plan.num_microbatches), str(yours.num_microbatches), ""),
     ]  # fmt: skip
-    terms = [k for k in plan.breakdown if plan.breakdown[k] > 0 or yours.breakdown.get(k, 0) > 0]
+    from autopar.plan_text import ordered_terms
+
+    terms = [k for k, v in ordered_terms(plan.breakdown) if v > 0 or yours.breakdown.get(k, 0) > 0]
     for k in terms:
         a, b = plan.breakdown.get(k, 0.0), yours.breakdown.get(k, 0.0)
         rows.append((f"  {k}", f"{a:.4f} s", f"{b:.4f} s", f"{b - a:+.4f} s"))
