@@ -1,0 +1,44 @@
+"""Every notebook in notebooks/ runs to the end without an error (nbclient), from the repo root.
+
+Each notebook must finish in under 2 minutes (the cell timeout); they trace real model shapes,
+so they are marked slow.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+LIMIT_S = 120
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    # the kernel imports autopar from this checkout, as the notebooks' own text says
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    book = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(
+        book, timeout=LIMIT_S, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}
+    )
+    start = time.perf_counter()
+    client.execute()  # raises CellExecutionError, with the cell and its traceback, on an error
+    took = time.perf_counter() - start
+    errors = [
+        out
+        for cell in book.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+        if out.get("output_type") == "error"
+    ]
+    assert not errors
+    assert took < LIMIT_S, f"{path.name} took {took:.0f} s (limit {LIMIT_S} s)"
+    print(f"{path.name}: {took:.1f} s")
