@@ -41,11 +41,12 @@ class PPCase:
     positions: bool = False  # pass arange(S) explicitly, as context parallelism passes a shard's
     tp: int = 1
     fsdp: int = 1
+    pp: int = 2
 
     @property
     def config(self) -> ParallelConfig:
         return ParallelConfig(
-            pp=2,
+            pp=self.pp,
             tp=self.tp,
             fsdp=self.fsdp,
             zero_stage=3 if self.fsdp > 1 else 0,
@@ -60,7 +61,7 @@ class PPCase:
     @property
     def label(self) -> str:
         cut = (" uneven" if self.stage_layers else "") + (" +positions" if self.positions else "")
-        mesh = f"pp2{' x fsdp2' if self.fsdp > 1 else ''}{' x tp2' if self.tp > 1 else ''}"
+        mesh = f"pp{self.pp}{' x fsdp2' if self.fsdp > 1 else ''}{' x tp2' if self.tp > 1 else ''}"
         return f"{self.model} {mesh} {self.override or self.schedule} v{self.virtual_stages}{cut}"
 
 

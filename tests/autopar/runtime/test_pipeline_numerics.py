@@ -1,4 +1,4 @@
-"""PP2 trains exactly as one process: GPT (tied head), Llama and HF Llama under every torch
+"""PP2 trains exactly as one process: GPT (tied head), Llama, HF Llama and MoE under every torch
 schedule (GPipe, 1F1B, interleaved, zero-bubble, ZBV, DualPipeV), uneven cuts, explicit
 positions; 2 gloo ranks, one spawn."""
 
@@ -29,6 +29,7 @@ CASES = [
     ),
     PPCase("llama-tiny", "interleaved_1f1b", 2, positions=True),
     PPCase("llama-tiny-hf", "1f1b", 1, positions=True),
+    PPCase("moe-tiny", "interleaved_1f1b", 2),
 ]
 
 
