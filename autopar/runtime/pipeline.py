@@ -188,6 +188,7 @@ class Pipeline:
             return loss_fn(out, target) / m
 
         # positions are the same for every micro-batch: replicated, not split along the batch
+        # (`_Replicate` is torch's own marker for that; the public TensorChunkSpec only splits)
         kwargs = dict(
             n_microbatches=m,
             loss_fn=scaled_loss,
