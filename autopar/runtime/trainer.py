@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.config import ParallelConfig
+from autopar.runtime.checkpoint import CheckpointOptions, open_checkpointer
 from autopar.runtime.data_parallel import DataParallel, apply_data_parallel
 from autopar.runtime.mesh import RuntimeMesh, build_mesh
 from autopar.runtime.recompute import apply_recompute
@@ -55,6 +56,7 @@ from autopar.runtime.task import Task, check_fingerprint
 from autopar.runtime.tensor_parallel import (
     apply_tensor_parallel,
     find_blocks,
+    loss_context,
     reduce_partial_grads,
     tp_plan,
 )
@@ -75,6 +77,8 @@ class TrainOptions:
     precision: str = "fp32"  # "fp32", or "bf16": autocast forward, fp32 master weights
     device: str | None = None  # None: cuda when available, else cpu
     log: bool = True
+    # autopar.runtime.checkpoint: save every N steps, resume from the newest complete one
+    checkpoint: CheckpointOptions | None = None
 
 
 @dataclass(frozen=True)
@@ -120,7 +124,7 @@ def parallelize_model(
     if config.pp > 1:  # CALL POINT: autopar.runtime.pipeline cuts the stage(s) of this rank
         raise NotImplementedError("pipeline parallelism: autopar.runtime.pipeline not wired yet")
     blocks = find_blocks(model)
-    plan = tp if tp is not None else tp_plan(model, config, placements)
+    plan = tp if tp is not None else tp_plan(model, config, placements, vocab_parallel=True)
     apply_tensor_parallel(model, mesh["tp"], plan)
     if config.cp > 1:  # CALL POINT: autopar.runtime.context_parallel (attention over cp)
         raise NotImplementedError(
@@ -229,21 +233,31 @@ def train(
     check_fingerprint(model, fingerprint)
     pm = parallelize_model(model, mesh, config, placements, tp)
     optimizer = _make_optimizer(model, options)
+    # CHECKPOINT (autopar.runtime.checkpoint): resume from the newest complete checkpoint
+    ckpt = open_checkpointer(
+        options.checkpoint,
+        model,
+        optimizer,
+        global_batch_size=global_batch_size,
+        plan_text=config.as_text(),
+    )
+    first_step = ckpt.resume() if ckpt else 0
     world, start = dist.get_world_size(), mesh.data_rank * per_rank
     if options.log and mesh.rank == 0:
         print(f"[autopar] {mesh.as_text()}; {pm.data_parallel.as_text()}", flush=True)
     results = []
-    for step in range(options.steps):
+    for step in range(first_step, options.steps):
         t0 = time.perf_counter()
         inputs, targets = task.batch(step, start, start + per_rank)
         loss_sum = torch.zeros((), dtype=torch.float64)
         for i in range(num_micro):
             mb = slice(i * mbs, (i + 1) * mbs)
-            with _autocast(device, options.precision):
-                out = task.forward(model, tuple(t[mb].to(device) for t in inputs))
-            loss = task.loss(out, targets[mb].to(device)) / num_micro
-            pm.data_parallel.before_backward(is_last_microbatch=i == num_micro - 1)
-            loss.backward()
+            with loss_context(pm.tp_plan):  # loss_parallel() for a vocabulary-split head
+                with _autocast(device, options.precision):
+                    out = task.forward(model, tuple(t[mb].to(device) for t in inputs))
+                loss = task.loss(out, targets[mb].to(device)) / num_micro
+                pm.data_parallel.before_backward(is_last_microbatch=i == num_micro - 1)
+                loss.backward()
             loss_sum += _local(loss.detach()).double().cpu()
         reduce_partial_grads(model)  # SP norms: weight-grad all-reduce over tp
         pm.data_parallel.sync_gradients()
@@ -260,7 +274,11 @@ def train(
         results.append(StepResult(step + 1, mean_loss, grad_norm, step_time, memory))
         if options.log and mesh.rank == 0:
             print(_step_line(results[-1], options.steps, prediction, mesh.pp_rank), flush=True)
-    if options.log:
+        if ckpt:  # CHECKPOINT: log the step, save when due
+            ckpt.after_step(step + 1, mean_loss, grad_norm)
+    if ckpt:
+        ckpt.close()  # completes a pending asynchronous save
+    if options.log and results:
         _print_rank_memory(results[-1].memory_bytes, mesh, prediction)
     return results
 

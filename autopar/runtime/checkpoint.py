@@ -1,0 +1,309 @@
+"""Checkpoints of a training run on torch.distributed.checkpoint (DCP): save, resume, reshard.
+
+In: the parallelised model and its optimizer (DTensor / FSDP2 / TP shards or plain tensors),
+the step just finished, `CheckpointOptions`. Out: a directory per saved step
+
+    <directory>/step-00000004/      a complete checkpoint
+        .metadata, __*.distcp       DCP: model + optimizer state by full parameter name
+        meta.json                   step, samples seen, global batch, model fingerprint, plan
+        rng-rank<r>.pt              rank r's RNG states (torch CPU, and CUDA when present)
+    <directory>/.partial-step-*/    being written (or left by a killed run): never resumed
+    <directory>/log.jsonl           one line per finished step: loss and grad norm, exact (hex)
+
+Invariants:
+- A checkpoint directory exists under its final name only when complete: every rank's shards,
+  the DCP metadata, the RNG files and meta.json are written into `.partial-step-N`, then rank 0
+  renames it (an atomic rename on one file system). A kill at any moment leaves either the
+  previous complete checkpoints or one more; resume takes the newest complete one.
+- The last `keep` complete checkpoints are kept; older ones are deleted after a save completes.
+- Model and optimizer state go through `torch.distributed.checkpoint.state_dict.get_state_dict`
+  / `set_state_dict`: keys are the original parameter names whatever the plan (FSDP2, TP,
+  replicated), so a checkpoint saved under one plan loads under another (DCP reshards).
+- The data position is the step: step s's global batch depends on s alone (see
+  `autopar.runtime.task`), so resuming after step s continues with batch s and recomputes no
+  step before it. A checkpoint of another model (fingerprint) or another global batch size is
+  refused with `CheckpointError`.
+- Asynchronous saves (`async_save=True`) use `dcp.async_save` on a separate gloo group (its
+  collectives run in a background thread beside the training's own); a save becomes complete
+  (renamed) at the next save or at `close()`, so a kill before then resumes from the one before.
+
+Public functions:
+    CheckpointOptions(directory, every=0, async_save=False, keep=2)
+    CheckpointError
+    Checkpointer(options, model, optimizer, *, global_batch_size, plan_text="")
+    open_checkpointer(options | None, model, optimizer, ...) -> Checkpointer | None
+        .resume() -> int              # steps already done (0: start from scratch)
+        .after_step(step, loss, grad_norm)   # log; save when step % every == 0
+        .close()                      # finish a pending asynchronous save
+    latest_checkpoint(directory) -> Path | None
+    read_meta(path) -> dict
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from autopar.errors import AutoparError
+from autopar.runtime.task import model_fingerprint
+
+FORMAT_VERSION = 1
+_FINAL = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(AutoparError, RuntimeError):
+    """A checkpoint that cannot be resumed here: another model, another batch, a bad file."""
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """Where and how often to checkpoint.
+
+    directory: the run's checkpoint directory (shared by all ranks; a shared file system when
+        the ranks are on several nodes). every: save after every this many steps (0: never
+        save, only resume). async_save: `dcp.async_save` instead of a blocking save. keep:
+        complete checkpoints kept (the newest). resume: start from the newest complete one.
+    """
+
+    directory: str
+    every: int = 0
+    async_save: bool = False
+    keep: int = 2
+    resume: bool = True
+
+    def __post_init__(self) -> None:
+        if self.every < 0 or self.keep < 1:
+            raise ValueError(f"checkpoint every={self.every} must be >= 0, keep={self.keep} >= 1")
+
+
+def _name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def complete_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of the complete checkpoints in ``directory``, oldest first."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _FINAL.match(path.name)
+        if match and (path / "meta.json").is_file() and (path / ".metadata").is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest complete checkpoint in ``directory`` (None when there is none)."""
+    found = complete_checkpoints(directory)
+    return found[-1][1] if found else None
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """A checkpoint's meta.json (CheckpointError names the file when it cannot be read)."""
+    file = Path(path) / "meta.json"
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read checkpoint metadata {file}: {e}") from None
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{file} has checkpoint format {meta.get('format')!r}; this autopar reads "
+            f"format {FORMAT_VERSION}"
+        )
+    return meta
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+class Checkpointer:
+    """Saves and resumes one run's model, optimizer, step, data position and RNG states.
+
+    Every method is collective: call it on every rank at the same point of the loop.
+    """
+
+    def __init__(
+        self,
+        options: CheckpointOptions,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        global_batch_size: int,
+        plan_text: str = "",
+    ) -> None:
+        self.options = options
+        self.model = model
+        self.optimizer = optimizer
+        self.global_batch_size = global_batch_size
+        self.plan_text = plan_text
+        self.root = Path(options.directory)
+        self.fingerprint = model_fingerprint(model)  # DTensors report their global shapes
+        self.rank = _rank()
+        self._pending: tuple[int, Future] | None = None
+        # async: DCP's collectives run in a thread, so they get a group of their own
+        self._group = dist.new_group(backend="gloo") if options.async_save else None
+
+    # ----------------------------------------------------------------- resume
+    def resume(self) -> int:
+        """Load the newest complete checkpoint, if any; returns the steps already done.
+
+        Also deletes `.partial-*` directories a killed run left behind.
+
+        Raises:
+            CheckpointError: the checkpoint is of another model or global batch size.
+        """
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(".partial-step-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        _barrier()
+        path = latest_checkpoint(self.root) if self.options.resume else None
+        if path is None:
+            return 0
+        meta = read_meta(path)
+        self._check(meta, path)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=str(path))
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
+        rng = path / f"rng-rank{self.rank}.pt"
+        if rng.is_file():  # a run resumed on more ranks keeps its seeded state on the new ones
+            saved = torch.load(rng, weights_only=True)
+            torch.set_rng_state(saved["cpu"])
+            if "cuda" in saved and torch.cuda.is_available():
+                torch.cuda.set_rng_state(saved["cuda"])
+        if self.rank == 0:
+            print(
+                f"[autopar] resumed from {path} (step {meta['step']}, "
+                f"{meta['samples_seen']} samples seen, saved under {meta['plan']})",
+                flush=True,
+            )
+        return int(meta["step"])
+
+    def _check(self, meta: dict[str, Any], path: Path) -> None:
+        if meta["model_fingerprint"] != self.fingerprint:
+            raise CheckpointError(
+                f"checkpoint {path} holds a model with fingerprint {meta['model_fingerprint']} "
+                f"but this program trains one with fingerprint {self.fingerprint} (other "
+                "parameter names or shapes): use another --checkpoint-dir"
+            )
+        if meta["global_batch_size"] != self.global_batch_size:
+            raise CheckpointError(
+                f"checkpoint {path} was trained with global batch {meta['global_batch_size']} "
+                f"but this run's is {self.global_batch_size}: the data position "
+                f"({meta['samples_seen']} samples) would not be a whole step; keep the batch"
+            )
+
+    # ------------------------------------------------------------------- save
+    def after_step(self, step: int, loss: float, grad_norm: float) -> None:
+        """Record step ``step`` (1-based, finished) in log.jsonl; save when it is due."""
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            line = {
+                "step": step,
+                "loss": float(loss).hex(),
+                "grad_norm": float(grad_norm).hex(),
+                "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            }
+            with open(self.root / "log.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
+        if self.options.every and step % self.options.every == 0:
+            self.save(step)
+
+    def save(self, step: int) -> None:
+        """Checkpoint the state after ``step`` steps (blocking, or started asynchronously)."""
+        self._finish_pending()
+        partial = self.root / f".partial-{_name(step)}"
+        partial.mkdir(parents=True, exist_ok=True)
+        torch.save(_rng_state(), partial / f"rng-rank{self.rank}.pt")
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        if self.options.async_save:
+            # the state is staged (copied) before async_save returns: training may go on
+            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group)
+            self._pending = (step, future)  # type: ignore[assignment]
+        else:
+            dcp.save(state, checkpoint_id=str(partial))
+            self._complete(step)
+
+    def close(self) -> None:
+        """Complete a pending asynchronous save (call once after the last step)."""
+        self._finish_pending()
+
+    def _finish_pending(self) -> None:
+        if self._pending is None:
+            return
+        step, future = self._pending
+        self._pending = None
+        future.result()
+        self._complete(step)
+
+    def _complete(self, step: int) -> None:
+        """All ranks wrote their part: rank 0 adds meta.json, renames, prunes."""
+        _barrier()
+        if self.rank == 0:
+            partial = self.root / f".partial-{_name(step)}"
+            meta = {
+                "format": FORMAT_VERSION,
+                "step": step,
+                "samples_seen": step * self.global_batch_size,
+                "global_batch_size": self.global_batch_size,
+                "model_fingerprint": self.fingerprint,
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "plan": self.plan_text,
+            }
+            (partial / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+            final = self.root / _name(step)
+            if final.exists():  # the same step saved again (a resumed run that re-saved it)
+                shutil.rmtree(final)
+            partial.rename(final)
+            for _, old in complete_checkpoints(self.root)[: -self.options.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+
+
+def open_checkpointer(
+    options: CheckpointOptions | None,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    global_batch_size: int,
+    plan_text: str = "",
+) -> Checkpointer | None:
+    """A `Checkpointer` when ``options`` asks for one, else None (the trainer's hook)."""
+    if options is None:
+        return None
+    return Checkpointer(
+        options, model, optimizer, global_batch_size=global_batch_size, plan_text=plan_text
+    )

@@ -1,0 +1,106 @@
+"""Checkpoints (autopar.runtime.checkpoint): a resumed run continues bitwise; refusals.
+
+One spawn of 2 gloo ranks runs every multi-rank case (process start-up is the slow part):
+uninterrupted 4 steps vs 2 steps + resume for 2 more (blocking and asynchronous saves, FSDP2
+and TP2), `keep` pruning, and a checkpoint of another model refused. The directory rules
+(partial and incomplete checkpoints never resumed) are checked without processes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from harness import OPTIONS, Case, run_ranks, task_of
+
+from autopar.config import ParallelConfig
+from autopar.runtime.checkpoint import (
+    CheckpointError,
+    CheckpointOptions,
+    complete_checkpoints,
+    latest_checkpoint,
+    read_meta,
+)
+from autopar.runtime.trainer import train
+
+FSDP2 = Case("gpt-tiny", ParallelConfig(fsdp=2, zero_stage=3, micro_batch_size=1), 4)
+TP2 = Case("llama-tiny", ParallelConfig(tp=2, sequence_parallel=True, micro_batch_size=2), 4)
+
+
+def _run(case: Case, steps: int, ckpt: CheckpointOptions | None) -> list[float]:
+    options = replace(OPTIONS, steps=steps, checkpoint=ckpt)
+    results = train(task_of(case), case.config, case.global_batch_size, options=options)
+    return [r.loss for r in results]
+
+
+def _cases(root: str) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for label, case, async_save in (("fsdp2", FSDP2, False), ("tp2-async", TP2, True)):
+        straight = _run(case, 4, None)
+        ckpt = CheckpointOptions(f"{root}/{label}", every=2, async_save=async_save)
+        first = _run(case, 2, ckpt)
+        resumed = _run(case, 4, ckpt)  # resumes after step 2: computes steps 3 and 4 only
+        out[label] = (straight, first, resumed)
+    keep = CheckpointOptions(f"{root}/keep", every=1, keep=2)
+    _run(FSDP2, 3, keep)
+    other = replace(FSDP2, overrides={"num_layers": 3})
+    try:
+        _run(other, 4, CheckpointOptions(f"{root}/fsdp2"))
+        out["other model"] = "accepted"
+    except CheckpointError as e:
+        out["other model"] = str(e)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_resume_continues_bitwise_and_refuses_another_model(tmp_path):
+    got = run_ranks(2, _cases, str(tmp_path))[0]
+    for label in ("fsdp2", "tp2-async"):
+        straight, first, resumed = got[label]
+        assert first == straight[:2]
+        assert [x.hex() for x in resumed] == [x.hex() for x in straight[2:]], label
+        meta = read_meta(latest_checkpoint(tmp_path / label))
+        assert (meta["step"], meta["samples_seen"], meta["world_size"]) == (4, 16, 2)
+        log = [
+            json.loads(line) for line in (tmp_path / label / "log.jsonl").read_text().splitlines()
+        ]
+        assert [r["step"] for r in log] == [1, 2, 3, 4]  # no step computed twice
+        assert [float.fromhex(r["loss"]) for r in log] == straight
+    assert [s for s, _ in complete_checkpoints(tmp_path / "keep")] == [2, 3]
+    assert not list((tmp_path / "keep").glob(".partial-*"))
+    message = got["other model"]
+    assert "holds a model with fingerprint" in message and "use another --checkpoint-dir" in message
+
+
+def test_only_complete_checkpoints_are_resumed(tmp_path):
+    def make(name: str, meta: bool, metadata: bool) -> None:
+        path = tmp_path / name
+        path.mkdir()
+        if meta:
+            (path / "meta.json").write_text(json.dumps({"format": 1, "step": 0}))
+        if metadata:
+            (path / ".metadata").write_bytes(b"x")
+
+    assert latest_checkpoint(tmp_path / "missing") is None
+    make("step-00000002", True, True)
+    make("step-00000004", True, True)
+    make(".partial-step-00000006", True, True)  # a kill before the rename
+    make("step-00000008", False, True)  # no meta.json: not ours / not complete
+    make("step-00000010", True, False)  # no DCP metadata
+    assert latest_checkpoint(tmp_path) == Path(tmp_path / "step-00000004")
+    (tmp_path / "step-00000004" / "meta.json").write_text('{"format": 7}')
+    with pytest.raises(CheckpointError, match="format 7"):
+        read_meta(tmp_path / "step-00000004")
+    (tmp_path / "step-00000004" / "meta.json").write_text('{"format": 1, "ste')
+    with pytest.raises(CheckpointError, match="cannot read checkpoint metadata"):
+        read_meta(tmp_path / "step-00000004")
+
+
+def test_options_refuse_bad_numbers():
+    with pytest.raises(ValueError, match="keep=0"):
+        CheckpointOptions("x", every=2, keep=0)
