@@ -81,6 +81,10 @@ a world size other than {n} is refused.
 Options: --steps N, --data module:fn (fn(step, start, stop) -> (inputs, targets): samples
 [start, stop) of step's global batch; default: seeded synthetic data), --lr, --seed,
 --precision fp32|bf16, --device cpu|cuda.
+Checkpoints (torch.distributed.checkpoint): --checkpoint-dir DIR saves model, optimizer, step
+and RNG states every --checkpoint-every N steps (default 100; --async-checkpoint: in the
+background) and resumes from the newest complete checkpoint in DIR, also one saved under
+another plan of this model (`autopar replan`); restart with torchrun --max-restarts=K.
 """'''
 
 
@@ -96,6 +100,7 @@ from pathlib import Path
 
 from autopar.config import ParallelConfig
 from autopar.plan import Plan
+from autopar.runtime.checkpoint import CheckpointOptions
 from autopar.runtime.mesh import build_mesh, init_distributed
 from autopar.runtime.task import task_from_source
 from autopar.runtime.trainer import Prediction, TrainOptions, train
@@ -144,7 +149,13 @@ def _model(plan: Plan) -> str:
     return f"""# ---- the model: built identically (seeded) on every rank, then sharded below
 FACTORY = {s.factory!r}
 FACTORY_KWARGS = {json.dumps(s.kwargs, sort_keys=True)}
-FINGERPRINT = {s.fingerprint!r}  # parameter names and shapes; another model is refused"""
+FINGERPRINT = {s.fingerprint!r}  # parameter names and shapes; another model is refused
+if PLAN.model_source is None or PLAN.model_source.fingerprint != FINGERPRINT:
+    raise SystemExit(
+        f"plan.json is a plan for another model (fingerprint "
+        f"{{PLAN.model_source.fingerprint if PLAN.model_source else None}}) than this train.py "
+        f"({{FINGERPRINT}}): save the plan and its program together with plan.save(dir)"
+    )"""
 
 
 def _tensor_parallel(plan: Plan, model: nn.Module) -> str:
@@ -248,6 +259,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default={precision!r})
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    parser.add_argument("--checkpoint-dir", help="save and resume checkpoints here")
+    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps; 0: resume only")
+    parser.add_argument("--async-checkpoint", action="store_true", help="save in the background")
     args = parser.parse_args()
 
     init_distributed(args.device)  # RANK, WORLD_SIZE, ... from torchrun; gloo or nccl
@@ -260,7 +274,18 @@ def main() -> None:
         data=args.data,
         seed=args.seed,
     )
-    options = TrainOptions(steps=args.steps, lr=args.lr, seed=args.seed, precision=args.precision)
+    checkpoint = None
+    if args.checkpoint_dir:
+        checkpoint = CheckpointOptions(
+            args.checkpoint_dir, every=args.checkpoint_every, async_save=args.async_checkpoint
+        )
+    options = TrainOptions(
+        steps=args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        precision=args.precision,
+        checkpoint=checkpoint,
+    )
     train(
         task,
         CONFIG,
