@@ -19,6 +19,7 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.errors import ConfigError
 from autopar.estimate import CostOptions, Estimate, Estimator, build_tables
+from autopar.estimate.communication import stage_communication
 from autopar.layout import mesh_axes
 from autopar.plan import ModelSource, Plan, StagePlan
 from autopar.solve.search import search
@@ -109,7 +110,7 @@ def parallelize(
         progress=options.progress,
         time_limit_s=options.time_limit_s,
     )
-    plan = plan_from_estimate(result.best, graph, cluster, precision, optimizer)
+    plan = plan_from_estimate(result.best, graph, cluster, precision, optimizer, estimator)
     plan = replace(plan, **_sources(model, model_factory, cluster))
     report = replace(result.report, trace_time_s=trace_s)
     if report.num_unsearched:
@@ -333,7 +334,7 @@ def evaluate(
         tables, cluster, precision=precision, optimizer=optimizer, options=options
     )
     estimate = estimator.evaluate(config, global_batch_size)
-    plan = plan_from_estimate(estimate, graph, cluster, precision, optimizer)
+    plan = plan_from_estimate(estimate, graph, cluster, precision, optimizer, estimator)
     return replace(plan, **_sources(model, model_factory, cluster))
 
 
@@ -363,7 +364,12 @@ def _sources(model: nn.Module, factory: ModelFactory, cluster: Cluster) -> dict[
 
 
 def plan_from_estimate(
-    estimate: Estimate, graph: ModelGraph, cluster: Cluster, precision: str, optimizer: str
+    estimate: Estimate,
+    graph: ModelGraph,
+    cluster: Cluster,
+    precision: str,
+    optimizer: str,
+    estimator: Estimator | None = None,
 ) -> Plan:
     stages = tuple(
         StagePlan(
@@ -402,4 +408,23 @@ def plan_from_estimate(
         breakdown=dict(estimate.breakdown),
         stages=stages,
         mesh=mesh_axes(cluster, estimate.config),
+        communication=_communication(estimate, estimator),
     )
+
+
+def _communication(
+    estimate: Estimate, estimator: Estimator | None
+) -> tuple[tuple[dict[str, Any], ...], ...]:
+    """The plan's collectives per stage (`autopar.estimate.communication`)."""
+    if estimator is None:
+        return ()
+    per_stage = stage_communication(
+        estimator.tables,
+        estimate.config,
+        [s.layers for s in estimate.stages],
+        estimate.num_microbatches,
+        precision=estimator.precision,
+        grad_bytes=estimator.options.grad_bytes,
+        act_scale=estimator.act_scale,
+    )
+    return tuple(tuple(c.as_dict() for c in stage) for stage in per_stage)

@@ -84,6 +84,9 @@ class Plan:
     # re-plans (`autopar.whatif.sensitivity`): data, so summary() and explain() need no cluster
     mesh: tuple[dict[str, Any], ...] = ()
     sensitivity: tuple[dict[str, Any], ...] = ()
+    # per stage, the collectives of one step on one of its ranks (part, kind, axis, count,
+    # bytes, layer: `autopar.estimate.communication`), what the program is checked against
+    communication: tuple[tuple[dict[str, Any], ...], ...] = ()
     schema_version: int = field(default=SCHEMA_VERSION)
     # wall-clock figures of this run (trace, search, ILP seconds): shown by summary() and
     # explain() but not saved, so the same inputs give a byte-identical plan.json
@@ -149,6 +152,7 @@ class Plan:
             data["notes"] = tuple(data.get("notes", ()))
             data["mesh"] = tuple(data.get("mesh", ()))
             data["sensitivity"] = tuple(data.get("sensitivity", ()))
+            data["communication"] = tuple(tuple(s) for s in data.get("communication", ()))
             if data.get("model_source") is not None:
                 data["model_source"] = ModelSource(**data["model_source"])
             return cls(**data)

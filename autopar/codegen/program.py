@@ -159,7 +159,7 @@ if PLAN.model_source is None or PLAN.model_source.fingerprint != FINGERPRINT:
 
 
 def _tensor_parallel(plan: Plan, model: nn.Module) -> str:
-    tp = tp_plan(model, plan.config, plan.placements)
+    tp = tp_plan(model, plan.config, plan.placements, vocab_parallel=plan.config.pp == 1)
     head = f'# ---- tensor parallelism over the "tp" axis ({plan.config.tp} ranks)'
     if not tp:
         return f"{head}: none\nTP_PLAN: dict[str, str] = {{}}"

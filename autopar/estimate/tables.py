@@ -153,6 +153,7 @@ def _layer_table(
     router = layer.moe.router if layer.moe else None
     shard: dict[str, Shard] = {}
     matmuls, attention, allreduce = [], [], []
+    column: set[str] = set()  # parameters of column-parallel matmuls (their biases split too)
     memory: dict[Shard, list[float]] = {}
     for name in layer.nodes:
         node = nodes[name]
@@ -179,6 +180,8 @@ def _layer_table(
             )
             if out == "rep" and "tp" in classes:
                 allreduce.append(float(node.bytes_written))
+            elif out == "tp":
+                column.update(node.params)
         elif node.op_class in ("matmul", "attention"):
             if node.op_class == "attention":
                 kv = sum(_value_bytes(nodes[i]) for i in acts[1:3])
@@ -219,7 +222,7 @@ def _layer_table(
         attention=tuple(attention),
         memory_ops=tuple((k, v[0], int(v[1])) for k, v in memory.items()),
         tp_allreduce_bytes=tuple(allreduce),
-        **_param_split(layer, graph, nodes),
+        **_param_split(layer, graph, nodes, column),
         activations=_activation_split(layer, nodes, shard, derived),
         output_bytes=float(layer.output_bytes),
         moe_num_experts=layer.moe.num_experts if layer.moe else 0,
@@ -263,9 +266,13 @@ def _value_bytes(node: NodeInfo) -> float:
     )
 
 
-def _param_split(layer: LayerInfo, graph: ModelGraph, nodes: dict[str, NodeInfo]) -> dict[str, int]:
-    """Parameters owned by the layer, by how they shard: tp (matmul/embedding weights), expert,
-    replicated (norms, the router, biases of row-parallel layers are small and counted here)."""
+def _param_split(
+    layer: LayerInfo, graph: ModelGraph, nodes: dict[str, NodeInfo], column: set[str]
+) -> dict[str, int]:
+    """Parameters owned by the layer, by how they shard: tp (matmul/embedding weights, and the
+    biases of column-parallel matmuls, split with their output features as Megatron's
+    ColumnParallelLinear and torch's ColwiseParallel do), expert, replicated (norms, the
+    router, biases of row-parallel layers: added after the all-reduce, so whole)."""
     tp, rep, expert, tensors = 0, 0, 0, 0
     sharded: set[str] = set()
     for name in layer.nodes:
@@ -284,7 +291,7 @@ def _param_split(layer: LayerInfo, graph: ModelGraph, nodes: dict[str, NodeInfo]
             expert += p.numel
         elif router and p.name.startswith(router + "."):
             rep += p.numel
-        elif p.name in sharded and len(p.shape) >= 2:
+        elif p.name in sharded and (len(p.shape) >= 2 or p.name in column):
             tp += p.numel
         else:
             rep += p.numel

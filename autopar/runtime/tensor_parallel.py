@@ -12,8 +12,20 @@ parallel, "R" replicated. Without them, the Megatron rule the estimator prices
 input (q/k/v, qkv, fc, gate/up) are column parallel, the one that writes back (o, proj, down)
 row parallel. A model with no repeated blocks (the zoo's MLP) is a chain of linears: column,
 row, column, ... as the estimator's propagation alternates; a chain that ends sharded gathers
-its output. Embeddings, the LM head, convolutions, norms (without SP), MoE routers and experts
-stay replicated: exact, and what the estimator assumes for them.
+its output. Convolutions, norms (without SP), position embeddings, MoE routers and experts stay
+replicated: exact, and what the estimator assumes for them.
+
+Vocabulary parallelism (`vocab_parallel=True`, Megatron's, priced by the estimator: the token
+embedding is a tensor-parallel layer with one all-reduce, the head a column-parallel matmul):
+the token embedding is split over the vocabulary ("vocab_embedding": each rank looks up its
+rows, the output all-reduced), the LM head is column parallel with its logits left sharded
+over the vocabulary ("vocab_head"), and the loss runs under torch's `loss_parallel()` (three
+small all-reduces per micro-batch: max, sum of exponentials, target logit). A tied head
+(GPT) shares the embedding's Shard(0) DTensor. With sequence parallelism and a model whose
+token embedding feeds the first block directly (Llama; no position embedding added), the
+boundary is Megatron's: the embedding reduce-scatters onto sequence shards, the final norm runs
+on them and the head all-gathers its input; otherwise the first block splits its input
+locally and the last gathers its output (below).
 
 Exactness: a column-parallel linear whose partner is not row parallel gathers its output
 ("colwise_gather"), a row-parallel one without a column partner splits its replicated input
@@ -31,17 +43,24 @@ The styles and the collectives they imply (forward; the backward mirrors them):
     shard_seq/N              none: input 0 split along the sequence (the first block, SP)
     gather_out               all-gather of the output along the sequence (the last block, SP)
     shard_seq_gather_out/N   both (a model with one block)
+    vocab_embedding          all-reduce of the output (vocab-split lookup); bwd: none
+    vocab_embedding_seq      reduce-scatter of the output along the sequence; bwd: all-gather
+    vocab_head               none (logits stay vocab-sharded); bwd: all-reduce of the input grad
+    vocab_head_seq           all-gather of the input along the sequence; bwd: reduce-scatter
 
 Public functions:
-    tp_plan(model, config, placements=None) -> dict[str, str]
-    apply_tensor_parallel(model, tp_mesh, plan) -> model
+    tp_plan(model, config, placements=None, vocab_parallel=False) -> dict[str, str]
+    apply_tensor_parallel(model, tp_mesh, plan) -> model   # re-ties a tied head
+    loss_context(plan) -> context manager                   # loss_parallel() for a vocab head
     reduce_partial_grads(model) -> int  # SP norm weight grads: Partial -> Replicate
     collectives_of(style) -> str      # the comment the program prints
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -54,6 +73,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
@@ -76,6 +96,10 @@ _COLLECTIVES = {
     "shard_seq": "fwd: none (local split along the sequence); bwd: all-gather",
     "gather_out": "fwd: all-gather of the output along the sequence; bwd: local split",
     "shard_seq_gather_out": "fwd: local split in, all-gather of the output along the sequence",
+    "vocab_embedding": "fwd: all-reduce of the output (vocabulary-split lookup); bwd: none",
+    "vocab_embedding_seq": "fwd: reduce-scatter of the output along the sequence; bwd: all-gather",
+    "vocab_head": "fwd: none (logits vocab-sharded, loss_parallel); bwd: all-reduce of input grad",
+    "vocab_head_seq": "fwd: all-gather of the input along the sequence; bwd: reduce-scatter",
 }
 
 
@@ -109,7 +133,11 @@ def _num_inputs(module: nn.Module) -> int:
 
 
 def tp_plan(
-    model: nn.Module, config: ParallelConfig, placements: dict | None = None
+    model: nn.Module,
+    config: ParallelConfig,
+    placements: dict | None = None,
+    *,
+    vocab_parallel: bool = False,
 ) -> dict[str, str]:
     """The TP plan of ``model``: module path -> style (see the module docstring).
 
@@ -118,6 +146,9 @@ def tp_plan(
         config: the plan's config; tp == 1 gives an empty plan.
         placements: `plan.placements` (class id -> {"layer", "parameters"}), or None for the
             Megatron rule.
+        vocab_parallel: split the token embedding and the LM head over the vocabulary (the
+            plan the estimator prices; the loss must then run under `loss_context`). Off for
+            callers that compute the loss where no loss_parallel() is entered.
 
     Raises:
         ValueError: sequence parallelism asked for where a block has no column/row pair.
@@ -134,14 +165,55 @@ def tp_plan(
         block_plan, paired = _block_plan(path, block, weights)
         plan.update(block_plan)
         all_pairs &= paired
+    vocab = find_vocab_layers(model, blocks) if vocab_parallel else None
     if config.sequence_parallel:
         if not all_pairs:
             raise ValueError(
                 "sequence_parallel needs column/row parallel pairs in every block; the plan's "
                 "placements replicate some projections: run without sequence_parallel"
             )
-        _add_sequence_parallel(plan, blocks)
+        megatron_ends = vocab is not None and vocab[2] is not None
+        _add_sequence_parallel(plan, blocks, split_ends=not megatron_ends)
+        if megatron_ends:
+            assert vocab is not None and vocab[2] is not None
+            embedding, head, norm = vocab
+            return {
+                embedding: "vocab_embedding_seq",
+                **plan,
+                norm: "sequence_parallel",
+                head: "vocab_head_seq",
+            }
+    if vocab is not None:
+        embedding, head, _ = vocab
+        return {embedding: "vocab_embedding", **plan, head: "vocab_head"}
     return plan
+
+
+def find_vocab_layers(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]]
+) -> tuple[str, str, str | None] | None:
+    """(token embedding, LM head, final norm or None) outside the blocks, or None.
+
+    The head is the last Linear outside the blocks whose output size is an Embedding's
+    vocabulary; that Embedding is the token embedding. The final norm is given only when the
+    embedding's output reaches the first block unchanged in shape terms -- no other Embedding
+    (a position table) outside the blocks -- and a norm module follows the blocks: then
+    sequence parallelism can start at the embedding and end at the head (Megatron's ends).
+    """
+    inside = tuple(p + "." for p, _ in blocks)
+    outside = [(p, m) for p, m in model.named_modules() if p and not p.startswith(inside)]
+    embeddings = {m.num_embeddings: p for p, m in outside if isinstance(m, nn.Embedding)}
+    heads = [p for p, m in outside if isinstance(m, nn.Linear) and m.out_features in embeddings]
+    if not heads:
+        return None
+    head = heads[-1]
+    embedding = embeddings[model.get_submodule(head).out_features]
+    others = [
+        p for p, m in outside if isinstance(m, nn.Embedding) and p != embedding
+    ]  # a learned position table added to the token embedding
+    norms = [p for p, m in outside if "norm" in type(m).__name__.lower()]
+    norm = norms[-1] if norms and not others else None
+    return embedding, head, norm
 
 
 def _class_weights(model: nn.Module, placements: dict) -> dict[str, str]:
@@ -218,12 +290,16 @@ def _chain_plan(model: nn.Module, weights: dict[str, str]) -> dict[str, str]:
     return plan
 
 
-def _add_sequence_parallel(plan: dict[str, str], blocks: list[tuple[str, nn.Module]]) -> None:
+def _add_sequence_parallel(
+    plan: dict[str, str], blocks: list[tuple[str, nn.Module]], split_ends: bool = True
+) -> None:
     """Norms on sequence shards, attention/MLP inputs gathered, row outputs reduce-scattered;
-    the residual stream between blocks stays a local sequence shard (as torchtitan)."""
+    the residual stream between blocks stays a local sequence shard (as torchtitan).
+    ``split_ends``: the first block splits its input, the last gathers its output (off when
+    the embedding and head do it, Megatron's ends)."""
     for i, (path, block) in enumerate(blocks):
         n = _num_inputs(block)
-        first, last = i == 0, i == len(blocks) - 1
+        first, last = split_ends and i == 0, split_ends and i == len(blocks) - 1
         if first and last:
             plan[path] = f"shard_seq_gather_out/{n}"
         elif first:
@@ -272,6 +348,16 @@ def _style(style: str) -> ParallelStyle:
         return PrepareModuleOutput(
             output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
         )
+    if name == "vocab_embedding":
+        return RowwiseParallel(input_layouts=Replicate())
+    if name == "vocab_embedding_seq":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if name == "vocab_head":
+        return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    if name == "vocab_head_seq":
+        return ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+        )
     if name == "shard_seq_gather_out":
         return PrepareModuleInputOutput(
             input_layouts=(Replicate(), *rest),
@@ -286,11 +372,42 @@ def _style(style: str) -> ParallelStyle:
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str]) -> nn.Module:
     """Turn ``model``'s planned modules into DTensor modules on the 1-D ``tp_mesh`` (in place).
 
-    Module paths are applied in plan order; an empty plan leaves the model as it is.
+    Module paths are applied in plan order; an empty plan leaves the model as it is. A
+    parameter shared by two planned modules (a head tied to its embedding, both Shard(0) over
+    the vocabulary) is shared again afterwards: parallelize_module replaces each module's
+    parameter on its own, which would untie them.
     """
-    if plan:
-        parallelize_module(model, tp_mesh, {path: _style(s) for path, s in plan.items()})
+    if not plan:
+        return model
+    tied = _tied_parameters(model, plan)
+    parallelize_module(model, tp_mesh, {path: _style(s) for path, s in plan.items()})
+    for (owner, name), (user, user_name) in tied:
+        setattr(model.get_submodule(user), user_name, getattr(model.get_submodule(owner), name))
     return model
+
+
+def _tied_parameters(
+    model: nn.Module, plan: dict[str, str]
+) -> list[tuple[tuple[str, str], tuple[str, str]]]:
+    """((owner module, name), (user module, name)) for each planned module's parameter that
+    an earlier planned module also holds."""
+    seen: dict[int, tuple[str, str]] = {}
+    out = []
+    for path in plan:
+        for name, p in model.get_submodule(path).named_parameters(recurse=False):
+            if id(p) in seen:
+                out.append((seen[id(p)], (path, name)))
+            else:
+                seen[id(p)] = (path, name)
+    return out
+
+
+def loss_context(plan: dict[str, str]) -> Any:
+    """The context the loss and its backward run in: torch's `loss_parallel()` when the plan
+    leaves the logits sharded over the vocabulary, otherwise a no-op."""
+    if any(style.startswith("vocab_head") for style in plan.values()):
+        return loss_parallel()
+    return contextlib.nullcontext()
 
 
 def reduce_partial_grads(model: nn.Module) -> int:

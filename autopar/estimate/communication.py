@@ -1,0 +1,177 @@
+"""The collectives one training step issues, per pipeline stage: what the program must do.
+
+In: the model's `ModelTables`, a `ParallelConfig`, the layers of each stage, the number of
+micro-batches m, the precision. Out: per stage a tuple of `PlannedCollective` -- part, kind,
+mesh axis, calls per step on one rank of the stage, bytes per call -- the figures a run's
+collectives are checked against (tests/autopar/runtime/test_plan_fidelity.py) and that
+`Plan.communication` records.
+
+Bytes per call are the whole buffer: an all-reduce's tensor, an all-gather's gathered output,
+a reduce-scatter's input (the sizes `cost_models.comm` prices). With b the micro-batch size,
+x = act_scale (training over traced element bytes), c = cp, A an entry of a layer's
+`tp_allreduce_bytes`, P(L) the parameters of layers L on the rank (`params_on_rank`), w the
+training element bytes and g the gradient element bytes:
+
+    tp      no SP: all-reduce of A b x / c, twice per micro-batch (Megatron's f and g: once
+            forward, once backward), three times with full recompute of a block;
+            SP: all-gather and reduce-scatter of A b x / c, each twice per micro-batch.
+            The token embedding's entry is the vocabulary-parallel lookup's all-reduce forward
+            and the column-parallel head's input-gradient all-reduce backward (SP: its
+            reduce-scatter and the head's all-gather, Megatron's ends).
+    loss    vocabulary-parallel cross entropy (torch's loss_parallel): three all-reduces per
+            micro-batch (max, sum of exponentials, target logit) of b s fp32 values (next-token
+            losses read s - 1 positions: an upper bound).
+    sp      the replicated parameters inside the sequence-parallel region (norms, row-parallel
+            biases) get partial gradients: one all-reduce of their P g per step, flattened.
+    fsdp    FSDP2 units: each block, and the stage's other layers together (the root).
+            ZeRO-3: a block is all-gathered forward and again backward (2m), the root once per
+            micro-batch (it stays gathered until its backward, m); ZeRO-1/2: every unit m.
+            Reduce-scatter of each unit's gradients: m (ZeRO-2/3) or 1 (ZeRO-1). Bytes: P(unit)
+            w gathered, P(unit) g reduce-scattered; HSDP adds an all-reduce over dp of the
+            P(unit) g / fsdp shard after each reduce-scatter.
+    dp      replicated data parallelism: one all-reduce of P g per step (a flat buffer).
+    clip    the global gradient norm and the loss: one all-reduce of 16 bytes over the world.
+
+Not yet here: expert (all-to-all), context (ring) and pipeline (send/recv) parallelism, whose
+runtimes are checked by their own numerics tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from autopar.config import ParallelConfig
+from autopar.estimate.tables import LayerTable, ModelTables
+
+# Training element bytes: FSDP gathers the weights in the training precision.
+_PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class PlannedCollective:
+    """``count`` calls of ``kind`` over mesh ``axis`` per step, ``bytes`` each."""
+
+    part: str  # "tp", "loss", "sp", "fsdp", "dp", "clip"
+    kind: str  # "all_reduce", "all_gather", "reduce_scatter"
+    axis: str  # "tp", "fsdp", "dp", "world"
+    count: int
+    bytes: float
+    layer: str = ""  # the layer (or FSDP unit) it belongs to
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
+    """Parameters a rank holds of ``layers`` before data-parallel sharding (TP and EP split)."""
+    expert_div = max(cfg.ep, cfg.tp)
+    return sum(t.params_tp / cfg.tp + t.params_rep + t.params_expert / expert_div for t in layers)
+
+
+def stage_communication(
+    tables: ModelTables,
+    cfg: ParallelConfig,
+    stage_layers: list[tuple[str, ...]],
+    num_microbatches: int,
+    *,
+    precision: str,
+    grad_bytes: int,
+    act_scale: float,
+) -> tuple[tuple[PlannedCollective, ...], ...]:
+    """Per stage, the collectives of one step on one of its ranks (module docstring)."""
+    weight_bytes = _PRECISION_BYTES[precision]
+    by_name = {t.name: t for t in tables.layers}
+    return tuple(
+        tuple(
+            _stage(
+                tables,
+                cfg,
+                [by_name[n] for n in names],
+                num_microbatches,
+                weight_bytes,
+                grad_bytes,
+                act_scale,
+            )
+        )
+        for names in stage_layers
+    )
+
+
+def _stage(
+    tables: ModelTables,
+    cfg: ParallelConfig,
+    layers: list[LayerTable],
+    m: int,
+    w: int,
+    g: int,
+    x: float,
+) -> list[PlannedCollective]:
+    out: list[PlannedCollective] = []
+    b = cfg.micro_batch_size
+    if cfg.tp > 1:
+        for t in layers:
+            again = cfg.recompute == "full" and t.kind == "block"
+            for size in t.tp_allreduce_bytes:
+                nbytes = size * b * x / cfg.cp
+                if cfg.sequence_parallel:
+                    out.append(PlannedCollective("tp", "all_gather", "tp", 2 * m, nbytes, t.name))
+                    out.append(
+                        PlannedCollective("tp", "reduce_scatter", "tp", 2 * m, nbytes, t.name)
+                    )
+                else:
+                    calls = (3 if again else 2) * m
+                    out.append(PlannedCollective("tp", "all_reduce", "tp", calls, nbytes, t.name))
+            if t.vocab_logits_bytes and t.params_tp:  # a vocabulary-parallel head
+                tokens = b * tables.seq_len / cfg.cp
+                out.append(PlannedCollective("loss", "all_reduce", "tp", 3 * m, 4 * tokens, t.name))
+        if cfg.sequence_parallel:
+            region = _sequence_parallel_layers(layers)
+            rep = sum(t.params_rep for t in region) * g
+            if rep:
+                out.append(PlannedCollective("sp", "all_reduce", "tp", 1, rep, "norms"))
+    if cfg.fsdp > 1 and cfg.zero_stage >= 1:
+        blocks = [t for t in layers if t.kind == "block"]
+        root = [t for t in layers if t.kind != "block"]
+        units = [(t.name, [t], 2 if cfg.zero_stage == 3 else 1) for t in blocks]
+        if root and params_on_rank(cfg, root):
+            units.append(("<root>", root, 1))
+        scatters = m if cfg.zero_stage >= 2 else 1
+        for name, unit, gathers in units:
+            p = params_on_rank(cfg, unit)
+            out.append(PlannedCollective("fsdp", "all_gather", "fsdp", gathers * m, p * w, name))
+            out.append(PlannedCollective("fsdp", "reduce_scatter", "fsdp", scatters, p * g, name))
+            if cfg.dp > 1:
+                shard = p * g / cfg.fsdp
+                out.append(PlannedCollective("fsdp", "all_reduce", "dp", scatters, shard, name))
+    elif cfg.dp > 1:
+        p = params_on_rank(cfg, layers)
+        out.append(PlannedCollective("dp", "all_reduce", "dp", 1, p * g, "gradients"))
+    if cfg.world_size > 1:
+        out.append(PlannedCollective("clip", "all_reduce", "world", 1, 16.0, "norm and loss"))
+    return out
+
+
+def _sequence_parallel_layers(layers: list[LayerTable]) -> list[LayerTable]:
+    """The blocks and the final norm after them (the layer between the last block and the
+    head holding only replicated parameters): the layers that run on sequence shards."""
+    blocks = [i for i, t in enumerate(layers) if t.kind == "block"]
+    if not blocks:
+        return []
+    after = [
+        t
+        for t in layers[blocks[-1] + 1 :]
+        if t.params_rep and not t.params_tp and not t.vocab_logits_bytes
+    ]
+    return [layers[i] for i in blocks] + after[:1]
+
+
+def as_text(collectives: tuple[PlannedCollective, ...]) -> str:
+    """One line per (part, kind, axis, bytes): calls per step and total bytes."""
+    totals: dict[tuple[str, str, str, float], int] = {}
+    for c in collectives:
+        key = (c.part, c.kind, c.axis, c.bytes)
+        totals[key] = totals.get(key, 0) + c.count
+    return "\n".join(
+        f"{part:5} {kind:15} over {axis:5} {count:4} x {nbytes:12.0f} B"
+        for (part, kind, axis, nbytes), count in sorted(totals.items())
+    )
