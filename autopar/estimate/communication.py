@@ -109,6 +109,7 @@ def _stage(
     out: list[PlannedCollective] = []
     b = cfg.micro_batch_size
     if cfg.tp > 1:
+        has_blocks = any(t.kind == "block" for t in tables.layers)
         for t in layers:
             again = cfg.recompute == "full" and t.kind == "block"
             for size in t.tp_allreduce_bytes:
@@ -121,7 +122,7 @@ def _stage(
                 else:
                     calls = (3 if again else 2) * m
                     out.append(PlannedCollective("tp", "all_reduce", "tp", calls, nbytes, t.name))
-            if t.vocab_logits_bytes and t.params_tp:  # a vocabulary-parallel head
+            if t.vocab_logits_bytes and has_blocks:  # the vocabulary-parallel head (tied or not)
                 tokens = b * tables.seq_len / cfg.cp
                 out.append(PlannedCollective("loss", "all_reduce", "tp", 3 * m, 4 * tokens, t.name))
         if cfg.sequence_parallel:

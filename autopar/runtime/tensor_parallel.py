@@ -39,6 +39,8 @@ The styles and the collectives they imply (forward; the backward mirrors them):
     rowwise_from_replicate   none in (local split); all-reduce of the output
     rowwise_to_seq           reduce-scatter of the output along the sequence (SP)
     sequence_parallel        none: a norm on a sequence shard; bwd: all-reduce of its weight grad
+    replicate_in/N           none: input 0 as one replicated DTensor for several colwise
+                             users; bwd: one all-reduce of their summed input gradients
     gather_seq/N             all-gather of input 0 along the sequence (SP), N positional inputs
     shard_seq/N              none: input 0 split along the sequence (the first block, SP)
     gather_out               all-gather of the output along the sequence (the last block, SP)
@@ -62,6 +64,8 @@ import contextlib
 import inspect
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -92,6 +96,7 @@ _COLLECTIVES = {
     "rowwise_from_replicate": "fwd: local split of the input, all-reduce of the output",
     "rowwise_to_seq": "fwd: reduce-scatter of the output along the sequence; bwd: all-gather",
     "sequence_parallel": "fwd: none (norm on a sequence shard); bwd: weight-grad all-reduce",
+    "replicate_in": "fwd: none; bwd: one all-reduce of the summed input gradient",
     "gather_seq": "fwd: all-gather of the input along the sequence; bwd: reduce-scatter",
     "shard_seq": "fwd: none (local split along the sequence); bwd: all-gather",
     "gather_out": "fwd: all-gather of the output along the sequence; bwd: local split",
@@ -183,10 +188,27 @@ def tp_plan(
                 norm: "sequence_parallel",
                 head: "vocab_head_seq",
             }
+    if not config.sequence_parallel:  # with SP, gather_seq already joins the inputs
+        _add_shared_inputs(plan, model)
     if vocab is not None:
         embedding, head, _ = vocab
         return {embedding: "vocab_embedding", **plan, head: "vocab_head"}
     return plan
+
+
+def _add_shared_inputs(plan: dict[str, str], model: nn.Module) -> None:
+    """A module whose input feeds several column-parallel linears (q, k, v; gate, up) takes
+    it as one replicated DTensor ("replicate_in"), so autograd sums their partial input
+    gradients first and one all-reduce follows, as for a fused QKV (Megatron's f), instead
+    of one per linear."""
+    users: dict[str, int] = {}
+    for key, style in plan.items():
+        if style == "colwise":
+            parent = key.rsplit(".", 1)[0]
+            users[parent] = users.get(parent, 0) + 1
+    for parent, count in users.items():
+        if count > 1:
+            plan[parent] = f"replicate_in/{_num_inputs(model.get_submodule(parent))}"
 
 
 def find_vocab_layers(
@@ -338,6 +360,12 @@ def _style(style: str) -> ParallelStyle:
         return PrepareModuleInput(
             input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest)
         )
+    if name == "replicate_in":
+        return PrepareModuleInput(
+            input_layouts=(Replicate(), *rest),
+            desired_input_layouts=(Replicate(), *rest),
+            use_local_output=False,
+        )
     if name == "shard_seq":
         return PrepareModuleInput(
             input_layouts=(Replicate(), *rest),
@@ -412,12 +440,39 @@ def loss_context(plan: dict[str, str]) -> Any:
 
 def reduce_partial_grads(model: nn.Module) -> int:
     """All-reduce the gradients DTensor left as partial sums (a sequence-parallel norm's weight
-    sees only its sequence shard) into replicated ones; returns how many there were."""
-    count = 0
+    sees only its sequence shard) into replicated ones, and give every gradient its
+    parameter's placements; returns how many partial gradients there were.
+
+    Gradients with the same mesh and placements go in one flat all-reduce (as Megatron
+    all-reduces its sequence-parallel layer-norm gradients coalesced), so a step issues one
+    call per such group, not one per parameter: the count `Plan.communication` predicts."""
+    groups: dict[tuple, list[nn.Parameter]] = {}
     for p in model.parameters():
         g = p.grad
         if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
-            placements = [Replicate() if pl.is_partial() else pl for pl in g.placements]
-            p.grad = g.redistribute(g.device_mesh, placements)
-            count += 1
-    return count
+            groups.setdefault((id(g.device_mesh), tuple(g.placements)), []).append(p)
+    for params in groups.values():
+        first = params[0].grad
+        assert isinstance(first, DTensor)
+        mesh, placements = first.device_mesh, first.placements
+        locals_ = [p.grad.to_local() for p in params]  # type: ignore[union-attr]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        for dim, pl in enumerate(placements):
+            if pl.is_partial():  # Partial("sum"): DTensor's gradient partials are sums
+                dist.all_reduce(flat, group=mesh.get_group(dim))
+        replicated = [Replicate() if pl.is_partial() else pl for pl in placements]
+        offset = 0
+        for p, t in zip(params, locals_, strict=True):
+            local = flat[offset : offset + t.numel()].view_as(t)
+            offset += t.numel()
+            p.grad = DTensor.from_local(
+                local, mesh, replicated, run_check=False, shape=p.shape, stride=p.stride()
+            )
+    for p in model.parameters():
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+            # DTensor's embedding backward from a replicated output gradient gives a
+            # replicated weight gradient; the parameter is split over the vocabulary, so
+            # keep only this rank's rows (Replicate -> Shard is a local slice, no collective)
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+    return sum(len(ps) for ps in groups.values())
