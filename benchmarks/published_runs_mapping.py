@@ -158,6 +158,7 @@ class PublishedRun:
     assumptions: tuple[str, ...] = ()
     skip_reason: str | None = None
     fsdp_per_tensor: bool = False
+    fsdp_list_copies: bool = False
     fsdp_prefetch: bool = True
     grad_bytes: int = 4
     measured_step_s: float | None = None
@@ -198,6 +199,7 @@ class PublishedRun:
             "overlap_grad_reduce": self.overlap_grad_reduce,
             "overlap_param_gather": self.overlap_param_gather,
             "fsdp_per_tensor": self.fsdp_per_tensor,
+            "fsdp_list_copies": self.fsdp_list_copies,
             "fsdp_prefetch": self.fsdp_prefetch,
             "grad_bytes": self.grad_bytes,
         }
@@ -545,6 +547,11 @@ def _with_overlaps(run: PublishedRun, zero_text: str, notes: list[str]) -> Publi
         # DeepSpeed's 2021 ZeRO-3 gathers and reduces parameter by parameter (each call pays
         # the group's latency) rather than one flat buffer per layer as FSDP units do
         notes.append("ZeRO-3 collectives per parameter tensor (DeepSpeed 2021)")
+        # each on a list of world-size views (DeepSpeed 0.3 partition_parameters.py:
+        # _allgather_param calls torch.distributed.all_gather(partitions, ...) and
+        # _reduce_scatter_gradient reduce_scatter(out, input_list)), so torch copies every
+        # rank's piece with its own kernel: n copies per call, which grow with the group
+        notes.append("ZeRO-3 collectives on lists of per-rank views: n copies per call")
         # and overlapped little: Narayanan et al. 2021 sec 5.3.2 attribute its drop from 384 to
         # 1536 GPUs to the exposed cross-node parameter traffic
         return replace(
@@ -552,6 +559,7 @@ def _with_overlaps(run: PublishedRun, zero_text: str, notes: list[str]) -> Publi
             overlap_grad_reduce=True,
             overlap_param_gather=True,
             fsdp_per_tensor=True,
+            fsdp_list_copies=True,
             fsdp_prefetch=False,
         )
     if run.fsdp > 1:  # Composer FSDP prefetches parameters per unit

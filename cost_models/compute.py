@@ -11,6 +11,16 @@ P_c is the dtype's tensor-core peak for matmul and attention, and the fp32 (vect
 elementwise and reduction ops, whose arithmetic does not run on tensor cores. eff rises from 0
 towards e_max, reaching e_max/2 at x_half: so F / (P * eff(F)) = (F + x_half) / (P * e_max), a
 fixed cost plus a rate, which is how small GEMMs and short messages behave in practice.
+
+A collective called with a list of n per-rank views (torch.distributed.all_gather(list, x),
+reduce_scatter(y, list)) makes torch's ProcessGroupNCCL copy the flat buffer to or from each
+view (its allgather copies outputFlattened[j] to each output after the NCCL call, its
+reduce_scatter flattens the input list before it): n copy kernels of S/n bytes on the
+collective's stream. The host spends t0 issuing each; the device m = op_time_s(elementwise,
+2 S / n bytes) - t0 running each. With T the collective itself (`list_collective_time_s`):
+
+    all-gather (copies after T, issued while T runs)   max(T + n m, n t0 + m)
+    reduce-scatter (copies before T)                   n max(t0, m) + m + T
 """
 
 from __future__ import annotations
@@ -105,3 +115,47 @@ def op_time_s(
         compute_s = flops / (device.peak("fp32") * device.memory.max)
     memory_s = bytes_moved / (device.memory_bandwidth_bytes_per_s * device.memory.at(bytes_moved))
     return device.launch_overhead_s + max(compute_s, memory_s)
+
+
+def list_collective_time_s(
+    device: DeviceSpec,
+    collective_s: float,
+    message_bytes: float,
+    num_ranks: int,
+    *,
+    copies_first: bool,
+) -> float:
+    """One collective on a list of per-rank views, with its n copies (module docstring).
+
+    Args:
+        device: the device the copies run on.
+        collective_s: T, the collective alone (cost_models.comm).
+        message_bytes: S, the whole flat buffer (all-gather output, reduce-scatter input).
+        num_ranks: n, views in the list (the group size); one rank copies nothing.
+        copies_first: True for reduce-scatter (the input list is flattened before the call),
+            False for all-gather (the flat output is copied out after it).
+
+    Returns:
+        Seconds from the host's call to the last copy's end.
+
+    Example:
+        >>> dev = DeviceSpec("x", 8e10, 1e12, 1e-6, {"bf16": 1e15, "fp32": 5e13},
+        ...     EfficiencyCurve(1.0, 0.0), EfficiencyCurve(1.0, 0.0), EfficiencyCurve(1.0, 0.0))
+        >>> # 4 copies of 2 MB moved: m = 2 us, t0 = 1 us
+        >>> round(list_collective_time_s(dev, 1e-5, 4e6, 4, copies_first=False), 9)
+        1.8e-05
+        >>> round(list_collective_time_s(dev, 1e-5, 4e6, 4, copies_first=True), 9)
+        2e-05
+    """
+    if message_bytes < 0 or num_ranks < 1 or collective_s < 0:
+        raise ValueError(
+            f"collective_s and message_bytes must be >= 0 and num_ranks >= 1, got "
+            f"{collective_s}, {message_bytes}, {num_ranks}"
+        )
+    if num_ranks == 1:
+        return collective_s
+    n, t0 = num_ranks, device.launch_overhead_s
+    m = op_time_s(device, "elementwise", 0.0, 2 * message_bytes / n, "fp32") - t0
+    if copies_first:
+        return n * max(t0, m) + m + collective_s
+    return max(collective_s + n * m, n * t0 + m)

@@ -20,6 +20,11 @@ class CostOptions:
     # ZeRO-3 gathers each parameter tensor with its own collective (DeepSpeed 2021) instead of
     # one flat collective per layer (FSDP units): each call pays the group's latency.
     fsdp_per_tensor: bool = False
+    # ZeRO-3 collectives take a Python list of one view per rank (DeepSpeed 0.3, 2021:
+    # torch.distributed.all_gather(partitions, ...) and reduce_scatter(out, input_list)), so
+    # torch's ProcessGroupNCCL copies the flat buffer to or from each of the n views: n copy
+    # kernels per call (cost_models.compute.per_rank_copies_time_s).
+    fsdp_list_copies: bool = False
     # DDP's default bucket (torch.nn.parallel.DistributedDataParallel bucket_cap_mb=25).
     ddp_bucket_bytes: float = 25 * 2**20
     # Bytes per gradient element in data-parallel reductions: fp32 main gradients (Megatron's

@@ -12,7 +12,9 @@ gathers; its backward likewise. The pipeline comes from `cost_models.pipeline`'s
 Data parallel, per stage, gradients G bytes (params on the rank x grad bytes):
     ZeRO-0   all-reduce G over dp; ZeRO-1/2 reduce-scatter G over fsdp (+ all-reduce G/fsdp over
     dp for HSDP) then all-gather the bf16 params; ZeRO-3 all-gathers each layer forward and
-    backward and reduce-scatters its gradients, every micro-batch.
+    backward and reduce-scatters its gradients, every micro-batch (one call per layer, or per
+    parameter tensor with `fsdp_per_tensor`; with `fsdp_list_copies` each call also copies to or
+    from its n per-rank views, `cost_models.compute.list_collective_time_s`).
     Overlap: gradient reduction hides behind the last micro-batch's backward except the last
     bucket; FSDP gathers are prefetched behind the previous layer's compute (exposed: what the
     stage's compute cannot cover, plus the first gather).
@@ -34,7 +36,7 @@ from autopar.estimate.mesh import MeshGroups
 from autopar.estimate.options import CostOptions
 from autopar.estimate.pipeline_timer import PipelineTimer
 from autopar.estimate.tables import LayerTable, ModelTables
-from cost_models.compute import op_time_s
+from cost_models.compute import list_collective_time_s, op_time_s
 from cost_models.memory import PeakMemory, model_state_bytes, peak_memory
 
 # Bytes read + written per parameter by one optimizer step (fp32 master weights, fp32 grads).
@@ -283,6 +285,14 @@ class Estimator:
         pbytes = _PRECISION_BYTES[self.precision]
         grad_ratio = self.options.grad_bytes / pbytes
         gathers, scatters = [], []
+
+        def timed(collective: str, nbytes: float) -> float:
+            t = mesh.time(collective, nbytes, "fsdp")
+            if not self.options.fsdp_list_copies:
+                return t
+            first = collective == "reduce_scatter"
+            return list_collective_time_s(self.device, t, nbytes, cfg.fsdp, copies_first=first)
+
         for table in layers:
             size = self.params_on_rank(cfg, [table]) * pbytes
             if not size:
@@ -290,8 +300,10 @@ class Estimator:
             # one collective per layer (FSDP units), or one per parameter tensor (ZeRO-3 as
             # DeepSpeed ran it in 2021), each paying the group's latency
             calls = table.num_param_tensors if self.options.fsdp_per_tensor else 1
-            gathers.append(calls * mesh.time("all_gather", size / calls, "fsdp"))
-            scatters.append(calls * mesh.time("reduce_scatter", size * grad_ratio / calls, "fsdp"))
+            gather = size / calls
+            scatter = gather * grad_ratio
+            gathers.append(calls * timed("all_gather", gather))
+            scatters.append(calls * timed("reduce_scatter", scatter))
         if not gathers:
             return 0.0, 0.0
         # backward gathers again; with full recompute the re-run forward gathers once more

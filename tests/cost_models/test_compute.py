@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cost_models.compute import DeviceSpec, EfficiencyCurve, op_time_s
+from cost_models.compute import DeviceSpec, EfficiencyCurve, list_collective_time_s, op_time_s
 
 DEVICE = DeviceSpec(
     name="test",
@@ -62,3 +62,22 @@ def test_bad_input_is_refused():
         op_time_s(DEVICE, "conv", 1e9, 0, "bf16")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="efficiency max must be in"):
         EfficiencyCurve(1.5, 0)
+
+
+def test_list_collective_copies_per_rank():
+    # 1 TB/s, full efficiency, 5 us launch: 8 views of a 16 MB buffer move 4 MB each (m = 4 us)
+    dev = DeviceSpec(
+        "round", 8e10, 1e12, 5e-6, {"bf16": 1e15, "fp32": 1e14},
+        EfficiencyCurve(1.0, 0.0), EfficiencyCurve(1.0, 0.0), EfficiencyCurve(1.0, 0.0),
+    )  # fmt: skip
+    t = 100e-6
+    # all-gather: the host issues the 8 copies (40 us) while the collective runs; the device
+    # runs them after it: 100 + 8 * 4 us
+    assert list_collective_time_s(dev, t, 16e6, 8, copies_first=False) == pytest.approx(132e-6)
+    # a short collective: the host's issuing is the bound, 8 * 5 + 4 us
+    assert list_collective_time_s(dev, 1e-6, 16e6, 8, copies_first=False) == pytest.approx(44e-6)
+    # reduce-scatter: the input list is flattened first: 8 * max(5, 4) + 4 + 100 us
+    assert list_collective_time_s(dev, t, 16e6, 8, copies_first=True) == pytest.approx(144e-6)
+    assert list_collective_time_s(dev, t, 16e6, 1, copies_first=True) == t
+    with pytest.raises(ValueError, match="num_ranks"):
+        list_collective_time_s(dev, t, 16e6, 0, copies_first=True)

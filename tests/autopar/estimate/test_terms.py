@@ -122,6 +122,31 @@ def test_fsdp_gathers_every_layer_forward_and_backward(stack_tables):
     assert prefetched.stages[0].memory.parameters_bytes == pytest.approx(2 * 4 * layer / 4)
 
 
+def test_fsdp_list_collectives_add_a_copy_per_rank(stack_tables, tmp_path):
+    _, tables = stack_tables
+    # round.toml with a 1 us launch: each of the 4 copies of a call costs 1 us to issue
+    path = tmp_path / "round_launch.toml"
+    path.write_text(
+        ROUND.read_text().replace("launch_overhead_s = 0.0", "launch_overhead_s = 1e-6")
+    )
+    four = Cluster.from_profile(path, num_devices=4)
+    layer = 1024 * 1024
+    base = CostOptions(fsdp_prefetch=False)
+    copies = CostOptions(fsdp_prefetch=False, fsdp_list_copies=True)
+    cfg = ParallelConfig(fsdp=4, zero_stage=3)
+    plain = Estimator(tables, four, options=base).evaluate(cfg, 4)
+    listed = Estimator(tables, four, options=copies).evaluate(cfg, 4)
+    gather = 3 / 4 * layer * 2 / FAST  # 15.7 us: the host's 4 us of issuing hides behind it
+    scatter = 3 / 4 * layer * 4 / FAST
+    m_gather = 2 * (layer * 2 / 4) / HBM  # each copy moves its quarter in and out
+    m_scatter = 2 * (layer * 4 / 4) / HBM
+    listed_gather = gather + 4 * m_gather
+    listed_scatter = 4 * max(1e-6, m_scatter) + m_scatter + scatter
+    # per layer: forward gather, backward gather, reduce-scatter; 4 layers, 1 micro-batch
+    assert plain.breakdown["fsdp_comm"] == pytest.approx(4 * (2 * gather + scatter))
+    assert listed.breakdown["fsdp_comm"] == pytest.approx(4 * (2 * listed_gather + listed_scatter))
+
+
 def test_pipeline_bubble_is_p_minus_1_over_m(stack_tables, tmp_path):
     _, tables = stack_tables
     # p2p between stages over a practically infinite link: the bubble alone remains
