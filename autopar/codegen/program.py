@@ -84,7 +84,9 @@ Options: --steps N, --data module:fn (fn(step, start, stop) -> (inputs, targets)
 Checkpoints (torch.distributed.checkpoint): --checkpoint-dir DIR saves model, optimizer, step
 and RNG states every --checkpoint-every N steps (default 100; --async-checkpoint: in the
 background) and resumes from the newest complete checkpoint in DIR, also one saved under
-another plan of this model (`autopar replan`); restart with torchrun --max-restarts=K.
+another plan of this model (`autopar replan`). To restart after a failure, launch with
+torchrun --max-restarts=K and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment
+(else a restarted group may read the failed group's addresses: pytorch/pytorch#135712).
 """'''
 
 

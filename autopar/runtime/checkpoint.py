@@ -25,7 +25,8 @@ Invariants:
   refused with `CheckpointError`.
 - Asynchronous saves (`async_save=True`) use `dcp.async_save` on a separate gloo group (its
   collectives run in a background thread beside the training's own); a save becomes complete
-  (renamed) at the next save or at `close()`, so a kill before then resumes from the one before.
+  (renamed) by rank 0 at the first step end after its save finished, at the next save, or at
+  `close()`; a kill before then resumes from the one before.
 
 Public functions:
     CheckpointOptions(directory, every=0, async_save=False, keep=2)
@@ -228,6 +229,7 @@ class Checkpointer:
     # ------------------------------------------------------------------- save
     def after_step(self, step: int, loss: float, grad_norm: float) -> None:
         """Record step ``step`` (1-based, finished) in log.jsonl; save when it is due."""
+        self._finish_pending(wait=False)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             line = {
@@ -242,8 +244,14 @@ class Checkpointer:
             self.save(step)
 
     def save(self, step: int) -> None:
-        """Checkpoint the state after ``step`` steps (blocking, or started asynchronously)."""
-        self._finish_pending()
+        """Checkpoint the state after ``step`` steps (blocking, or started asynchronously).
+
+        Every rank writes its RNG file before DCP's first collective, and DCP's coordinator
+        (rank 0) returns only after every rank's shards are written and it wrote `.metadata`;
+        so rank 0 alone completes the checkpoint (meta.json, rename, prune) once its own save
+        is done, with no further collective.
+        """
+        self._finish_pending(wait=True)
         partial = self.root / f".partial-{_name(step)}"
         partial.mkdir(parents=True, exist_ok=True)
         torch.save(_rng_state(), partial / f"rng-rank{self.rank}.pt")
@@ -258,39 +266,41 @@ class Checkpointer:
             self._complete(step)
 
     def close(self) -> None:
-        """Complete a pending asynchronous save (call once after the last step)."""
-        self._finish_pending()
+        """Complete a pending asynchronous save (call once on every rank after the last step)."""
+        self._finish_pending(wait=True)
+        _barrier()  # on return every checkpoint of the run is complete, on every rank
 
-    def _finish_pending(self) -> None:
+    def _finish_pending(self, *, wait: bool) -> None:
         if self._pending is None:
             return
         step, future = self._pending
+        if not wait and not future.done():
+            return
         self._pending = None
         future.result()
         self._complete(step)
 
     def _complete(self, step: int) -> None:
-        """All ranks wrote their part: rank 0 adds meta.json, renames, prunes."""
-        _barrier()
-        if self.rank == 0:
-            partial = self.root / f".partial-{_name(step)}"
-            meta = {
-                "format": FORMAT_VERSION,
-                "step": step,
-                "samples_seen": step * self.global_batch_size,
-                "global_batch_size": self.global_batch_size,
-                "model_fingerprint": self.fingerprint,
-                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                "plan": self.plan_text,
-            }
-            (partial / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-            final = self.root / _name(step)
-            if final.exists():  # the same step saved again (a resumed run that re-saved it)
-                shutil.rmtree(final)
-            partial.rename(final)
-            for _, old in complete_checkpoints(self.root)[: -self.options.keep]:
-                shutil.rmtree(old, ignore_errors=True)
-        _barrier()
+        """Rank 0: add meta.json, rename the partial directory to its final name, prune."""
+        if self.rank != 0:
+            return
+        partial = self.root / f".partial-{_name(step)}"
+        meta = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "samples_seen": step * self.global_batch_size,
+            "global_batch_size": self.global_batch_size,
+            "model_fingerprint": self.fingerprint,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "plan": self.plan_text,
+        }
+        (partial / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+        final = self.root / _name(step)
+        if final.exists():  # the same step saved again (a resumed run that re-saved it)
+            shutil.rmtree(final)
+        partial.rename(final)
+        for _, old in complete_checkpoints(self.root)[: -self.options.keep]:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def open_checkpointer(
