@@ -8,6 +8,7 @@ The public API (DESIGN.md) grows phase by phase; what exists now:
     autopar.trace(model, example_inputs) -> ModelGraph       (imports torch on first use)
     autopar.evaluate(model, cluster, config, example_inputs, *, global_batch_size) -> Plan
     autopar.parallelize(model, cluster, example_inputs=None, *, global_batch_size=None) -> Plan
+    autopar.replan(plan, *, num_nodes=None, num_devices=None) -> Plan   (same model, new size)
     autopar.models.zoo / autopar.models.hf                     (built-in and Hugging Face models)
 
 Importing autopar does not import torch: profiles, clusters and the cost model work without it;
@@ -30,6 +31,7 @@ _LAZY = {
     "TraceError": "autopar.tracing",
     "evaluate": "autopar.api",
     "parallelize": "autopar.api",
+    "replan": "autopar.elastic",
     "PlanOptions": "autopar.api",
     "InfeasibleError": "autopar.solve.search",
     "Plan": "autopar.plan",
@@ -62,6 +64,7 @@ __all__ = [
     "TraceError",
     "evaluate",
     "parallelize",
+    "replan",
     "load_profile",
     "shipped_profile_names",
     "trace",

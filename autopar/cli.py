@@ -104,6 +104,20 @@ def _add_planning_verbs(verbs: argparse._SubParsersAction) -> None:
     compare.add_argument("--profile", help="profile .toml path when the plan's is not shipped")
     compare.add_argument("--json", action="store_true", help="print both plans' JSON")
 
+    replan = verbs.add_parser(
+        "replan",
+        help="plan a saved plan's model again for another cluster size; writes plan.json and "
+        "train.py (resume from the old plan's checkpoints)",
+        epilog="example: autopar replan out/plan.json --num-nodes 2 -o out-2/",
+    )
+    replan.add_argument("plan", help="a plan.json (with a model factory)")
+    replan.add_argument("--num-nodes", type=int, help="nodes of the plan's profile")
+    replan.add_argument("--num-devices", type=int, help="total devices")
+    replan.add_argument("--config", help="price this config instead of searching (key=value,...)")
+    replan.add_argument("--profile", help="profile .toml path when the plan's is not shipped")
+    replan.add_argument("-o", "--out", default="out", help="directory for plan.json + train.py")
+    replan.add_argument("--json", action="store_true", help="print the new plan's JSON only")
+
     verbs.add_parser(
         "list-models",
         help="list the zoo models and Hugging Face presets",
@@ -128,6 +142,7 @@ _PLANNING_VERBS = {
     "explain": "autopar.commands.plan_verb:run_explain",
     "compare": "autopar.commands.compare:run_compare",
     "list-models": "autopar.commands.models:run_list_models",
+    "replan": "autopar.elastic:run_replan",
 }
 
 
