@@ -114,11 +114,16 @@ def collectives_of(style: str) -> str:
 
 
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The repeated blocks: items of the outermost ModuleLists whose items hold linears."""
+    """The repeated blocks: items of the outermost ModuleLists whose items hold linears.
+
+    An `nn.ModuleDict` counts as a list: a pipeline chunk (`autopar.runtime.stages`) keeps
+    its blocks in one keyed by their original index ("blocks.2", ...), so the TP plan of a
+    chunk names the same modules as the whole model's."""
     found: list[tuple[str, nn.Module]] = []
     taken: list[str] = []
     for path, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList) or any(path.startswith(t + ".") for t in taken):
+        listed = isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        if not listed or any(path.startswith(t + ".") for t in taken):
             continue
         items = list(module.named_children())
         if items and all(_has_linear(m) and not isinstance(m, nn.Linear) for _, m in items):

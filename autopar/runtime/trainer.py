@@ -16,18 +16,27 @@ One step, on every rank:
     AdamW step
 The loss printed is the global-batch mean: mean over micro-batches, then over data ranks.
 
+With pp > 1 (`autopar.runtime.pipeline`) the model is cut at the plan's stage boundaries into
+this rank's chunks, each parallelised as above (its own TP plan, recompute, FSDP); torch's
+schedule runs the micro-batches' forwards and backwards (and drives FSDP's gradient sync:
+no per-micro-batch ZeRO-1 switch), then a tied embedding's gradients are summed over the
+first and last stage, and the loop goes on with the data-parallel sync as above; the norm
+skips the last stage's copy of a tied weight, and the pipeline hands every stage the loss.
+
 Data: data rank r of D = dp*fsdp gets samples [r*B/D, (r+1)*B/D) of the step's global batch,
 split into consecutive micro-batches of `micro_batch_size`.
 
 Parallelisation order (as torchtitan): pipeline split -> tensor/sequence parallel -> context
 parallel -> expert parallel -> recompute -> FSDP2 / replication. Pipeline, context and expert
 parallelism are the modules `pipeline`, `context_parallel`, `expert_parallel` of this package;
-the call points below are marked "CALL POINT".
+the call points not wired yet are marked "CALL POINT".
 
 Public functions:
     TrainOptions, StepResult
-    parallelize_model(model, mesh, config, placements=None) -> ParallelModel
-    train(task, config, global_batch_size, ...) -> list[StepResult]
+    PipelineSpec(num_microbatches, loss_fn, stage_layers=None, schedule=None)   # pp > 1
+    parallelize_model(model, mesh, config, placements=None, tp=None, pipeline=None)
+        -> ParallelModel
+    train(task, config, global_batch_size, ..., stage_layers=None) -> list[StepResult]
     reference_run(task, global_batch_size, options) -> list[StepResult]   # plain single process
 """
 
@@ -38,6 +47,7 @@ import math
 import resource
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +61,7 @@ from autopar.config import ParallelConfig
 from autopar.runtime.checkpoint import CheckpointOptions, open_checkpointer
 from autopar.runtime.data_parallel import DataParallel, apply_data_parallel
 from autopar.runtime.mesh import RuntimeMesh, build_mesh
+from autopar.runtime.pipeline import Pipeline, build_pipeline
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.task import Task, check_fingerprint
 from autopar.runtime.tensor_parallel import (
@@ -99,15 +110,34 @@ class StepResult:
     memory_bytes: dict[str, float] = field(default_factory=dict)  # this rank's
 
 
+@dataclass(frozen=True)
+class PipelineSpec:
+    """What pp > 1 needs besides the config: micro-batches per step on this rank, the loss of
+    one micro-batch, the plan's stage boundaries (`[s.layers for s in plan.stages]`; None:
+    the even split) and optionally a schedule overriding config.schedule (`pipeline.SCHEDULES`,
+    e.g. "zbv")."""
+
+    num_microbatches: int
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    stage_layers: Sequence[Sequence[str]] | None = None
+    schedule: str | None = None
+
+
 @dataclass
 class ParallelModel:
-    """A model on the plan's mesh, with what the loop needs to drive it."""
+    """A model on the plan's mesh, with what the loop needs to drive it.
+
+    With pp > 1, `model` holds this rank's pipeline chunks under their original paths (the
+    optimizer's, memory's and checkpoints' view), `pipeline` runs them, and there is one
+    `DataParallel` per chunk (`data_parallels`; `data_parallel` is the first)."""
 
     model: nn.Module
     mesh: RuntimeMesh
     data_parallel: DataParallel
     tp_plan: dict[str, str]
     blocks: list[str]
+    pipeline: Pipeline | None = None
+    data_parallels: list[DataParallel] = field(default_factory=list)
 
 
 def parallelize_model(
@@ -116,15 +146,35 @@ def parallelize_model(
     config: ParallelConfig,
     placements: dict | None = None,
     tp: dict[str, str] | None = None,
+    pipeline: PipelineSpec | None = None,
 ) -> ParallelModel:
     """Apply the plan to a full, seeded ``model`` (identical on every rank), in place.
 
     ``tp`` is a TP plan (module -> style) as a generated program spells it out; without it the
-    TP plan is derived from ``placements`` (`tensor_parallel.tp_plan`)."""
-    if config.pp > 1:  # CALL POINT: autopar.runtime.pipeline cuts the stage(s) of this rank
-        raise NotImplementedError("pipeline parallelism: autopar.runtime.pipeline not wired yet")
+    TP plan is derived from ``placements`` (`tensor_parallel.tp_plan`). With pp > 1 the model
+    is cut into this rank's chunks (`autopar.runtime.pipeline`, ``pipeline`` required) and each
+    chunk gets its own TP plan -- ``tp`` restricted to the chunk's modules, or
+    `tp_plan(chunk)`, whose sequence-parallel ends are the chunk's first and last block (the
+    hidden states between stages are whole sequences) -- recompute and data parallelism."""
+    if config.pp > 1:
+        return _parallelize_pipeline(model, mesh, config, placements, tp, pipeline)
     blocks = find_blocks(model)
     plan = tp if tp is not None else tp_plan(model, config, placements, vocab_parallel=True)
+    data_parallel = _parallelize_part(model, blocks, mesh, config, plan)
+    return ParallelModel(
+        model, mesh, data_parallel, plan, [p for p, _ in blocks], None, [data_parallel]
+    )
+
+
+def _parallelize_part(
+    model: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    mesh: RuntimeMesh,
+    config: ParallelConfig,
+    plan: dict[str, str],
+) -> DataParallel:
+    """TP/SP, context and expert parallelism, recompute, data parallelism of a whole model or
+    of one pipeline chunk (torchtitan's order), in place."""
     apply_tensor_parallel(model, mesh["tp"], plan)
     if config.cp > 1:  # CALL POINT: autopar.runtime.context_parallel (attention over cp)
         raise NotImplementedError(
@@ -135,8 +185,66 @@ def parallelize_model(
             "expert parallelism: autopar.runtime.expert_parallel not wired yet"
         )
     apply_recompute(blocks, config.recompute)
-    data_parallel = apply_data_parallel(model, blocks, mesh, config)
-    return ParallelModel(model, mesh, data_parallel, plan, [p for p, _ in blocks])
+    return apply_data_parallel(model, blocks, mesh, config)
+
+
+def _parallelize_pipeline(
+    model: nn.Module,
+    mesh: RuntimeMesh,
+    config: ParallelConfig,
+    placements: dict | None,
+    tp: dict[str, str] | None,
+    spec: PipelineSpec | None,
+) -> ParallelModel:
+    """pp > 1: this rank's chunks, each parallelised by `_parallelize_part`, and the schedule."""
+    if spec is None:
+        raise ValueError("pp > 1 needs a PipelineSpec (micro-batches, loss, stage boundaries)")
+    plans: dict[str, str] = {}
+    data_parallels: list[DataParallel] = []
+    blocks: list[str] = []
+
+    def per_chunk(chunk: nn.Module) -> None:
+        named = chunk.named_blocks()
+        held = {name for name, _ in chunk.named_modules()}
+        # no vocabulary split: the pipeline's loss runs inside torch's schedule, outside
+        # loss_parallel(), so the head's logits must be whole
+        plan = (
+            {k: v for k, v in tp.items() if k in held}
+            if tp is not None
+            else tp_plan(chunk, config, placements)
+        )
+        plans.update(plan)
+        blocks.extend(p for p, _ in named)
+        data_parallels.append(_parallelize_part(chunk, named, mesh, config, plan))
+
+    pipe = build_pipeline(
+        model,
+        mesh,
+        config,
+        num_microbatches=spec.num_microbatches,
+        loss_fn=spec.loss_fn,
+        stage_layers=spec.stage_layers,
+        parallelize_chunk=per_chunk,
+        schedule=spec.schedule,
+    )
+    held = _merge_modules(list(pipe.chunks))
+    return ParallelModel(held, mesh, data_parallels[0], plans, blocks, pipe, data_parallels)
+
+
+def _merge_modules(modules: list[nn.Module]) -> nn.Module:
+    """One module holding the children of ``modules`` under their own paths (a rank's pipeline
+    chunks; the blocks of several chunks in one ModuleDict), so parameter names stay the
+    original ones; the module itself when there is one."""
+    if len(modules) == 1:
+        return modules[0]
+    if any(next(m.parameters(recurse=False), None) is not None for m in modules):
+        raise ValueError("cannot merge modules that hold parameters of their own")
+    root = nn.ModuleDict() if all(isinstance(m, nn.ModuleDict) for m in modules) else nn.Module()
+    for name in dict.fromkeys(n for m in modules for n in m._modules):
+        held = [m._modules[name] for m in modules if m._modules.get(name) is not None]
+        distinct = list({id(h): h for h in held}.values())  # shared modules (rotary) once
+        root.add_module(name, _merge_modules(distinct))
+    return root
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -204,11 +312,15 @@ def train(
     mesh: RuntimeMesh | None = None,
     tp: dict[str, str] | None = None,
     fingerprint: str = "",
+    stage_layers: Sequence[Sequence[str]] | None = None,
+    schedule: str | None = None,
 ) -> list[StepResult]:
     """Train ``task`` under ``config`` for ``options.steps`` steps on this rank's share.
 
     ``tp``: an explicit TP plan (see `parallelize_model`); ``fingerprint``: the plan's model
-    fingerprint, checked against the built model.
+    fingerprint, checked against the built model. pp > 1: ``stage_layers`` the plan's stage
+    boundaries (`[s.layers for s in plan.stages]`; None: the even split), ``schedule`` a
+    `pipeline.SCHEDULES` name overriding config.schedule.
 
     Must run on every rank of a process group whose size is ``config.world_size`` (started by
     torchrun, or by the test harness); the mesh is built when not given.
@@ -231,7 +343,9 @@ def train(
     device = torch.device(mesh.mesh.device_type)
     model = task.build().to(device)
     check_fingerprint(model, fingerprint)
-    pm = parallelize_model(model, mesh, config, placements, tp)
+    spec = PipelineSpec(num_micro, task.loss, stage_layers, schedule) if config.pp > 1 else None
+    pm = parallelize_model(model, mesh, config, placements, tp, spec)
+    model = pm.model  # pp > 1: this rank's chunks (the rest of the model is dropped)
     optimizer = _make_optimizer(model, options)
     # CHECKPOINT (autopar.runtime.checkpoint): resume from the newest complete checkpoint
     ckpt = open_checkpointer(
@@ -245,23 +359,26 @@ def train(
     world, start = dist.get_world_size(), mesh.data_rank * per_rank
     if options.log and mesh.rank == 0:
         print(f"[autopar] {mesh.as_text()}; {pm.data_parallel.as_text()}", flush=True)
+        if pm.pipeline is not None:
+            print(f"[autopar] {pm.pipeline.as_text()}", flush=True)
     results = []
     for step in range(first_step, options.steps):
         t0 = time.perf_counter()
         inputs, targets = task.batch(step, start, start + per_rank)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        for i in range(num_micro):
-            mb = slice(i * mbs, (i + 1) * mbs)
-            with loss_context(pm.tp_plan):  # loss_parallel() for a vocabulary-split head
-                with _autocast(device, options.precision):
-                    out = task.forward(model, tuple(t[mb].to(device) for t in inputs))
-                loss = task.loss(out, targets[mb].to(device)) / num_micro
-                pm.data_parallel.before_backward(is_last_microbatch=i == num_micro - 1)
-                loss.backward()
-            loss_sum += _local(loss.detach()).double().cpu()
+        if pm.pipeline is None:
+            loss_sum = _accumulate(pm, task, inputs, targets, num_micro, device, options)
+        else:  # the schedule runs every micro-batch's forward and backward
+            with _autocast(device, options.precision):
+                loss_sum = pm.pipeline.step(
+                    tuple(t.to(device) for t in inputs), targets.to(device)
+                ).double()
+            pm.pipeline.sync_tied_gradients()  # a tied embedding: first + last stage summed
         reduce_partial_grads(model)  # SP norms: weight-grad all-reduce over tp
-        pm.data_parallel.sync_gradients()
-        grad_norm, mean_loss = _global_norm_and_loss(model, loss_sum, mesh, world)
+        for data_parallel in pm.data_parallels:  # one per pipeline chunk
+            data_parallel.sync_gradients()
+        # a tied embedding's copy on the last stage is counted once (pipeline.norm_parameters)
+        counted = model.parameters() if pm.pipeline is None else pm.pipeline.norm_parameters()
+        grad_norm, mean_loss = _global_norm_and_loss(counted, loss_sum, mesh, world)
         coef = min(1.0, options.max_grad_norm / (grad_norm + 1e-6))
         with torch.no_grad():
             for p in model.parameters():
@@ -283,18 +400,42 @@ def train(
     return results
 
 
+def _accumulate(
+    pm: ParallelModel,
+    task: Task,
+    inputs: tuple[torch.Tensor, ...],
+    targets: torch.Tensor,
+    num_micro: int,
+    device: torch.device,
+    options: TrainOptions,
+) -> torch.Tensor:
+    """Forward and backward of each micro-batch in turn (no pipeline); the mean loss."""
+    mbs = targets.shape[0] // num_micro
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for i in range(num_micro):
+        mb = slice(i * mbs, (i + 1) * mbs)
+        with loss_context(pm.tp_plan):  # loss_parallel() for a vocabulary-split head
+            with _autocast(device, options.precision):
+                out = task.forward(pm.model, tuple(t[mb].to(device) for t in inputs))
+            loss = task.loss(out, targets[mb].to(device)) / num_micro
+            pm.data_parallel.before_backward(is_last_microbatch=i == num_micro - 1)
+            loss.backward()
+        loss_sum += _local(loss.detach()).double().cpu()
+    return loss_sum
+
+
 def _global_norm_and_loss(
-    model: nn.Module, loss_sum: torch.Tensor, mesh: RuntimeMesh, world: int
+    params: Iterable[nn.Parameter], loss: torch.Tensor, mesh: RuntimeMesh, world: int
 ) -> tuple[float, float]:
-    """One all-reduce over the world of [weighted squared gradient norm, weighted loss]."""
+    """One all-reduce over the world of [weighted squared gradient norm, loss / world]: every
+    rank holds its data rank's mean loss (a pipeline broadcasts it to every stage)."""
     pp = mesh.size("pp")
     total = torch.zeros(2, dtype=torch.float64)
-    for p in model.parameters():
+    for p in params:
         if p.grad is not None:
             local = _local(p.grad).detach().double()
             total[0] += local.pow(2).sum() * _norm_share(p.grad, pp, world)
-    # CALL POINT (pipeline): only the last stage holds the loss; the others add 0 here
-    total[1] = loss_sum * pp / world
+    total[1] = loss / world
     dist.all_reduce(total)
     return math.sqrt(total[0].item()), total[1].item()
 

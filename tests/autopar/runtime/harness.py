@@ -1,8 +1,9 @@
 """Multi-rank test harness: spawn N gloo ranks, run configs, compare with one process.
 
-In: a world size and a list of `Case`s (zoo model, ParallelConfig, global batch, optional
-placements). Out: per case the per-step (loss, pre-clip grad norm) of rank 0, and the same
-for the single-process reference (`autopar.runtime.trainer.reference_run`).
+In: a world size and a list of `Case`s (zoo or Hugging Face preset, ParallelConfig, global
+batch, optional placements; pp > 1: optional stage boundaries and a schedule override). Out:
+per case the per-step (loss, pre-clip grad norm) of every rank, and the same for the
+single-process reference (`autopar.runtime.trainer.reference_run`), run once per model.
 
 One spawn per world size runs all its cases, because starting processes is the slow part on
 a shared 2-core machine; each spawn takes a free port (bound to port 0) so concurrent test
@@ -23,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 from autopar.config import ParallelConfig
-from autopar.runtime.task import ZOO_FACTORY, task_from_source
+from autopar.runtime.task import HF_FACTORY, ZOO_FACTORY, task_from_source
 from autopar.runtime.trainer import TrainOptions, reference_run, train
 
 OPTIONS = TrainOptions(steps=3, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, log=False)
@@ -36,10 +37,15 @@ class Case:
     global_batch_size: int = 4
     placements: dict | None = None
     overrides: dict = field(default_factory=dict)
+    stage_layers: tuple[tuple[str, ...], ...] | None = None  # pp > 1; None: the even split
+    schedule: str | None = None  # a pipeline.SCHEDULES name the config cannot say ("zbv")
+    seq_len: int | None = None  # Hugging Face presets (`*-hf`) need one
 
     @property
     def label(self) -> str:
         extra = " +placements" if self.placements else ""
+        extra += " uneven" if self.stage_layers else ""
+        extra += f" {self.schedule}" if self.schedule else ""
         return f"{self.model} {self.config.as_text()}{extra}"
 
 
@@ -51,9 +57,10 @@ def free_port() -> int:
 
 def task_of(case: Case):
     return task_from_source(
-        ZOO_FACTORY,
+        HF_FACTORY if case.model.endswith("-hf") else ZOO_FACTORY,
         {"name": case.model, **case.overrides},
         global_batch_size=case.global_batch_size,
+        seq_len=case.seq_len,
     )
 
 
@@ -99,6 +106,8 @@ def run_cases(cases: list[Case]) -> list[list[tuple[float, float]]]:
             case.global_batch_size,
             options=OPTIONS,
             placements=case.placements,
+            stage_layers=case.stage_layers,
+            schedule=case.schedule,
         )
         out.append([(r.loss, r.grad_norm) for r in steps])
     return out
@@ -123,9 +132,12 @@ def check_cases(world_size: int, cases: list[Case], rtol: float = 1e-5) -> dict[
     """Run ``cases`` on ``world_size`` ranks; assert every rank matches the reference within
     ``rtol``; return the max relative error per case label."""
     per_rank = run_ranks(world_size, run_cases, cases)
-    errors = {}
+    errors, references = {}, {}
     for i, case in enumerate(cases):
-        want = reference(case)
+        key = (case.model, repr(case.overrides), case.global_batch_size, case.seq_len)
+        if key not in references:  # many cases share a model: one reference each
+            references[key] = reference(case)
+        want = references[key]
         err = max(max_rel_error(results[i], want) for results in per_rank)
         errors[case.label] = err
         print(f"{case.label}: max relative error {err:.1e}")
