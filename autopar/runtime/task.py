@@ -9,7 +9,8 @@ step `step`'s global batch.
 Known factories:
     autopar.models.zoo:build   kwargs {"name": preset, **overrides}: the zoo's loss and inputs
     autopar.models.hf:build    kwargs {"name": preset, **overrides}: next-token loss on
-                               `.logits`, random token ids of the plan's sequence length
+                               `.logits`, seeded counting sequences (learnable) of the plan's
+                               sequence length
     anything else              the user's factory; next-token loss on random token ids when the
                                model's config has `vocab_size`, otherwise a data hook is needed
 
@@ -180,8 +181,13 @@ def _token_batch(
     vocab: int, seq_len: int, global_batch_size: int, seed: int
 ) -> Callable[[int, int, int], Batch]:
     def batch(step: int, start: int, stop: int) -> Batch:
+        # counting sequences from a random start and stride (token t+1 = token t + stride mod
+        # vocab): learnable, so a run's loss visibly falls; uniform random tokens would keep
+        # it at log(vocab) whatever the model does
         gen = torch.Generator().manual_seed(seed + step)
-        ids = torch.randint(0, vocab, (global_batch_size, seq_len), generator=gen)[start:stop]
-        return (ids,), ids
+        first = torch.randint(0, vocab, (global_batch_size, 1), generator=gen)
+        stride = torch.randint(1, 4, (global_batch_size, 1), generator=gen)
+        ids = (first + stride * torch.arange(seq_len)) % vocab
+        return (ids[start:stop],), ids[start:stop]
 
     return batch

@@ -68,11 +68,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
@@ -224,7 +223,8 @@ def find_vocab_layers(
     The head is the last Linear outside the blocks whose output size is an Embedding's
     vocabulary; that Embedding is the token embedding. The final norm is given only when the
     embedding's output reaches the first block unchanged in shape terms -- no other Embedding
-    (a position table) outside the blocks -- and a norm module follows the blocks: then
+    (a position table) outside the blocks, not a Hugging Face model -- and a norm module
+    follows the blocks: then
     sequence parallelism can start at the embedding and end at the head (Megatron's ends).
     """
     inside = tuple(p + "." for p, _ in blocks)
@@ -239,7 +239,10 @@ def find_vocab_layers(
         p for p, m in outside if isinstance(m, nn.Embedding) and p != embedding
     ]  # a learned position table added to the token embedding
     norms = [p for p, m in outside if "norm" in type(m).__name__.lower()]
-    norm = norms[-1] if norms and not others else None
+    # Hugging Face models derive positions and the causal mask from the embedding output's
+    # shape (inputs_embeds), which a sequence shard would halve: they keep the split ends
+    transformers = type(model).__module__.startswith("transformers.")
+    norm = norms[-1] if norms and not others and not transformers else None
     return embedding, head, norm
 
 
@@ -361,22 +364,12 @@ def _style(style: str) -> ParallelStyle:
         return RowwiseParallel(output_layouts=Shard(1))
     if name == "sequence_parallel":
         return SequenceParallel()
-    if name == "gather_seq":
-        return PrepareModuleInput(
-            input_layouts=(Shard(1), *rest), desired_input_layouts=(Replicate(), *rest)
-        )
     if name == "replicate_in":
-        return PrepareModuleInput(
-            input_layouts=(Replicate(), *rest),
-            desired_input_layouts=(Replicate(), *rest),
-            use_local_output=False,
-        )
+        return _FirstInput(Replicate(), Replicate(), local=False)
+    if name == "gather_seq":
+        return _FirstInput(Shard(1), Replicate(), local=True)
     if name == "shard_seq":
-        return PrepareModuleInput(
-            input_layouts=(Replicate(), *rest),
-            desired_input_layouts=(Shard(1), *rest),
-            use_local_output=True,
-        )
+        return _FirstInput(Replicate(), Shard(1), local=True)
     if name == "gather_out":
         return PrepareModuleOutput(
             output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
@@ -400,6 +393,40 @@ def _style(style: str) -> ParallelStyle:
             desired_output_layouts=Replicate(),
         )
     raise ValueError(f"unknown tensor-parallel style {style!r}; known: {', '.join(_COLLECTIVES)}")
+
+
+class _FirstInput(ParallelStyle):
+    """A module's first input -- positional, or the keyword of forward's first parameter
+    (Hugging Face attention is called as ``self_attn(hidden_states=...)``) -- made a DTensor
+    of ``given`` placement and redistributed to ``wanted``; other inputs pass unchanged.
+    torch's PrepareModuleInput needs to know beforehand whether inputs come positionally or
+    by keyword; this does not."""
+
+    def __init__(self, given: Placement, wanted: Placement, *, local: bool) -> None:
+        super().__init__()
+        self.given, self.wanted, self.local = given, wanted, local
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        first = next(iter(inspect.signature(module.forward).parameters))
+
+        def convert(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (self.given,), run_check=False)
+            if x.placements != (self.wanted,):
+                x = x.redistribute(device_mesh, (self.wanted,))
+            return x.to_local() if self.local else x
+
+        def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (convert(args[0]), *args[1:]), kwargs
+            if first in kwargs:
+                return args, {**kwargs, first: convert(kwargs[first])}
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str]) -> nn.Module:
