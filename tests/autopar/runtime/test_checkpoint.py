@@ -52,13 +52,18 @@ def _cases(root: str) -> dict[str, object]:
         out["other model"] = "accepted"
     except CheckpointError as e:
         out["other model"] = str(e)
+    try:
+        _run(replace(FSDP2, global_batch_size=8), 4, CheckpointOptions(f"{root}/fsdp2"))
+        out["other batch"] = "accepted"
+    except CheckpointError as e:
+        out["other batch"] = str(e)
     dist.barrier()
     return out
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_resume_continues_bitwise_and_refuses_another_model(tmp_path):
+def test_resume_continues_bitwise_and_refuses_another_model_or_batch(tmp_path):
     got = run_ranks(2, _cases, str(tmp_path))[0]
     for label in ("fsdp2", "tp2-async"):
         straight, first, resumed = got[label]
@@ -75,6 +80,8 @@ def test_resume_continues_bitwise_and_refuses_another_model(tmp_path):
     assert not list((tmp_path / "keep").glob(".partial-*"))
     message = got["other model"]
     assert "holds a model with fingerprint" in message and "use another --checkpoint-dir" in message
+    message = got["other batch"]
+    assert "trained with global batch 4 but this run's is 8" in message
 
 
 def test_only_complete_checkpoints_are_resumed(tmp_path):
