@@ -1,14 +1,26 @@
-"""PP2 trains exactly as one process: GPT (tied head), Llama, HF Llama and MoE under every torch
-schedule (GPipe, 1F1B, interleaved, zero-bubble, ZBV, DualPipeV), uneven cuts, explicit
-positions; 2 gloo ranks, one spawn."""
+"""PP2 through `trainer.train` trains exactly as one process: GPT (tied head), Llama, HF Llama
+and MoE under every torch schedule (GPipe, 1F1B, interleaved, zero-bubble, ZBV, DualPipeV) and
+uneven cuts given as the plan's stage layer lists; 2 gloo ranks, one spawn."""
 
 from __future__ import annotations
 
 import pytest
-from pp_harness import PPCase, check
+from harness import Case, check_cases
+
+from autopar.config import ParallelConfig as C
+
+L4 = {"num_layers": 4}  # 4 micro-batches of 1: DualPipeV needs >= 2 * pp
+
+
+def pp2(model: str, planned: str, v: int = 1, **kwargs) -> Case:
+    overrides = {"num_hidden_layers": 4} if model.endswith("-hf") else L4
+    seq_len = 32 if model.endswith("-hf") else None
+    config = C(pp=2, schedule=planned, virtual_stages=v)
+    return Case(model, config, overrides=overrides, seq_len=seq_len, **kwargs)
+
 
 CASES = [
-    PPCase(model, schedule, v)
+    pp2(model, schedule, v)
     for model in ("gpt-tiny", "llama-tiny")
     for schedule, v in (
         ("gpipe", 1),
@@ -18,22 +30,26 @@ CASES = [
         ("dualpipe_v", 2),
     )
 ] + [
-    PPCase("gpt-tiny", "1f1b", 2, override="zbv"),
-    PPCase("llama-tiny", "1f1b", 2, override="zbv"),
-    PPCase("gpt-tiny", "1f1b", 1, (("tok_emb", "blocks.0"), ("blocks.1", "blocks.2", "blocks.3"))),
-    PPCase(
+    pp2("gpt-tiny", "1f1b", 2, schedule="zbv"),
+    pp2(
+        "gpt-tiny",
+        "1f1b",
+        stage_layers=(("tok_emb", "blocks.0"), ("blocks.1", "blocks.2", "blocks.3")),
+    ),
+    pp2(
         "llama-tiny",
         "gpipe",
-        1,
-        (("embed_tokens", "layers.0", "layers.1", "layers.2"), ("layers.3", "lm_head")),
+        stage_layers=(
+            ("embed_tokens", "layers.0", "layers.1", "layers.2"),
+            ("layers.3", "lm_head"),
+        ),
     ),
-    PPCase("llama-tiny", "interleaved_1f1b", 2, positions=True),
-    PPCase("llama-tiny-hf", "1f1b", 1, positions=True),
-    PPCase("moe-tiny", "interleaved_1f1b", 2),
+    pp2("llama-tiny-hf", "1f1b"),
+    pp2("moe-tiny", "interleaved_1f1b", 2),
 ]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_pp2_schedules_match_single_process():
-    check(2, CASES)
+    check_cases(2, CASES)

@@ -1,20 +1,27 @@
-"""PP2 x TP2 on 4 gloo ranks matches one process (TP from core's functions per chunk); so does
-PP4, where the tied embedding's gradient crosses from the first to the last of four stages."""
+"""Pipeline with tensor parallelism through `trainer.train` on 4 gloo ranks matches one
+process: PP2 x TP2, PP2 x TP2 + sequence parallelism (each chunk's own SP ends), and PP4, where
+the tied embedding's gradient crosses from the first to the last of four stages."""
 
 from __future__ import annotations
 
 import pytest
-from pp_harness import PPCase, check
+from harness import Case, check_cases
+
+from autopar.config import ParallelConfig as C
+
+L4 = {"num_layers": 4}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_pp2_tp2_and_pp4_match_single_process_on_4_ranks():
-    check(
-        4,
-        [
-            PPCase("gpt-tiny", "1f1b", tp=2),
-            PPCase("llama-tiny", "interleaved_1f1b", 2, tp=2),
-            PPCase("gpt-tiny", "1f1b", pp=4),
-        ],
-    )
+def test_pp2_tp2_sp_and_pp4_match_single_process_on_4_ranks():
+    cases = [
+        Case("gpt-tiny", C(pp=2, tp=2, schedule="1f1b"), overrides=L4),
+        Case(
+            "llama-tiny", C(pp=2, tp=2, schedule="interleaved_1f1b", virtual_stages=2), overrides=L4
+        ),
+        Case("llama-tiny", C(pp=2, tp=2, sequence_parallel=True, schedule="1f1b"), overrides=L4),
+        Case("gpt-tiny", C(pp=2, tp=2, sequence_parallel=True, schedule="gpipe"), overrides=L4),
+        Case("gpt-tiny", C(pp=4, schedule="1f1b"), overrides=L4),
+    ]
+    check_cases(4, cases)
