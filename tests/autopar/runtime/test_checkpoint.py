@@ -1,14 +1,16 @@
 """Checkpoints (autopar.runtime.checkpoint): a resumed run continues bitwise; refusals.
 
 One spawn of 2 gloo ranks runs every multi-rank case (process start-up is the slow part):
-uninterrupted 4 steps vs 2 steps + resume for 2 more (blocking and asynchronous saves, FSDP2
-and TP2), `keep` pruning, and a checkpoint of another model refused. The directory rules
+uninterrupted 4 steps vs a resume from the step-2 checkpoint of a 4-step run (blocking and
+asynchronous saves, FSDP2 and TP2; training went on after the step-2 save began), `keep`
+pruning, and checkpoints of another model or global batch refused. The directory rules
 (partial and incomplete checkpoints never resumed) are checked without processes.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,7 +43,10 @@ def _cases(root: str) -> dict[str, object]:
     for label, case, async_save in (("fsdp2", FSDP2, False), ("tp2-async", TP2, True)):
         straight = _run(case, 4, None)
         ckpt = CheckpointOptions(f"{root}/{label}", every=2, async_save=async_save)
-        first = _run(case, 2, ckpt)
+        first = _run(case, 4, ckpt)  # saves after steps 2 and 4; training goes on after 2
+        if dist.get_rank() == 0:  # drop step 4: the step-2 checkpoint must hold step 2's
+            shutil.rmtree(Path(root, label, "step-00000004"))  # state, not step 4's (staging)
+        dist.barrier()
         resumed = _run(case, 4, ckpt)  # resumes after step 2: computes steps 3 and 4 only
         out[label] = (straight, first, resumed)
     keep = CheckpointOptions(f"{root}/keep", every=1, keep=2)
@@ -67,15 +72,15 @@ def test_resume_continues_bitwise_and_refuses_another_model_or_batch(tmp_path):
     got = run_ranks(2, _cases, str(tmp_path))[0]
     for label in ("fsdp2", "tp2-async"):
         straight, first, resumed = got[label]
-        assert first == straight[:2]
+        assert first == straight
         assert [x.hex() for x in resumed] == [x.hex() for x in straight[2:]], label
         meta = read_meta(latest_checkpoint(tmp_path / label))
         assert (meta["step"], meta["samples_seen"], meta["world_size"]) == (4, 16, 2)
         log = [
             json.loads(line) for line in (tmp_path / label / "log.jsonl").read_text().splitlines()
         ]
-        assert [r["step"] for r in log] == [1, 2, 3, 4]  # no step computed twice
-        assert [float.fromhex(r["loss"]) for r in log] == straight
+        assert [r["step"] for r in log] == [1, 2, 3, 4, 3, 4]  # the resumed run: 3, 4 only
+        assert [float.fromhex(r["loss"]) for r in log] == straight + straight[2:]
     assert [s for s, _ in complete_checkpoints(tmp_path / "keep")] == [2, 3]
     assert not list((tmp_path / "keep").glob(".partial-*"))
     message = got["other model"]
