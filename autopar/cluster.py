@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from autopar.errors import ProfileError
@@ -72,7 +72,7 @@ class Cluster:
                 f"{profile.name}: devices_per_node must be between 1 and {per_node} "
                 f"(the profile's node), got {used}"
             )
-        return cls(profile, num_nodes, used)
+        return cls(_time_shared(profile, used), num_nodes, used)
 
     @classmethod
     def _torus_cluster(
@@ -205,6 +205,26 @@ class Cluster:
                 f"devices{partial} = world size {self.world_size}"
             )
         return head + "\n" + self.profile.as_text()
+
+
+def _time_shared(profile: HardwareProfile, used: int) -> HardwareProfile:
+    """The profile as ``used`` devices per node see it when only ``profile.compute_slots`` of
+    them compute at once (ranks on fewer CPU cores): the operating system gives each device
+    slots / used of the time, so its FLOP/s and memory bandwidth scale by that share and its
+    per-op overhead by the inverse. Unchanged when the slots suffice (every GPU profile)."""
+    slots = profile.compute_slots
+    if not slots or used <= slots:
+        return profile
+    share = slots / used
+    d = profile.device
+    device = replace(
+        d,
+        name=f"{d.name}, {used} sharing {slots} slots",
+        peak_flops_per_s={k: v * share for k, v in d.peak_flops_per_s.items()},
+        memory_bandwidth_bytes_per_s=d.memory_bandwidth_bytes_per_s * share,
+        launch_overhead_s=d.launch_overhead_s / share,
+    )
+    return replace(profile, device=device)
 
 
 def _split_devices(profile: HardwareProfile, num_devices: int) -> tuple[int, int]:

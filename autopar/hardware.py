@@ -38,6 +38,9 @@ class HardwareProfile:
     torus: Torus | None
     sources: Mapping[str, str]  # table path -> the source its numbers cite
     path: str
+    # devices of a node that compute at once at the device's rates (CPU cores the ranks run
+    # on); 0: all of them. `Cluster` time-shares the device when more devices are used.
+    compute_slots: int = 0
 
     def as_text(self) -> str:
         d = self.device
@@ -46,7 +49,8 @@ class HardwareProfile:
             f"{self.name}: {self.description}",
             f"  device  {d.name}: {d.memory_bytes / 2**30:.1f} GiB at "
             f"{d.memory_bandwidth_bytes_per_s / 1e12:.2f} TB/s; {peaks}",
-            f"  node    {self.devices_per_node} devices",
+            f"  node    {self.devices_per_node} devices"
+            + (f", computing {self.compute_slots} at a time" if self.compute_slots else ""),
         ]
         for lv in self.levels:
             domain = "cluster" if lv.devices_per_domain == 0 else f"{lv.devices_per_domain} dev"
@@ -186,7 +190,18 @@ def _parse(f: _Fields, origin: str) -> HardwareProfile:
         torus=torus,
         sources=sources,
         path=origin,
+        compute_slots=_compute_slots(f),
     )
+
+
+def _compute_slots(f: _Fields) -> int:
+    if f.get("node.compute_slots", required=False) is None:
+        return 0
+    slots = f.integer("node.compute_slots")
+    devices = f.integer("node.devices")
+    if slots > devices:
+        raise f.error("node.compute_slots", f"must be <= node.devices = {devices}, got {slots}")
+    return slots
 
 
 def _parse_device(f: _Fields) -> DeviceSpec:

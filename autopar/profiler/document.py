@@ -11,7 +11,8 @@ so a reader (or a test) can check each fitted number against what produced it.
     efficiency.matmul   one curve fitted to both dtypes' rates, each over its own peak
     efficiency.attention  SDPA forward rates over the peak of the dtype they ran in
     memory bandwidth    as a peak: copy and add, x = bytes moved, less cache-resident sizes
-                        (`_memory_points`); efficiency.memory its curve
+                        (`_memory_points`); efficiency.memory its curve, the half size
+                        capped by every measured size (`_memory_fit`)
     topology.levels[l]  `cost_models.fit.fit_level` on level l's collectives: latency and the
                         achieved bandwidth, efficiency 1
 """
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 from autopar.profiler.comm import LevelMeasurement, LevelPlan
 from autopar.profiler.compute import ComputeMeasurement
+from cost_models.compute import EfficiencyCurve
 from cost_models.fit import CommMeasurement, CurveFit, LevelFit, fit_efficiency_curve, fit_level
 
 
@@ -79,7 +81,7 @@ def fit_measurements(
     attention_dtype = next(m.dtype for m in compute if m.op == "attention")
     x, r = _points(compute, t0, "flops", ops=("attention",), dtype=attention_dtype)
     attention = fit_efficiency_curve(x, r, peak=peaks[attention_dtype].peak)
-    memory = fit_efficiency_curve(*_memory_points(compute, t0))
+    memory = _memory_fit(compute, t0)
     level_fits = tuple(
         fit_level(
             [
@@ -130,6 +132,29 @@ def _memory_points(
     return [x for x, _ in kept], [r for _, r in kept]
 
 
+def _memory_fit(compute: Sequence[ComputeMeasurement], t0: float) -> CurveFit:
+    """The memory curve: its rate from the sizes beyond the caches (`_memory_points`), its
+    half size no larger than any measured copy or add allows.
+
+    The half size is a fixed cost per op, half_size / rate, on top of the launch overhead.
+    Fitted on the large sizes alone it is an extrapolation (on local_cpu 2026-11-21: 11.6 MB,
+    i.e. 340 us per op, from four points of 134 MB and more), while every smaller op was
+    measured: an op of x bytes taking t cannot have a fixed cost above (t - t0) * rate - x,
+    so the half size is capped at the smallest such bound over all points (0 where caches
+    beat the memory's rate); the rms error is restated for the capped curve.
+    """
+    sizes, rates = _memory_points(compute, t0)
+    fit = fit_efficiency_curve(sizes, rates)
+    all_sizes, all_rates = _points(compute, t0, "bytes_moved", ops=("copy", "add"))
+    bound = min(max(0.0, x / r * fit.rate - x) for x, r in zip(all_sizes, all_rates, strict=True))
+    if bound >= fit.curve.half_size:
+        return fit
+    curve = EfficiencyCurve(fit.curve.max, bound)
+    errors = [(x + bound) / fit.rate / (x / r) - 1 for x, r in zip(sizes, rates, strict=True)]
+    rms = math.sqrt(sum(e * e for e in errors) / len(errors))
+    return CurveFit(curve, fit.peak, fit.rate, rms, fit.num_points)
+
+
 def render(
     info: RunInfo,
     fits: Fits,
@@ -148,9 +173,13 @@ def render(
 
     peaks = fits.peaks
     level_names = ", ".join(f.level.name for f in fits.levels)
+    slots = compute_slots(info)
     shared = ""
-    if info.kind == "cpu" and info.node_devices > info.num_cores:
-        shared = f"; ranks beyond the {info.num_cores} cores share them, which is not priced"
+    if slots:
+        shared = (
+            f"; {slots} ranks compute at once ({info.num_cores} cores / "
+            f"{info.threads_per_rank} thread(s)), more share them (node.compute_slots)"
+        )
     lines = [
         f"# {info.name}: autopar hardware profile, schema_version 1 (format: README.md here).",
         f"# Written by `{info.command}`; every number is fitted to the points in [measured].",
@@ -209,16 +238,24 @@ def render(
             fit_note(
                 fits.memory,
                 "copy_ and add over bytes moved, less cache-resident sizes (faster "
-                "than the largest op by over 10%)",
+                "than the largest op by over 10%); half size capped so that no measured "
+                "size takes less than the curve's fixed cost",
             ),
         ),
         "",
         "[node]",
         f"devices = {info.node_devices}",
+        *([f"compute_slots = {slots}"] if slots else []),
         "source = "
         + _s(
             f"{run}: ranks a plan may use per node (given to `autopar profile --node-devices`; "
             f"{info.ranks_per_node} measured)"
+            + (
+                "; compute_slots = cores / threads per rank: ranks that compute at once at "
+                "the device's rates (a cluster of more per node time-shares them)"
+                if slots
+                else ""
+            )
         ),
         "",
         "# innermost level first; devices_per_domain = 0 is the whole cluster (scale-out)",
@@ -244,6 +281,62 @@ def render(
         ]
     lines += _measured(info, compute, comm)
     return "\n".join(lines) + "\n"
+
+
+def compute_slots(info: RunInfo) -> int:
+    """Ranks of a CPU node that compute at once at the measured per-rank rates (cores /
+    threads per rank); 0 when every device a plan may use has its own (GPUs)."""
+    if info.kind != "cpu":
+        return 0
+    slots = max(1, info.num_cores // max(1, info.threads_per_rank))
+    return slots if info.node_devices > slots else 0
+
+
+def refit(text: str, name: str) -> str:
+    """A profile written by `render`, fitted again from its own [measured] points with this
+    version's fits (the measurements, date and machine kept; ``name``: the profile's name)."""
+    import tomllib
+
+    data = tomllib.loads(text)
+    m = data["measured"]
+    compute = [
+        ComputeMeasurement(
+            r["op"], r["dtype"], r["shape"], r["flops"], r["bytes_moved"], r["time_s"]
+        )
+        for r in m["compute"]
+    ]
+    comm = [
+        LevelMeasurement(
+            r["level"], r["collective"], r["message_bytes"], r["group_size"], r["time_s"]
+        )
+        for r in m["comm"]
+    ]
+    old_levels = {lv["name"]: lv for lv in data["topology"]["levels"]}
+    levels = [
+        LevelPlan(n, old_levels[n]["devices_per_domain"], ())
+        for n in dict.fromkeys(c.level for c in comm)
+    ]
+    cores = (
+        int(m["machine"].split(" cores")[0].rsplit(" ", 1)[-1]) if " cores" in m["machine"] else 1
+    )
+    info = RunInfo(
+        name=name,
+        kind=data["kind"],
+        date=m["date"],
+        command=m["command"],
+        machine=m["machine"],
+        num_cores=cores,
+        device_name=data["device"]["name"],
+        memory_bytes=data["device"]["memory_bytes"],
+        torch_version=m["torch"],
+        backend=m["backend"],
+        world_size=m["world_size"],
+        ranks_per_node=m["ranks_per_node"],
+        node_devices=data["node"]["devices"],
+        threads_per_rank=m["threads_per_rank"],
+        wall_s=m["wall_s"],
+    )
+    return render(info, fit_measurements(compute, comm, levels), compute, comm)
 
 
 def _ratios(fit: LevelFit, comm: Sequence[LevelMeasurement]) -> str:

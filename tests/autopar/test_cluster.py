@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autopar import Cluster, ProfileError
+from autopar.hardware import load_profile
 
 GiB = 2**30
 
@@ -85,3 +86,19 @@ def test_comm_group_rejects_bad_ranks():
     cluster = Cluster.from_profile("dgx_h100")
     with pytest.raises(ValueError, match="rank 8 outside the cluster's world of 8"):
         cluster.comm_group([0, 8])
+
+
+def test_ranks_beyond_the_compute_slots_time_share_the_device():
+    """local_cpu: 2 cores (compute_slots = 2); 4 ranks get half the rates each, 2 all of them,
+    and GPU profiles (no compute_slots) are untouched."""
+    two = Cluster.from_profile("local_cpu", num_devices=2)
+    four = Cluster.from_profile("local_cpu", num_devices=4)
+    assert two.profile.compute_slots == 2
+    assert two.profile.device == load_profile("local_cpu").device
+    d2, d4 = two.profile.device, four.profile.device
+    assert d4.peak("fp32") == pytest.approx(d2.peak("fp32") / 2)
+    assert d4.memory_bandwidth_bytes_per_s == pytest.approx(d2.memory_bandwidth_bytes_per_s / 2)
+    assert d4.launch_overhead_s == pytest.approx(2 * d2.launch_overhead_s)
+    assert d4.memory_bytes == d2.memory_bytes
+    gpu = Cluster.from_profile("dgx_h100")
+    assert gpu.profile.compute_slots == 0 and gpu.profile.device == load_profile("dgx_h100").device

@@ -11,7 +11,7 @@ from autopar.errors import ProfileError
 from autopar.profiler import ProfileOptions
 from autopar.profiler.comm import LevelMeasurement, LevelPlan, group_sizes
 from autopar.profiler.compute import ComputeMeasurement
-from autopar.profiler.document import RunInfo, fit_measurements, render
+from autopar.profiler.document import RunInfo, fit_measurements, refit, render
 from cost_models.comm import HierarchicalGroup, Level, collective_time
 from cost_models.compute import EfficiencyCurve
 
@@ -94,7 +94,8 @@ def test_synthetic_machine_is_recovered_and_the_profile_loads(tmp_path):
     assert level.latency_s == pytest.approx(1e-4, rel=1e-3)
     assert level.bandwidth_bytes_per_s == pytest.approx(2.5e9, rel=1e-3)
     assert profile.devices_per_node == 8 and profile.kind == "cpu"
-    assert "ranks beyond the 2 cores share them" in profile.description
+    assert "more share them (node.compute_slots)" in profile.description
+    assert profile.compute_slots == 2  # 2 cores, 1 thread per rank, 8 devices per node
     assert all("autopar profile --out synthetic.toml" in s for s in profile.sources.values())
 
     raw = tomllib.loads(path.read_text())["measured"]
@@ -121,3 +122,38 @@ def test_group_sizes_are_powers_of_two_and_the_whole_level():
 def test_bad_options_are_refused(kwargs, match):
     with pytest.raises(ProfileError, match=match):
         ProfileOptions(**kwargs)
+
+
+def test_memory_half_size_is_capped_by_the_small_ops():
+    """Large copies alone would fit a fixed cost of 10 MB / bandwidth per op (an
+    extrapolation); cached small copies measured at a few microseconds cap it at 0."""
+    compute = [ComputeMeasurement("launch", "fp32", "1", 1.0, 12.0, T0)]
+    for numel in (2**10, 2**14, 2**18):  # cache-resident: 4x the memory's rate
+        nbytes = 8.0 * numel
+        compute.append(
+            ComputeMeasurement("copy", "fp32", str(numel), 0.0, nbytes, T0 + nbytes / 4 / BANDWIDTH)
+        )
+    for numel in (2**24, 2**26):  # beyond the caches, with a 10 MB ramp
+        nbytes = 8.0 * numel
+        t = T0 + (nbytes + 1e7) / BANDWIDTH
+        compute.append(ComputeMeasurement("copy", "fp32", str(numel), 0.0, nbytes, t))
+    compute += [m for m in _compute() if m.op in ("matmul", "attention")]
+    fits = fit_measurements(compute, _comm(), (LevelPlan("loopback", 0, (0, 1)),))
+    assert fits.memory.rate == pytest.approx(BANDWIDTH, rel=1e-3)
+    assert fits.memory.curve.half_size == 0.0
+
+
+def test_refit_reproduces_a_profile_from_its_measured_table(tmp_path):
+    compute, comm = _compute(), _comm()
+    fits = fit_measurements(compute, comm, (LevelPlan("loopback", 0, (0, 1)),))
+    text = render(_info(), fits, compute, comm)
+    again = refit(text, "synthetic")
+    a, b = tomllib.loads(text), tomllib.loads(again)
+    assert a["device"]["launch_overhead_s"] == b["device"]["launch_overhead_s"]
+    assert a["device"]["peak_flops_per_s"]["fp32"] == pytest.approx(
+        b["device"]["peak_flops_per_s"]["fp32"], rel=1e-3
+    )
+    assert a["topology"]["levels"][0]["latency_s"] == pytest.approx(
+        b["topology"]["levels"][0]["latency_s"], rel=1e-3
+    )
+    assert b["node"]["compute_slots"] == 2 and b["measured"] == a["measured"]
