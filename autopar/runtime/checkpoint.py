@@ -31,7 +31,7 @@ Invariants:
 Public functions:
     CheckpointOptions(directory, every=0, async_save=False, keep=2)
     CheckpointError
-    Checkpointer(options, model, optimizer, *, global_batch_size, plan_text="")
+    Checkpointer(options, model, optimizer, *, global_batch_size, plan_text="", fingerprint="")
     open_checkpointer(options | None, model, optimizer, ...) -> Checkpointer | None
         .resume() -> int              # steps already done (0: start from scratch)
         .after_step(step, loss, grad_norm)   # log; save when step % every == 0
@@ -157,6 +157,7 @@ class Checkpointer:
         *,
         global_batch_size: int,
         plan_text: str = "",
+        fingerprint: str = "",
     ) -> None:
         self.options = options
         self.model = model
@@ -164,7 +165,9 @@ class Checkpointer:
         self.global_batch_size = global_batch_size
         self.plan_text = plan_text
         self.root = Path(options.directory)
-        self.fingerprint = model_fingerprint(model)  # DTensors report their global shapes
+        # the whole model's: under pp > 1 ``model`` is this rank's chunks, so the caller passes
+        # the plan's (checked against the built model); DTensors report their global shapes
+        self.fingerprint = fingerprint or model_fingerprint(model)
         self.rank = _rank()
         self._pending: tuple[int, Future] | None = None
         # async: DCP's collectives run in a thread, so they get a group of their own
@@ -310,10 +313,16 @@ def open_checkpointer(
     *,
     global_batch_size: int,
     plan_text: str = "",
+    fingerprint: str = "",
 ) -> Checkpointer | None:
     """A `Checkpointer` when ``options`` asks for one, else None (the trainer's hook)."""
     if options is None:
         return None
     return Checkpointer(
-        options, model, optimizer, global_batch_size=global_batch_size, plan_text=plan_text
+        options,
+        model,
+        optimizer,
+        global_batch_size=global_batch_size,
+        plan_text=plan_text,
+        fingerprint=fingerprint,
     )

@@ -354,6 +354,7 @@ def train(
         optimizer,
         global_batch_size=global_batch_size,
         plan_text=config.as_text(),
+        fingerprint=fingerprint,  # the whole model's (pp > 1 holds chunks only)
     )
     first_step = ckpt.resume() if ckpt else 0
     world, start = dist.get_world_size(), mesh.data_rank * per_rank
