@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 from autopar.plan import Plan
+from autopar.runtime.pipeline import SCHEDULES, layout_for
 from autopar.runtime.task import resolve_callable
 from autopar.runtime.tensor_parallel import collectives_of, find_blocks, tp_plan
+from autopar.runtime.trainer import pipeline_tp_plan
 
 GiB = 2**30
 
@@ -39,7 +41,7 @@ def program_text(plan: Plan) -> str:
         _model(plan),
         _tensor_parallel(plan, model),
         _data_parallel(plan, model),
-        _pipeline(plan),
+        _pipeline(plan, model),
         _recompute(plan),
         _main(plan),
     ]
@@ -161,12 +163,21 @@ if PLAN.model_source is None or PLAN.model_source.fingerprint != FINGERPRINT:
 
 
 def _tensor_parallel(plan: Plan, model: nn.Module) -> str:
-    tp = tp_plan(model, plan.config, plan.placements, vocab_parallel=plan.config.pp == 1)
+    c = plan.config
+    if c.pp > 1:  # every pipeline chunk's own plan: SP splits and gathers at each chunk's ends
+        tp = pipeline_tp_plan(model, c, plan.placements, _stage_layers(plan))
+    else:
+        tp = tp_plan(model, c, plan.placements, vocab_parallel=True)
     head = f'# ---- tensor parallelism over the "tp" axis ({plan.config.tp} ranks)'
     if not tp:
         return f"{head}: none\nTP_PLAN: dict[str, str] = {{}}"
     origin = "the intra-layer ILP's placements" if plan.placements else "Megatron's rule"
     lines = [f"{head}, from {origin}: module -> style", "TP_PLAN = {"]
+    if c.pp > 1:
+        lines[0] += (
+            "\n# per pipeline chunk; embedding and head replicated (the schedule computes the "
+            "loss outside loss_parallel)"
+        )
     order = sorted(tp, key=lambda k: [int(t) if t.isdigit() else t for t in k.split(".")])
     lines += [f"    {k!r}: {tp[k]!r},  # {collectives_of(tp[k])}" for k in order]
     lines.append("}")
@@ -195,10 +206,12 @@ def _data_parallel(plan: Plan, model: nn.Module) -> str:
         mesh = '("dp", "fsdp") (HSDP: replicate over dp, shard over fsdp)' if c.dp > 1 else '"fsdp"'
         reshard = c.zero_stage == 3
         again = " and again in backward" if reshard else ""
+        chunks = "; per pipeline chunk: its blocks, then the chunk as root" if c.pp > 1 else ""
         text = f"""# ---- data parallelism: FSDP2 fully_shard on mesh {mesh}, ZeRO-{c.zero_stage}
 #   fully_shard(block, mesh, reshard_after_forward={reshard}) for each of {len(blocks)} blocks:
 #       {_names(blocks)}
-#   fully_shard(model, mesh, reshard_after_forward=False)  (root: embeddings, final norm, head)
+#   fully_shard(model, mesh, reshard_after_forward=False)  (root: embeddings, final norm,
+#   head){chunks}
 #   per step: all-gather of each unit's parameters in forward{again},
 #   reduce-scatter of its gradients"""
         if c.zero_stage == 1:
@@ -215,16 +228,28 @@ def _names(paths: list[str]) -> str:
     return ", ".join(paths[:4]) + (f", ... ({len(paths)} in all)" if len(paths) > 4 else "")
 
 
-def _pipeline(plan: Plan) -> str:
+def _stage_layers(plan: Plan) -> list[list[str]]:
+    return [list(st.layers) for st in plan.stages]
+
+
+def _pipeline(plan: Plan, model: nn.Module) -> str:
     c = plan.config
     if c.pp == 1:
-        return "# ---- pipeline: none (pp=1)"
+        return "# ---- pipeline: none (pp=1)\nSTAGE_LAYERS = None"
+    spec = SCHEDULES[c.schedule]
+    layout = layout_for(c, model, _stage_layers(plan))
     lines = [
-        f"# ---- pipeline: {c.pp} stages x {c.virtual_stages} virtual, schedule {c.schedule}, "
-        f"{plan.num_microbatches} micro-batches"
+        f"# ---- pipeline: {c.pp} stages x {c.virtual_stages} virtual, schedule {c.schedule}",
+        f"# (torch {spec.cls.__name__}), {plan.num_microbatches} micro-batches per step;",
+        "# the model cut at the plan's stage boundaries (autopar.runtime.pipeline) into "
+        f"{layout.num_chunks} chunks",
+        f"# placed {'in a V' if layout.style == 'v' else 'round-robin'}; embedding on chunk 0, "
+        "head on the last:",
     ]
-    for st in plan.stages:
-        lines.append(f"#   stage {st.index}: {_names(list(st.layers))}")
+    lines += [f"#   {part.strip()}" for part in layout.as_text().split(": ", 1)[1].split(";")]
+    lines.append("STAGE_LAYERS = [  # each stage's layers (plan.json's stages[i].layers)")
+    lines += [f"    {layers!r}," for layers in _stage_layers(plan)]
+    lines.append("]")
     return "\n".join(lines)
 
 
@@ -297,6 +322,7 @@ def main() -> None:
         mesh=mesh,
         tp=TP_PLAN,
         fingerprint=FINGERPRINT,
+        stage_layers=STAGE_LAYERS,
     )
 
 

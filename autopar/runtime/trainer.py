@@ -36,6 +36,7 @@ Public functions:
     PipelineSpec(num_microbatches, loss_fn, stage_layers=None, schedule=None)   # pp > 1
     parallelize_model(model, mesh, config, placements=None, tp=None, pipeline=None)
         -> ParallelModel
+    pipeline_tp_plan(model, config, placements=None, stage_layers=None) -> TP plan, pp > 1
     train(task, config, global_batch_size, ..., stage_layers=None) -> list[StepResult]
     reference_run(task, global_batch_size, options) -> list[StepResult]   # plain single process
 """
@@ -61,8 +62,9 @@ from autopar.config import ParallelConfig
 from autopar.runtime.checkpoint import CheckpointOptions, open_checkpointer
 from autopar.runtime.data_parallel import DataParallel, apply_data_parallel
 from autopar.runtime.mesh import RuntimeMesh, build_mesh
-from autopar.runtime.pipeline import Pipeline, build_pipeline
+from autopar.runtime.pipeline import Pipeline, build_pipeline, layout_for
 from autopar.runtime.recompute import apply_recompute
+from autopar.runtime.stages import build_stage_modules
 from autopar.runtime.task import Task, check_fingerprint
 from autopar.runtime.tensor_parallel import (
     apply_tensor_parallel,
@@ -229,6 +231,25 @@ def _parallelize_pipeline(
     )
     held = _merge_modules(list(pipe.chunks))
     return ParallelModel(held, mesh, data_parallels[0], plans, blocks, pipe, data_parallels)
+
+
+def pipeline_tp_plan(
+    model: nn.Module,
+    config: ParallelConfig,
+    placements: dict | None = None,
+    stage_layers: Sequence[Sequence[str]] | None = None,
+    schedule: str | None = None,
+) -> dict[str, str]:
+    """The TP plan pp > 1 applies, every chunk's (`tp_plan(chunk)`) in one dict: what a
+    generated program prints and passes back as ``tp``. With sequence parallelism each chunk's
+    first block splits the sequence and its last gathers it. ``model`` may be on the meta
+    device; it is not changed (the chunks share its modules)."""
+    layout = layout_for(config, model, stage_layers, schedule)
+    plan: dict[str, str] = {}
+    for rank in range(config.pp):
+        for chunk in build_stage_modules(model, layout, rank):
+            plan.update(tp_plan(chunk, config, placements))
+    return plan
 
 
 def _merge_modules(modules: list[nn.Module]) -> nn.Module:

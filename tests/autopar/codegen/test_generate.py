@@ -1,8 +1,8 @@
 """Plans record their model factory; plan.save writes plan.json + a train.py that torchrun runs.
 
-The end-to-end test plans a tiny GPT with evaluate, saves it, runs the generated program with
-`torchrun --nproc-per-node=2 ... --steps 3` and compares its printed losses and gradient norms
-with the single-process reference.
+The end-to-end tests plan a tiny GPT with evaluate (TP2+SP; PP2 with 1F1B), save it, run the
+generated program with `torchrun --nproc-per-node=2 ... --steps 3` and compare its printed
+losses and gradient norms with the single-process reference.
 """
 
 from __future__ import annotations
@@ -88,9 +88,45 @@ def test_program_refuses_another_model():
         )
 
 
+@pytest.fixture(scope="module")
+def pp_plan() -> Plan:
+    kwargs = {"name": "gpt-tiny", "num_layers": 4}
+    model = zoo.build(**kwargs)
+    cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=2)
+    return autopar.evaluate(
+        model,
+        cluster,
+        autopar.ParallelConfig(pp=2, schedule="1f1b"),
+        zoo.example_inputs("gpt-tiny", model),
+        global_batch_size=4,
+        precision="fp32",
+        model_factory=(ZOO_FACTORY, kwargs),
+    )
+
+
+def test_pipeline_program_shows_schedule_and_stage_boundaries(pp_plan):
+    text = program_text(pp_plan)
+    ast.parse(text)
+    assert "schedule 1f1b\n# (torch Schedule1F1B), 4 micro-batches per step" in text
+    assert "#   chunk 0 blocks 0-1 on pp 0\n#   chunk 1 blocks 2-3 on pp 1" in text
+    assert "    ['blocks.2', 'blocks.3', 'ln_f', 'lm_head'],\n]" in text
+    assert "stage_layers=STAGE_LAYERS" in text
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_saved_pipeline_program_runs_under_torchrun_and_matches_the_reference(pp_plan, tmp_path):
+    _run_and_compare(pp_plan, tmp_path, {"name": "gpt-tiny", "num_layers": 4})
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_saved_program_runs_under_torchrun_and_matches_the_reference(plan, tmp_path):
+    done = _run_and_compare(plan, tmp_path, {"name": "gpt-tiny"})
+    assert "(plan " in done.stdout and "rank 1 memory MiB" in done.stdout
+
+
+def _run_and_compare(plan: Plan, tmp_path: Path, kwargs: dict) -> subprocess.CompletedProcess:
     plan.save(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
@@ -101,9 +137,9 @@ def test_saved_program_runs_under_torchrun_and_matches_the_reference(plan, tmp_p
         (float(a), float(b))
         for a, b in re.findall(r"^step \d+/3  loss (\S+)  grad_norm (\S+)", done.stdout, re.M)
     ]
-    task = task_from_source(ZOO_FACTORY, {"name": "gpt-tiny"}, global_batch_size=4)
+    task = task_from_source(ZOO_FACTORY, kwargs, global_batch_size=4)
     want = [(r.loss, r.grad_norm) for r in reference_run(task, 4, TrainOptions(steps=3))]
     assert len(got) == 3, done.stdout
     for (gl, gn), (wl, wn) in zip(got, want, strict=True):
         assert gl == pytest.approx(wl, rel=1e-5) and gn == pytest.approx(wn, rel=1e-5)
-    assert "(plan " in done.stdout and "rank 1 memory MiB" in done.stdout
+    return done
