@@ -65,7 +65,7 @@ from autopar.runtime.mesh import RuntimeMesh, build_mesh
 from autopar.runtime.pipeline import Pipeline, build_pipeline, layout_for
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.stages import build_stage_modules
-from autopar.runtime.task import Task, check_fingerprint
+from autopar.runtime.task import Task, check_fingerprint, model_fingerprint
 from autopar.runtime.tensor_parallel import (
     apply_tensor_parallel,
     find_blocks,
@@ -364,6 +364,7 @@ def train(
     device = torch.device(mesh.mesh.device_type)
     model = task.build().to(device)
     check_fingerprint(model, fingerprint)
+    fingerprint = fingerprint or model_fingerprint(model)  # the whole model's, before any cut
     spec = PipelineSpec(num_micro, task.loss, stage_layers, schedule) if config.pp > 1 else None
     pm = parallelize_model(model, mesh, config, placements, tp, spec)
     model = pm.model  # pp > 1: this rank's chunks (the rest of the model is dropped)
