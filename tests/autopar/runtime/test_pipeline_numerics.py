@@ -1,6 +1,7 @@
 """PP2 through `trainer.train` trains exactly as one process: GPT (tied head), Llama, HF Llama
 and MoE under every torch schedule (GPipe, 1F1B, interleaved, zero-bubble, ZBV, DualPipeV) and
-uneven cuts given as the plan's stage layer lists; 2 gloo ranks, one spawn."""
+uneven cuts given as the plan's stage layer lists, full and selective recompute inside the
+chunks; 2 gloo ranks, one spawn."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from autopar.config import ParallelConfig as C
 L4 = {"num_layers": 4}  # 4 micro-batches of 1: DualPipeV needs >= 2 * pp
 
 
-def pp2(model: str, planned: str, v: int = 1, **kwargs) -> Case:
+def pp2(model: str, planned: str, v: int = 1, recompute: str = "none", **kwargs) -> Case:
     overrides = {"num_hidden_layers": 4} if model.endswith("-hf") else L4
     seq_len = 32 if model.endswith("-hf") else None
-    config = C(pp=2, schedule=planned, virtual_stages=v)
+    config = C(pp=2, schedule=planned, virtual_stages=v, recompute=recompute)
     return Case(model, config, overrides=overrides, seq_len=seq_len, **kwargs)
 
 
@@ -46,6 +47,8 @@ CASES = [
     ),
     pp2("llama-tiny-hf", "1f1b"),
     pp2("moe-tiny", "interleaved_1f1b", 2),
+    pp2("gpt-tiny", "1f1b", recompute="full"),
+    pp2("llama-tiny", "interleaved_1f1b", 2, recompute="selective"),
 ]
 
 

@@ -1,6 +1,7 @@
 """Pipeline with tensor parallelism through `trainer.train` on 4 gloo ranks matches one
-process: PP2 x TP2, PP2 x TP2 + sequence parallelism (each chunk's own SP ends), and PP4, where
-the tied embedding's gradient crosses from the first to the last of four stages."""
+process: PP2 x TP2, PP2 x TP2 + sequence parallelism (each chunk's own SP ends), PP4, where
+the tied embedding's gradient crosses from the first to the last of four stages, and PP2 x DP2
+(replicated, one gradient all-reduce per chunk)."""
 
 from __future__ import annotations
 
@@ -23,5 +24,11 @@ def test_pp2_tp2_sp_and_pp4_match_single_process_on_4_ranks():
         Case("llama-tiny", C(pp=2, tp=2, sequence_parallel=True, schedule="1f1b"), overrides=L4),
         Case("gpt-tiny", C(pp=2, tp=2, sequence_parallel=True, schedule="gpipe"), overrides=L4),
         Case("gpt-tiny", C(pp=4, schedule="1f1b"), overrides=L4),
+        Case(
+            "gpt-tiny",
+            C(pp=2, dp=2, schedule="interleaved_1f1b", virtual_stages=2),
+            8,
+            overrides=L4,
+        ),
     ]
     check_cases(4, cases)
