@@ -19,7 +19,7 @@ from typing import Any, Literal
 import tomllib
 
 from autopar.errors import ProfileError
-from cost_models.comm import Level, Torus
+from cost_models.comm import COLLECTIVES, Level, Torus
 from cost_models.compute import DTYPES, DeviceSpec, EfficiencyCurve
 
 SCHEMA_VERSION = 1
@@ -260,11 +260,24 @@ def _parse_levels(f: _Fields, sources: dict[str, str]) -> tuple[Level, ...]:
                 latency_s=f.number(f"{p}.latency_s", strict=False),
                 efficiency=f.fraction(f"{p}.efficiency"),
                 in_network_reduction_efficiency=inr,
+                collective_latency_s=_collective_latencies(f, f"{p}.collective_latency_s"),
             )
         )
         sources[p] = f.string(f"{p}.source")
     _check_level_nesting(f, levels)
     return tuple(levels)
+
+
+def _collective_latencies(f: _Fields, path: str) -> tuple[tuple[str, float], ...]:
+    table = f.get(path, required=False)
+    if table is None:
+        return ()
+    if not isinstance(table, dict):
+        raise f.error(path, "must be a table of collective = seconds")
+    for name in table:
+        if name not in COLLECTIVES:
+            raise f.error(f"{path}.{name}", f"unknown collective; known: {', '.join(COLLECTIVES)}")
+    return tuple((name, f.number(f"{path}.{name}", strict=False)) for name in sorted(table))
 
 
 def _check_level_nesting(f: _Fields, levels: list[Level]) -> None:

@@ -43,6 +43,9 @@ ceil(log2 D_{L-1}) a_L (`_ring_latency`, `_tree_latency`).
                                  level l, every level's links working at once)
     send/recv                   a_L + S / (eff_L * bw_L)
 
+A level may give a collective its own latency (`Level.collective_latency_s`): every formula
+above then reads that a_l for that collective (fitted per collective by `cost_models.fit`).
+
 Torus (TPU ICI, `TorusGroup`): the group spans dims of sizes d_i; a dim with wraparound links is
 a bidirectional ring (2 links per chip), without them a line that carries one direction's worth.
 With k_i = 2 if wraparound else 1 and link bandwidth b (per direction):
@@ -60,7 +63,7 @@ The bus bandwidth reported with each estimate is nccl-tests' busbw: S / time tim
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 Collective = Literal[
@@ -79,6 +82,20 @@ class Level:
     latency_s: float
     efficiency: float
     in_network_reduction_efficiency: float | None = None
+    # (collective, latency_s) pairs that replace latency_s for that collective: a runtime that
+    # implements each collective its own way (gloo: a send/recv costs ~60 us on loopback, its
+    # collectives 300-800 us) pays a different fixed cost per step for each, as NCCL's tuning
+    # model has a base latency per algorithm and protocol; a collective not listed: latency_s
+    collective_latency_s: tuple[tuple[str, float], ...] = ()
+
+    def for_collective(self, collective: str) -> Level:
+        """This level with ``latency_s`` the one ``collective`` pays (the table is kept, with
+        the level's own latency under "default", so that a collective priced inside another
+        -- the hierarchical all-reduce's reduce-scatter -- still finds its own)."""
+        table = dict(self.collective_latency_s)
+        table.setdefault("default", self.latency_s)
+        latency = table.get(collective, table["default"])
+        return replace(self, latency_s=latency, collective_latency_s=tuple(sorted(table.items())))
 
 
 @dataclass(frozen=True)
@@ -190,6 +207,9 @@ def collective_options(
     if isinstance(group, TorusGroup):
         times = {"torus": _TORUS[collective](message_bytes, group)}
     else:
+        if any(lv.collective_latency_s for lv in group.levels):
+            levels = tuple(lv.for_collective(collective) for lv in group.levels)
+            group = HierarchicalGroup(levels, group.ranks_per_domain)
         times = {
             name: fn(message_bytes, group)
             for name, table in _HIER_ALGORITHMS

@@ -29,14 +29,16 @@ K = 2(n-1)/n). L and K are read off `comm.collective_options` itself, by pricing
 measurement's cheapest algorithm under the current (a, 1/B), solve the linear least squares
 in (a, 1/B) on the relative error as above, then refine it to the least squares of
 log(predicted / measured) (`_log_fit`: a collective 3x slower than the formula weighs as one 3x
-faster), until the picks stop changing.
+faster), until the picks stop changing. With ``per_collective``, each collective kind then
+gets its own latency (`_collective_latencies`, B kept), for runtimes such as gloo whose
+send/recv and collectives have fixed costs several times apart.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -148,6 +150,7 @@ def fit_level(
     name: str,
     devices_per_domain: int,
     max_iterations: int = 20,
+    per_collective: bool = False,
 ) -> LevelFit:
     """Fit one topology level's latency and bandwidth to timed collectives on it.
 
@@ -159,6 +162,8 @@ def fit_level(
         name: the level's name (``loopback``, ``nvlink``, ``infiniband``, ...).
         devices_per_domain: as in the profile (0: the whole cluster).
         max_iterations: rounds of algorithm picking (module docstring).
+        per_collective: also fit each collective's own latency (`_collective_latencies`)
+            into the level's ``collective_latency_s``.
 
     Returns:
         A LevelFit whose level has efficiency 1 and the achieved bandwidth.
@@ -198,12 +203,42 @@ def fit_level(
             break
         picks = new
     level = Level(name, devices_per_domain, 1.0 / inverse_bandwidth, latency, 1.0)
+    if per_collective:
+        level = replace(
+            level,
+            collective_latency_s=_collective_latencies(
+                measurements, options, picks, latency, inverse_bandwidth
+            ),
+        )
     predicted = np.array(
         [_price(level, m.collective, m.message_bytes, m.group_size) for m in measurements]
     )
     algorithms = tuple(opts[p][0] for opts, p in zip(options, picks, strict=True))
     rms_log = float(np.sqrt(np.mean(np.log(predicted / t) ** 2)))
     return LevelFit(level, algorithms, rms_log, len(measurements))
+
+
+def _collective_latencies(
+    measurements: Sequence[CommMeasurement],
+    options: list[list[tuple[str, float, float]]],
+    picks: list[int],
+    latency: float,
+    inverse_bandwidth: float,
+) -> tuple[tuple[str, float], ...]:
+    """Per collective kind, the latency a that prices its latency-bound points: the median of
+    (t - K S / B) / L over its points whose transfer K S / B is below the shared fit's L a
+    (all its points when none is), with the shared bandwidth B kept; never negative."""
+    by_kind: dict[str, list[tuple[float, float, float]]] = {}
+    for m, opts, p in zip(measurements, options, picks, strict=True):
+        _, lat_coef, bw_coef = opts[p]
+        if lat_coef > 0:
+            by_kind.setdefault(m.collective, []).append((lat_coef, bw_coef, m.time_s))
+    out = []
+    for kind, rows in sorted(by_kind.items()):
+        bound = [r for r in rows if r[1] * inverse_bandwidth < r[0] * latency] or rows
+        values = [max(0.0, t - v * inverse_bandwidth) / u for u, v, t in bound]
+        out.append((kind, float(np.median(values))))
+    return tuple(out)
 
 
 def _price(level: Level, collective: str, message_bytes: float, group_size: int) -> float:

@@ -91,6 +91,7 @@ def fit_measurements(
             ],
             name=lv.name,
             devices_per_domain=lv.devices_per_domain,
+            per_collective=True,
         )
         for lv in levels
     )
@@ -269,11 +270,22 @@ def render(
             f"bandwidth_bytes_per_s = {_n(lv.bandwidth_bytes_per_s)}",
             f"latency_s = {_n(lv.latency_s)}",
             "efficiency = 1.0",
+            *(
+                [
+                    "collective_latency_s = { "
+                    + ", ".join(f"{k} = {_n(v)}" for k, v in lv.collective_latency_s)
+                    + " }"
+                ]
+                if lv.collective_latency_s
+                else []
+            ),
             "source = "
             + _s(
                 f"{run}: alpha-beta fitted (cost_models.fit.fit_level) to "
                 f"{fit.num_points} timed collectives on this level (all-reduce, all-gather, "
                 f"reduce-scatter, all-to-all, send/recv) with cost_models.comm's formulas, "
+                f"latency_s shared and collective_latency_s each collective's own (its "
+                f"latency-bound points, the shared bandwidth kept), "
                 f"typical error x{math.exp(fit.rms_log_ratio):.2f}; predicted / measured, "
                 f"median by collective: {_ratios(fit, comm)}; bandwidth is the achieved one, so "
                 f"efficiency is 1; raw times in [measured]"

@@ -138,3 +138,15 @@ def test_ring_latency_counts_the_steps_on_each_level():
     tree = next(e for e in collective_options("all_reduce", 0.0, group) if e.algorithm == "tree")
     # chains of 8 inside each node, a tree of depth log2(2) = 1 across the nodes, up and down
     assert tree.time_s == pytest.approx(2 * (7 * 2e-6 + 1 * 10e-6))
+
+
+def test_a_collective_latency_overrides_the_level_latency_for_that_collective_only():
+    from cost_models.comm import HierarchicalGroup, Level, collective_time
+
+    base = Level("loopback", 0, 1e9, 3e-4, 1.0)
+    own = Level("loopback", 0, 1e9, 3e-4, 1.0, collective_latency_s=(("send_recv", 5e-5),))
+    g_base, g_own = HierarchicalGroup((base,), (2,)), HierarchicalGroup((own,), (2,))
+    assert collective_time("send_recv", 0, g_own).time_s == pytest.approx(5e-5)
+    assert collective_time("send_recv", 0, g_base).time_s == pytest.approx(3e-4)
+    for kind in ("all_reduce", "all_gather", "broadcast"):
+        assert collective_time(kind, 1e6, g_own).time_s == collective_time(kind, 1e6, g_base).time_s

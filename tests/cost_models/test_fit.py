@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -127,3 +128,29 @@ def test_fit_does_not_import_torch():
 
     code = "import sys, cost_models.fit; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_per_collective_latencies_are_recovered():
+    """gloo-like: send/recv pays 50 us per step, the collectives 400 us, one bandwidth."""
+    from cost_models.comm import HierarchicalGroup, Level, collective_time
+
+    truth = Level(
+        "loopback",
+        0,
+        2e9,
+        4e-4,
+        1.0,
+        collective_latency_s=(("send_recv", 5e-5),),
+    )
+    group = HierarchicalGroup((truth,), (2,))
+    points = [
+        CommMeasurement(kind, s, 2, collective_time(kind, s, group).time_s)
+        for kind in ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+        for s in (2**10, 2**14, 2**18, 2**22, 2**26)
+    ]
+    fit = fit_level(points, name="loopback", devices_per_domain=0, per_collective=True)
+    got = dict(fit.level.collective_latency_s)
+    assert got["send_recv"] == pytest.approx(5e-5, rel=0.05)
+    assert got["all_gather"] == pytest.approx(4e-4, rel=0.05)
+    assert fit.level.bandwidth_bytes_per_s == pytest.approx(2e9, rel=0.05)
+    assert math.exp(fit.rms_log_ratio) < 1.05
