@@ -26,7 +26,9 @@ Per world size:
 Threads: every rank computes with one intra-op thread (`--threads`), as `autopar profile`
 measured the per-rank rates of hardware_profiles/local_cpu.toml; on this 2-core machine 4
 ranks share the cores, which the profile's compute_slots tells the cost model.
-The load average is printed before and after: measure on an otherwise idle machine.
+The load average is printed before, after and with each repeat: measure on an otherwise idle
+machine (`--max-load 2.5` waits for one); with other processes on the cores the ranks slow
+down unevenly and the figures say more about the load than about the cost model.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ class Settings:
     threads: int = 1
     launcher: str = "pool"
     profile: str = PROFILE
+    # before each repeat, wait (up to wait_s) for the 1-minute load average to fall below
+    # this: other processes on the 2 cores slow the ranks down unevenly (0: do not wait)
+    max_load: float = 0.0
+    wait_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -239,6 +245,7 @@ def run(settings: Settings, out_json: str | None = None) -> list[Row]:
             )
             rounds: list[dict[str, Measured]] = []
             for r in range(settings.repeats):
+                _wait_for_quiet(settings)
                 t1 = time.perf_counter()
                 rounds.append(
                     measure(
@@ -276,6 +283,16 @@ def _row(world: int, plan, why: str, got: list[Measured], settings: Settings) ->
     per_repeat = tuple(statistics.median(m.step_times_s[settings.warmup :]) for m in got if m.ok)
     error = errors[0] if errors else None
     return Row(world, plan.config.as_text(), why, plan.step_time_s, per_repeat, error)
+
+
+def _wait_for_quiet(settings: Settings) -> None:
+    if settings.max_load <= 0:
+        return
+    deadline = time.monotonic() + settings.wait_s
+    while os.getloadavg()[0] > settings.max_load and time.monotonic() < deadline:
+        time.sleep(5)
+    if os.getloadavg()[0] > settings.max_load:
+        print(f"load {_load()} still above {settings.max_load}: measuring anyway", flush=True)
 
 
 def _load() -> str:
@@ -385,6 +402,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--launcher", choices=("pool", "torchrun"), default="pool")
     p.add_argument("--profile", default=PROFILE)
     p.add_argument("--json", help="write the rows and figures here")
+    p.add_argument(
+        "--max-load",
+        type=float,
+        default=0.0,
+        help="wait (up to --wait-s) for the 1-minute load average to drop below this",
+    )
+    p.add_argument("--wait-s", type=float, default=600.0)
     args = p.parse_args(argv)
     settings = Settings(
         world_sizes=tuple(int(x) for x in args.world_sizes.split(",")),
@@ -396,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         launcher=args.launcher,
         profile=args.profile,
+        max_load=args.max_load,
+        wait_s=args.wait_s,
     )
     os.environ["OMP_NUM_THREADS"] = str(settings.threads)
     print(f"load average before: {_load()}; {settings}", flush=True)
