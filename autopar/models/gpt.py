@@ -68,6 +68,9 @@ class GPTAttention(nn.Module):
         self.qkv = nn.Linear(config.hidden, 3 * config.hidden, bias=config.bias)
         self.proj = nn.Linear(config.hidden, config.hidden, bias=config.bias)
         self.resid_dropout = dropout(config.dropout)
+        # the fused attention, called with SDPA's signature; context parallelism
+        # (autopar.runtime.context_parallel) swaps in its own for the sequence shards
+        self.attention_fn = F.scaled_dot_product_attention
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         b, s, _ = x_BSH.shape
@@ -79,7 +82,7 @@ class GPTAttention(nn.Module):
         if self.math:
             y_BNSD = _math_attention(q_BNSD, k_BNSD, v_BNSD, dropout_p, self.training)
         else:
-            y_BNSD = F.scaled_dot_product_attention(
+            y_BNSD = self.attention_fn(
                 q_BNSD, k_BNSD, v_BNSD, is_causal=True, dropout_p=dropout_p
             )
         return self.resid_dropout(self.proj(y_BNSD.transpose(1, 2).reshape(b, s, -1)))

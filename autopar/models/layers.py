@@ -96,6 +96,9 @@ class GQAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden, bias=False)
+        # called with SDPA's signature; context parallelism (autopar.runtime.context_parallel)
+        # swaps in its own for the sequence shards
+        self.attention_fn = F.scaled_dot_product_attention
 
     def forward(
         self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor
@@ -110,9 +113,7 @@ class GQAttention(nn.Module):
         k_BNSD = repeat_kv(k_BKSD, self.num_heads // self.num_kv_heads)
         v_BNSD = repeat_kv(v_BKSD, self.num_heads // self.num_kv_heads)
         dropout_p = self.dropout if self.training else 0.0
-        y_BNSD = F.scaled_dot_product_attention(
-            q_BNSD, k_BNSD, v_BNSD, is_causal=True, dropout_p=dropout_p
-        )
+        y_BNSD = self.attention_fn(q_BNSD, k_BNSD, v_BNSD, is_causal=True, dropout_p=dropout_p)
         return self.o_proj(y_BNSD.transpose(1, 2).reshape(b, s, -1))
 
 

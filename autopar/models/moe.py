@@ -79,6 +79,10 @@ class MoEBlock(nn.Module):
         self.top_k = top_k
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.experts = nn.ModuleList(SwiGLU(hidden, ffn_hidden) for _ in range(num_experts))
+        # None: dense dispatch here (export-friendly). Expert parallelism
+        # (autopar.runtime.expert_parallel) sets an all-to-all dispatcher,
+        # `dispatch(x_TH, w_TE, experts) -> out_TH`, and keeps only this rank's experts.
+        self.dispatch = None
 
     @property
     def routed_flop_fraction(self) -> float:
@@ -96,6 +100,8 @@ class MoEBlock(nn.Module):
         b, s, h = x_BSH.shape
         x_TH = x_BSH.reshape(b * s, h)
         w_TE = self.routing_weights(x_TH).to(x_BSH.dtype)
+        if self.dispatch is not None:
+            return self.dispatch(x_TH, w_TE, self.experts).view(b, s, h)
         out_TH = torch.zeros_like(x_TH)
         for e, expert in enumerate(self.experts):
             out_TH = out_TH + w_TE[:, e : e + 1] * expert(x_TH)

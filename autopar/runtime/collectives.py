@@ -1,0 +1,168 @@
+"""Autograd-correct collectives for context and expert parallelism, on torch.distributed.
+
+In: tensors and a process group. Out: tensors whose backward is the adjoint collective, so a
+loss on every rank differentiates to the gradients of the sum of the ranks' losses:
+
+    all_gather_seq(x, group, dim)      forward all-gather along ``dim`` (rank order);
+                                       backward reduce-scatter (each rank's slice of the sum)
+    ring_shift(x, group)               forward: send to rank+1, receive from rank-1 (ring);
+                                       backward: the gradient goes the other way round
+    all_to_all(x, out_splits, in_splits, group)
+                                       forward all_to_all_single with split sizes (rows);
+                                       backward the same with the splits swapped
+    ring_attention(q, k, v, group, pos_q, pos_blocks, is_causal, scale)
+                                       online-softmax attention over K/V blocks passed
+                                       round the ring (see `autopar.runtime.context_parallel`)
+
+Why by hand: torch.distributed.nn.functional has all_gather/all_to_all but no sequence-dim
+gather with a reduce-scatter backward and no ring step, and torch's ring attention
+(`torch.distributed.tensor.experimental.context_parallel`) has no CPU rule in torch 2.13.
+Every rank must call these in the same order (they are collectives), forward and backward;
+the graphs are the same on every rank, so autograd's order is too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+
+def _front(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x.movedim(dim, 0).contiguous()
+
+
+class _GatherSeq(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        front = _front(x, dim)
+        out = front.new_empty((dist.get_world_size(group) * front.shape[0], *front.shape[1:]))
+        dist.all_gather_into_tensor(out, front, group=group)
+        return out.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        front = _front(grad, ctx.dim)
+        size = dist.get_world_size(ctx.group)
+        out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
+        dist.reduce_scatter_tensor(out, front, group=ctx.group)
+        return out.movedim(0, ctx.dim), None, None
+
+
+def all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in rank order (backward: reduce-scatter)."""
+    return _GatherSeq.apply(x, group, dim)
+
+
+def _shift(x: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    to = dist.get_global_rank(group, (rank + step) % size)
+    source = dist.get_global_rank(group, (rank - step) % size)
+    out = torch.empty_like(x)
+    ops = [
+        dist.P2POp(dist.isend, x.contiguous(), to, group),
+        dist.P2POp(dist.irecv, out, source, group),
+    ]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return out
+
+
+class _RingShift(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _shift(x, group, 1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _shift(grad, ctx.group, -1), None
+
+
+def ring_shift(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The tensor of rank-1 (mod size); backward sends the gradient back to its owner."""
+    return _RingShift.apply(x, group)
+
+
+class _AllToAll(Function):
+    @staticmethod
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all(
+    x: torch.Tensor,
+    out_splits: Sequence[int],
+    in_splits: Sequence[int],
+    group: dist.ProcessGroup,
+) -> torch.Tensor:
+    """Rows ``x[sum(in_splits[:r]) : ...]`` go to rank r; rank r's rows arrive in slot r."""
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+
+
+def _repeat_heads(x_BKSD: torch.Tensor, num_heads: int) -> torch.Tensor:
+    n = num_heads // x_BKSD.shape[1]
+    return x_BKSD if n == 1 else x_BKSD.repeat_interleave(n, dim=1)
+
+
+def ring_attention(
+    q_BNSD: torch.Tensor,
+    k_BKSD: torch.Tensor,
+    v_BKSD: torch.Tensor,
+    group: dist.ProcessGroup,
+    pos_q: torch.Tensor,
+    pos_blocks: Sequence[torch.Tensor],
+    is_causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    """softmax(q K^T * scale + mask) V with K/V passed round the ring, merged by online
+    softmax (running max m, denominator l, numerator a; out = a / l).
+
+    ``pos_blocks[r]`` are rank r's key positions. Step t holds rank (rank - t)'s block; step
+    0 is the own block, which under the causal mask holds every query's diagonal, so the
+    running max is finite from the start. m is a stabiliser the result does not depend on,
+    so it carries no gradient. Every step computes (a fully masked block adds zeros) so the
+    backward's ring shifts are the same on every rank.
+    """
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    scale = q_BNSD.shape[-1] ** -0.5 if scale is None else scale
+    kv = torch.stack([k_BKSD, v_BKSD])
+    m = l_sum = acc = None
+    for step in range(size):
+        if step:
+            kv = ring_shift(kv, group)
+        k, v = (_repeat_heads(t, q_BNSD.shape[1]) for t in kv.unbind(0))
+        scores = torch.matmul(q_BNSD, k.transpose(-2, -1)) * scale
+        if is_causal:
+            allowed = pos_blocks[(rank - step) % size][None, :] <= pos_q[:, None]
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        block_max = scores.detach().amax(dim=-1, keepdim=True)
+        m_new = block_max if m is None else torch.maximum(m, block_max)
+        p = torch.exp(scores - m_new)
+        l_b, a_b = p.sum(dim=-1, keepdim=True), torch.matmul(p, v)
+        if m is None:
+            l_sum, acc = l_b, a_b
+        else:
+            rescale = torch.exp(m - m_new)
+            l_sum, acc = l_sum * rescale + l_b, acc * rescale + a_b
+        m = m_new
+    return acc / l_sum

@@ -1,0 +1,83 @@
+"""Context parallelism: the attention of sequence shards equals full attention (forward and
+gradients) on 2 and 4 gloo ranks, and CP2 trains gpt-tiny and llama-tiny as one process does.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from cp_ep_loop import run_loop_cases
+from harness import Case, max_rel_error, reference, run_ranks
+
+from autopar.config import ParallelConfig as C
+from autopar.runtime.context_parallel import CPOptions, cp_attention, positions
+
+ATTENTION_CASES = list(
+    itertools.product(("all_gather", "ring"), ("load_balanced", "contiguous"), (True, False))
+)
+
+
+def test_positions_of_the_load_balanced_layout():
+    assert positions(8, 0, 2, "load_balanced").tolist() == [0, 1, 6, 7]
+    assert positions(8, 1, 2, "load_balanced").tolist() == [2, 3, 4, 5]
+    assert positions(8, 1, 2, "contiguous").tolist() == [4, 5, 6, 7]
+    with pytest.raises(ValueError, match="sequence length 6 is not divisible by 4"):
+        positions(6, 0, 2, "load_balanced")
+
+
+def _attention_errors() -> list[tuple[str, float]]:
+    """On every rank: each attention case against full SDPA; (label, max abs error)."""
+    group, cp, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    b, n, kv_heads, s, d = 2, 4, 2, 8 * cp, 8
+    q = torch.randn(b, n, s, d, generator=gen)
+    k, v = (torch.randn(b, kv_heads, s, d, generator=gen) for _ in range(2))
+    grad_out = torch.randn(b, n, s, d, generator=gen)
+    out = []
+    for kind, layout, causal in ATTENTION_CASES:
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        rep = [t.repeat_interleave(n // kv_heads, dim=1) for t in full[1:]]
+        want = F.scaled_dot_product_attention(full[0], *rep, is_causal=causal)
+        want.backward(grad_out)
+        pos = positions(s, rank, cp, layout)
+        local = [t.detach().index_select(2, pos).requires_grad_() for t in (q, k, v)]
+        got = cp_attention(*local, group, layout, kind, causal)
+        got.backward(grad_out.index_select(2, pos))
+        errors = [(got - want.detach().index_select(2, pos)).abs().max()]
+        errors += [
+            (mine.grad - ref.grad.index_select(2, pos)).abs().max()
+            for mine, ref in zip(local, full, strict=True)
+        ]
+        out.append((f"cp{cp} {kind} {layout} causal={causal}", max(e.item() for e in errors)))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_attention_equals_full_attention_forward_and_backward(cp):
+    for per_rank in zip(*run_ranks(cp, _attention_errors), strict=True):
+        label = per_rank[0][0]
+        worst = max(err for _, err in per_rank)
+        assert worst < 1e-5, f"{label}: max abs error {worst:.2e}"
+
+
+@pytest.mark.multiprocess
+def test_cp2_trains_gpt_and_llama_as_one_process():
+    cases = [
+        (Case("gpt-tiny", C(cp=2), global_batch_size=4), None),
+        (Case("gpt-tiny", C(cp=2, micro_batch_size=2), 4), CPOptions(kind="ring")),
+        (Case("llama-tiny", C(cp=2), global_batch_size=4), None),
+        (Case("llama-tiny", C(cp=2), 4), CPOptions("contiguous", "ring")),
+    ]
+    got = run_ranks(2, run_loop_cases, cases)
+    refs = {}
+    for i, (case, options) in enumerate(cases):
+        if case.model not in refs:
+            refs[case.model] = reference(case)
+        err = max(max_rel_error(rank[i], refs[case.model]) for rank in got)
+        print(f"{case.label} {options}: max relative error {err:.1e}")
+        assert err <= 1e-5, f"{case.label} {options}: {err:.2e}: {got[0][i]} vs {refs[case.model]}"
