@@ -1,5 +1,6 @@
 """Context parallelism: the attention of sequence shards equals full attention (forward and
-gradients) on 2 and 4 gloo ranks, and CP2 trains gpt-tiny and llama-tiny as one process does.
+gradients) on 2 and 4 gloo ranks, and CP2 trains gpt-tiny, llama-tiny and a Hugging Face
+Llama (its attention through transformers' AttentionInterface) as one process does.
 """
 
 from __future__ import annotations
@@ -66,12 +67,13 @@ def test_cp_attention_equals_full_attention_forward_and_backward(cp):
 
 
 @pytest.mark.multiprocess
-def test_cp2_trains_gpt_and_llama_as_one_process():
+def test_cp2_trains_gpt_llama_and_hf_llama_as_one_process():
     cases = [
         (Case("gpt-tiny", C(cp=2), global_batch_size=4), None),
         (Case("gpt-tiny", C(cp=2, micro_batch_size=2), 4), CPOptions(kind="ring")),
         (Case("llama-tiny", C(cp=2), global_batch_size=4), None),
         (Case("llama-tiny", C(cp=2), 4), CPOptions("contiguous", "ring")),
+        (Case("llama-tiny-hf", C(cp=2), 4, seq_len=32), None),  # transformers' registry
     ]
     got = run_ranks(2, run_loop_cases, cases)
     refs = {}
