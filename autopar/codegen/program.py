@@ -167,7 +167,8 @@ def _tensor_parallel(plan: Plan, model: nn.Module) -> str:
     if c.pp > 1:  # every pipeline chunk's own plan: SP splits and gathers at each chunk's ends
         tp = pipeline_tp_plan(model, c, plan.placements, _stage_layers(plan))
     else:
-        tp = tp_plan(model, c, plan.placements, vocab_parallel=True)
+        # no vocabulary split with cp: the context-parallel loss reads whole logits
+        tp = tp_plan(model, c, plan.placements, vocab_parallel=c.cp == 1)
     head = f'# ---- tensor parallelism over the "tp" axis ({plan.config.tp} ranks)'
     if not tp:
         return f"{head}: none\nTP_PLAN: dict[str, str] = {{}}"

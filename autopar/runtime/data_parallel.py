@@ -54,6 +54,9 @@ class DataParallel:
     group: dist.ProcessGroup | None = None  # the dp group for "replicate"
     size: int = 1
     sharded_modules: list[str] = field(default_factory=list)
+    # parameters left out of the replicated average: expert parallelism's experts, which each
+    # rank holds its own of (`autopar.runtime.expert_parallel` syncs them)
+    skip: frozenset[str] = frozenset()
 
     def before_backward(self, is_last_microbatch: bool) -> None:
         """ZeRO-1: reduce-scatter gradients only on the last micro-batch."""
@@ -65,7 +68,11 @@ class DataParallel:
         into one buffer per dtype (one all-reduce each), as DDP's buckets do."""
         if self.kind != "replicate":
             return
-        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        grads = [
+            _local(p.grad)
+            for name, p in self.model.named_parameters()
+            if p.grad is not None and name not in self.skip
+        ]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)

@@ -23,13 +23,22 @@ no per-micro-batch ZeRO-1 switch), then a tied embedding's gradients are summed 
 first and last stage, and the loop goes on with the data-parallel sync as above; the norm
 skips the last stage's copy of a tied weight, and the pipeline hands every stage the loss.
 
+Context parallelism (cp > 1, `autopar.runtime.context_parallel`): the model runs as one
+`stages.StageModule` (original paths) so that a micro-batch's sequence shard goes in at its
+global positions; the loss is the shard's share of the micro-batch's token mean (its value
+the whole mean), and after backward every gradient is summed over cp, before the
+data-parallel sync. No vocabulary split of the head (the cp loss reads whole logits).
+Expert parallelism (ep > 1, `autopar.runtime.expert_parallel`, folded over dp; fsdp == 1):
+each rank keeps num_experts/ep experts and dispatches tokens by all-to-all; the experts'
+gradients are summed over their replicas and divided by the data ranks (left out of the dp
+average), and their norm share is ep times a replicated parameter's.
+
 Data: data rank r of D = dp*fsdp gets samples [r*B/D, (r+1)*B/D) of the step's global batch,
 split into consecutive micro-batches of `micro_batch_size`.
 
 Parallelisation order (as torchtitan): pipeline split -> tensor/sequence parallel -> context
 parallel -> expert parallel -> recompute -> FSDP2 / replication. Pipeline, context and expert
-parallelism are the modules `pipeline`, `context_parallel`, `expert_parallel` of this package;
-the call points not wired yet are marked "CALL POINT".
+parallelism are the modules `pipeline`, `context_parallel`, `expert_parallel` of this package.
 
 Public functions:
     TrainOptions, StepResult
@@ -44,13 +53,14 @@ Public functions:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import resource
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -62,9 +72,10 @@ from autopar.config import ParallelConfig
 from autopar.runtime.checkpoint import CheckpointOptions, open_checkpointer
 from autopar.runtime.data_parallel import DataParallel, apply_data_parallel
 from autopar.runtime.mesh import RuntimeMesh, build_mesh
+from autopar.runtime.parts import parts_of
 from autopar.runtime.pipeline import Pipeline, build_pipeline, layout_for
 from autopar.runtime.recompute import apply_recompute
-from autopar.runtime.stages import build_stage_modules
+from autopar.runtime.stages import build_stage_modules, even_layout
 from autopar.runtime.task import Task, check_fingerprint, model_fingerprint
 from autopar.runtime.tensor_parallel import (
     apply_tensor_parallel,
@@ -73,6 +84,10 @@ from autopar.runtime.tensor_parallel import (
     reduce_partial_grads,
     tp_plan,
 )
+
+if TYPE_CHECKING:
+    from autopar.runtime.context_parallel import ContextParallel
+    from autopar.runtime.expert_parallel import ExpertParallel
 
 MiB = 2**20
 
@@ -140,6 +155,16 @@ class ParallelModel:
     blocks: list[str]
     pipeline: Pipeline | None = None
     data_parallels: list[DataParallel] = field(default_factory=list)
+    context_parallel: ContextParallel | None = None  # cp > 1: shards batches, sums gradients
+    expert_parallel: ExpertParallel | None = None  # ep > 1: this rank's experts, their sync
+
+
+class _Part(NamedTuple):
+    """What `_parallelize_part` leaves the loop for one model or pipeline chunk."""
+
+    data_parallel: DataParallel
+    context: ContextParallel | None
+    experts: ExpertParallel | None
 
 
 def parallelize_model(
@@ -158,14 +183,37 @@ def parallelize_model(
     chunk gets its own TP plan -- ``tp`` restricted to the chunk's modules, or
     `tp_plan(chunk)`, whose sequence-parallel ends are the chunk's first and last block (the
     hidden states between stages are whole sequences) -- recompute and data parallelism."""
+    groups = _expert_groups(mesh, config)
     if config.pp > 1:
-        return _parallelize_pipeline(model, mesh, config, placements, tp, pipeline)
+        return _parallelize_pipeline(model, mesh, config, placements, tp, pipeline, groups)
+    whole = model
+    if config.cp > 1:  # one module running embed -> blocks -> head at a shard's positions,
+        # original paths: FSDP's root hooks then wrap the context-parallel forward too
+        layout = even_layout(parts_of(model).num_blocks(model), 1)
+        model = build_stage_modules(model, layout, 0)[0]
     blocks = find_blocks(model)
-    plan = tp if tp is not None else tp_plan(model, config, placements, vocab_parallel=True)
-    data_parallel = _parallelize_part(model, blocks, mesh, config, plan)
-    return ParallelModel(
-        model, mesh, data_parallel, plan, [p for p, _ in blocks], None, [data_parallel]
-    )
+    # the context-parallel loss reads whole-vocabulary logits: no vocabulary split with cp
+    vocab = config.cp == 1
+    plan = tp if tp is not None else tp_plan(model, config, placements, vocab_parallel=vocab)
+    part = _parallelize_part(model, blocks, mesh, config, plan, groups, whole)
+    names = [p for p, _ in blocks]
+    dp = part.data_parallel
+    return ParallelModel(model, mesh, dp, plan, names, None, [dp], part.context, part.experts)
+
+
+def _expert_groups(mesh: RuntimeMesh, config: ParallelConfig) -> tuple | None:
+    """ep > 1: (ep group, expert data group) of this rank, ep folded over dp (collective)."""
+    if config.ep == 1:
+        return None
+    if config.fsdp > 1:
+        raise ValueError(
+            f"expert parallelism runs with replicated data parallelism here: ep={config.ep} "
+            f"folds over dp={config.dp}; fsdp={config.fsdp} would shard the experts as well"
+        )
+    from autopar.runtime.expert_parallel import build_expert_groups  # see _parallelize_part
+
+    inner = config.fsdp * config.cp * config.tp
+    return build_expert_groups(dist.get_world_size(), config.dp, inner, config.ep)
 
 
 def _parallelize_part(
@@ -174,20 +222,29 @@ def _parallelize_part(
     mesh: RuntimeMesh,
     config: ParallelConfig,
     plan: dict[str, str],
-) -> DataParallel:
+    expert_groups: tuple | None = None,
+    whole: nn.Module | None = None,
+) -> _Part:
     """TP/SP, context and expert parallelism, recompute, data parallelism of a whole model or
-    of one pipeline chunk (torchtitan's order), in place."""
+    of one pipeline chunk (torchtitan's order), in place. ``whole``: the model ``model`` was
+    cut from (a Hugging Face model's attention implementation is set on it)."""
     apply_tensor_parallel(model, mesh["tp"], plan)
-    if config.cp > 1:  # CALL POINT: autopar.runtime.context_parallel (attention over cp)
-        raise NotImplementedError(
-            "context parallelism: autopar.runtime.context_parallel not wired yet"
-        )
-    if config.ep > 1:  # CALL POINT: autopar.runtime.expert_parallel (all-to-all dispatch)
-        raise NotImplementedError(
-            "expert parallelism: autopar.runtime.expert_parallel not wired yet"
-        )
+    context = experts = None
+    if config.cp > 1:  # attention over the cp ranks' sequence shards
+        # imported here: the module is optional until the cp-ep helper's collectives land
+        from autopar.runtime.context_parallel import apply_context_parallel
+
+        context = apply_context_parallel(whole or model, mesh.group("cp"))
+    if expert_groups is not None:  # ep > 1: this rank's experts, all-to-all token dispatch
+        from autopar.runtime.expert_parallel import apply_expert_parallel
+
+        ep_group, data_group = expert_groups
+        experts = apply_expert_parallel(model, ep_group, data_group, mesh.num_data_ranks)
     apply_recompute(blocks, config.recompute)
-    return apply_data_parallel(model, blocks, mesh, config)
+    data_parallel = apply_data_parallel(model, blocks, mesh, config)
+    if experts is not None:  # experts are synced by expert_parallel, not averaged over dp
+        data_parallel.skip = experts.expert_names
+    return _Part(data_parallel, context, experts)
 
 
 def _parallelize_pipeline(
@@ -197,6 +254,7 @@ def _parallelize_pipeline(
     placements: dict | None,
     tp: dict[str, str] | None,
     spec: PipelineSpec | None,
+    expert_groups: tuple | None = None,
 ) -> ParallelModel:
     """pp > 1: this rank's chunks, each parallelised by `_parallelize_part`, and the schedule."""
     if spec is None:
@@ -204,6 +262,11 @@ def _parallelize_pipeline(
     plans: dict[str, str] = {}
     data_parallels: list[DataParallel] = []
     blocks: list[str] = []
+    contexts: list[ContextParallel] = []  # one per chunk, all alike (the cp group)
+    experts: list[ExpertParallel] = []  # one per chunk, each naming its own experts
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return contexts[0].loss(out, target) if contexts else spec.loss_fn(out, target)
 
     def per_chunk(chunk: nn.Module) -> None:
         named = chunk.named_blocks()
@@ -217,20 +280,31 @@ def _parallelize_pipeline(
         )
         plans.update(plan)
         blocks.extend(p for p, _ in named)
-        data_parallels.append(_parallelize_part(chunk, named, mesh, config, plan))
+        part = _parallelize_part(chunk, named, mesh, config, plan, expert_groups)
+        data_parallels.append(part.data_parallel)
+        contexts.extend([part.context] if part.context is not None else [])
+        experts.extend([part.experts] if part.experts is not None else [])
 
     pipe = build_pipeline(
         model,
         mesh,
         config,
         num_microbatches=spec.num_microbatches,
-        loss_fn=spec.loss_fn,
+        loss_fn=loss_fn,
         stage_layers=spec.stage_layers,
         parallelize_chunk=per_chunk,
         schedule=spec.schedule,
     )
     held = _merge_modules(list(pipe.chunks))
-    return ParallelModel(held, mesh, data_parallels[0], plans, blocks, pipe, data_parallels)
+    context = contexts[0] if contexts else None
+    expert = None
+    if experts:  # one record for the rank's chunks: its parameters' names are the originals
+        names = frozenset().union(*(e.expert_names for e in experts))
+        blocks_ = sum(e.num_blocks for e in experts)
+        expert = dataclasses.replace(experts[0], expert_names=names, num_blocks=blocks_)
+    return ParallelModel(
+        held, mesh, data_parallels[0], plans, blocks, pipe, data_parallels, context, expert
+    )
 
 
 def pipeline_tp_plan(
@@ -391,17 +465,25 @@ def train(
         if pm.pipeline is None:
             loss_sum = _accumulate(pm, task, inputs, targets, num_micro, device, options)
         else:  # the schedule runs every micro-batch's forward and backward
+            args = (tuple(t.to(device) for t in inputs), targets.to(device), None)
+            if pm.context_parallel is not None:  # this rank's sequence shard and positions
+                args = pm.context_parallel.shard_batch(args[0], args[1])
             with _autocast(device, options.precision):
-                loss_sum = pm.pipeline.step(
-                    tuple(t.to(device) for t in inputs), targets.to(device)
-                ).double()
+                loss_sum = pm.pipeline.step(*args).double()
             pm.pipeline.sync_tied_gradients()  # a tied embedding: first + last stage summed
         reduce_partial_grads(model)  # SP norms: weight-grad all-reduce over tp
+        if pm.context_parallel is not None:  # each cp rank holds its shard's terms: sum
+            pm.context_parallel.sync_gradients(model)
+        if pm.expert_parallel is not None:  # experts: sum over their replicas, / data ranks
+            pm.expert_parallel.sync_gradients(model)
         for data_parallel in pm.data_parallels:  # one per pipeline chunk
             data_parallel.sync_gradients()
         # a tied embedding's copy on the last stage is counted once (pipeline.norm_parameters)
         counted = model.parameters() if pm.pipeline is None else pm.pipeline.norm_parameters()
-        grad_norm, mean_loss = _global_norm_and_loss(counted, loss_sum, mesh, world)
+        experts = pm.expert_parallel.expert_parameters(model) if pm.expert_parallel else []
+        grad_norm, mean_loss = _global_norm_and_loss(
+            counted, loss_sum, mesh, world, experts, config.ep
+        )
         coef = min(1.0, options.max_grad_norm / (grad_norm + 1e-6))
         with torch.no_grad():
             for p in model.parameters():
@@ -435,12 +517,20 @@ def _accumulate(
     """Forward and backward of each micro-batch in turn (no pipeline); the mean loss."""
     mbs = targets.shape[0] // num_micro
     loss_sum = torch.zeros((), dtype=torch.float64)
+    cp = pm.context_parallel
     for i in range(num_micro):
         mb = slice(i * mbs, (i + 1) * mbs)
+        x, y = tuple(t[mb].to(device) for t in inputs), targets[mb].to(device)
         with loss_context(pm.tp_plan):  # loss_parallel() for a vocabulary-split head
-            with _autocast(device, options.precision):
-                out = task.forward(pm.model, tuple(t[mb].to(device) for t in inputs))
-            loss = task.loss(out, targets[mb].to(device)) / num_micro
+            if cp is not None:  # this rank's sequence shard, at its global positions
+                x, y, positions = cp.shard_batch(x, y)
+                with _autocast(device, options.precision):
+                    out = pm.model(*x, positions=positions)  # a stages.StageModule
+                loss = cp.loss(out, y) / num_micro  # value: the micro-batch's global mean
+            else:
+                with _autocast(device, options.precision):
+                    out = task.forward(pm.model, x)
+                loss = task.loss(out, y) / num_micro
             pm.data_parallel.before_backward(is_last_microbatch=i == num_micro - 1)
             loss.backward()
         loss_sum += _local(loss.detach()).double().cpu()
@@ -448,16 +538,24 @@ def _accumulate(
 
 
 def _global_norm_and_loss(
-    params: Iterable[nn.Parameter], loss: torch.Tensor, mesh: RuntimeMesh, world: int
+    params: Iterable[nn.Parameter],
+    loss: torch.Tensor,
+    mesh: RuntimeMesh,
+    world: int,
+    experts: Sequence[nn.Parameter] = (),
+    ep: int = 1,
 ) -> tuple[float, float]:
     """One all-reduce over the world of [weighted squared gradient norm, loss / world]: every
-    rank holds its data rank's mean loss (a pipeline broadcasts it to every stage)."""
+    rank holds its data rank's mean loss (a pipeline broadcasts it to every stage). An expert
+    parameter is held by world / ep ranks, not world: its share is ep times larger."""
     pp = mesh.size("pp")
+    expert_ids = {id(p) for p in experts}
     total = torch.zeros(2, dtype=torch.float64)
     for p in params:
         if p.grad is not None:
             local = _local(p.grad).detach().double()
-            total[0] += local.pow(2).sum() * _norm_share(p.grad, pp, world)
+            share = _norm_share(p.grad, pp, world) * (ep if id(p) in expert_ids else 1)
+            total[0] += local.pow(2).sum() * share
     total[1] = loss / world
     dist.all_reduce(total)
     return math.sqrt(total[0].item()), total[1].item()
