@@ -40,7 +40,7 @@ class _GatherSeq(Function):
         ctx.group, ctx.dim = group, dim
         front = _front(x, dim)
         out = front.new_empty((dist.get_world_size(group) * front.shape[0], *front.shape[1:]))
-        dist.all_gather_into_tensor(out, front, group=group)
+        dist.all_gather_single(out, front, group=group)
         return out.movedim(0, dim)
 
     @staticmethod
@@ -48,7 +48,7 @@ class _GatherSeq(Function):
         front = _front(grad, ctx.dim)
         size = dist.get_world_size(ctx.group)
         out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
-        dist.reduce_scatter_tensor(out, front, group=ctx.group)
+        dist.reduce_scatter_single(out, front, group=ctx.group)
         return out.movedim(0, ctx.dim), None, None
 
 
