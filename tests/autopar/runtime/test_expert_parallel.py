@@ -1,5 +1,6 @@
 """Expert parallelism: all-to-all dispatch equals the dense MoE block (forward and gradients),
-and EP2 (folded over dp) trains moe-tiny as one process does; on 2 and 4 gloo ranks.
+and EP folded over dp4 (ep2: experts on two ranks each; ep4: one per rank) trains moe-tiny
+through the trainer as one process does.
 """
 
 from __future__ import annotations
@@ -7,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from cp_ep_loop import run_loop_cases
-from harness import Case, max_rel_error, reference, run_ranks
+from harness import Case, check_cases, run_ranks
 
 from autopar.config import ParallelConfig as C
 from autopar.models.moe import MoEBlock
@@ -66,22 +66,9 @@ def test_all_to_all_dispatch_equals_dense_block_on_2_ranks():
             assert err < 1e-6, f"{what}: max abs error {err:.2e}"
 
 
-def _check(world: int, cases: list[Case]) -> None:
-    got = run_ranks(world, run_loop_cases, [(case, None) for case in cases])
-    want = reference(cases[0])
-    for i, case in enumerate(cases):
-        err = max(max_rel_error(rank[i], want) for rank in got)
-        print(f"{case.label}: max relative error {err:.1e}")
-        assert err <= 1e-5, f"{case.label}: {err:.2e}: {got[0][i]} vs {want}"
-
-
 @pytest.mark.multiprocess
-def test_ep2_over_dp2_trains_moe_as_one_process():
-    _check(
-        2, [Case("moe-tiny", C(dp=2, ep=2)), Case("moe-tiny", C(dp=2, ep=2, micro_batch_size=2))]
-    )
-
-
-@pytest.mark.multiprocess
-def test_ep2_with_expert_data_parallel_and_with_cp_on_4_ranks():
-    _check(4, [Case("moe-tiny", C(dp=4, ep=2)), Case("moe-tiny", C(dp=2, cp=2, ep=2))])
+def test_ep_with_expert_data_parallel_and_one_expert_per_rank_through_the_trainer():
+    """dp4 with ep2: each expert on 2 ranks, synced over the expert data group; dp4 with ep4:
+    one expert per rank. (EP2 over dp2, with TP2 and with CP2: test_numerics_cp_ep.py and
+    test_numerics_4ranks.py.)"""
+    check_cases(4, [Case("moe-tiny", C(dp=4, ep=2)), Case("moe-tiny", C(dp=4, ep=4))])

@@ -1,11 +1,12 @@
-"""A training loop for context and expert parallelism, until the trainer wires them.
+"""A training loop for the context-parallel variants the trainer does not select.
 
-It does what `autopar.runtime.trainer.train` does (module docstring there) for the configs
-it supports -- dp (replicated) x cp, and dp with ep folded over it -- with the CP/EP calls
-where the trainer's CALL POINTs are: per micro-batch `ContextParallel.shard_batch / forward
-/ loss`, after backward `ContextParallel.sync_gradients` (sum over cp) then the dp average
-without the experts, `ExpertParallel.sync_gradients`, and the norm with an expert
-parameter's share times ep. Ranks are laid out [dp, cp] as `autopar.runtime.mesh`.
+`autopar.runtime.trainer.train` runs context parallelism with the default `CPOptions`
+(all-gather KV, load-balanced shards); this loop does the same steps (module docstring of
+the trainer) for dp (replicated) x cp with any `CPOptions`, so the ring attention and the
+contiguous layout are checked end to end: per micro-batch `ContextParallel.shard_batch /
+forward / loss`, after backward `ContextParallel.sync_gradients` (sum over cp), the dp
+average, the global norm, clipping, AdamW. Ranks are laid out [dp, cp] as
+`autopar.runtime.mesh`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch.distributed as dist
 from harness import OPTIONS, Case, task_of
 
 from autopar.runtime.context_parallel import CPOptions, apply_context_parallel
-from autopar.runtime.expert_parallel import apply_expert_parallel, build_expert_groups
 
 
 def _groups(dp: int, cp: int) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
@@ -46,8 +46,8 @@ def _average(grads: list[torch.Tensor], group: dist.ProcessGroup, size: int) -> 
         offset += g.numel()
 
 
-def train_cp_ep(case: Case, cp_options: CPOptions | None = None) -> list[tuple[float, float]]:
-    """Train ``case`` (config dp, cp, ep, micro_batch_size) on this rank; per step
+def train_cp(case: Case, cp_options: CPOptions | None = None) -> list[tuple[float, float]]:
+    """Train ``case`` (config dp, cp, micro_batch_size) on this rank; per step
     (global loss, pre-clip global gradient norm)."""
     cfg, world = case.config, dist.get_world_size()
     if world != cfg.dp * cfg.cp:
@@ -56,10 +56,6 @@ def train_cp_ep(case: Case, cp_options: CPOptions | None = None) -> list[tuple[f
     model = task.build()
     dp_group, cp_group = _groups(cfg.dp, cfg.cp)
     cp = apply_context_parallel(model, cp_group, cp_options) if cp_group else None
-    ep = None
-    if cfg.ep > 1:
-        ep_group, edp_group = build_expert_groups(world, cfg.dp, cfg.cp, cfg.ep)
-        ep = apply_expert_parallel(model, ep_group, edp_group, num_data_ranks=cfg.dp)
     options = OPTIONS
     optimizer = torch.optim.AdamW(
         model.parameters(),
@@ -87,17 +83,12 @@ def train_cp_ep(case: Case, cp_options: CPOptions | None = None) -> list[tuple[f
             loss_sum += loss.detach().double()
         if cp is not None:
             cp.sync_gradients(model)
-        expert = {id(p) for p in ep.expert_parameters(model)} if ep else set()
         if dp_group is not None:
-            plain = [p.grad for p in model.parameters() if id(p) not in expert]
-            _average([g for g in plain if g is not None], dp_group, cfg.dp)
-        if ep is not None:
-            ep.sync_gradients(model)
+            _average([p.grad for p in model.parameters() if p.grad is not None], dp_group, cfg.dp)
         total = torch.zeros(2, dtype=torch.float64)
         for p in model.parameters():
-            if p.grad is not None:
-                share = (cfg.ep if id(p) in expert else 1) / world
-                total[0] += p.grad.double().pow(2).sum() * share
+            if p.grad is not None:  # every parameter is replicated: each rank counts 1/world
+                total[0] += p.grad.double().pow(2).sum() / world
         total[1] = loss_sum / world
         dist.all_reduce(total)
         norm = math.sqrt(total[0].item())
@@ -113,4 +104,4 @@ def train_cp_ep(case: Case, cp_options: CPOptions | None = None) -> list[tuple[f
 
 
 def run_loop_cases(cases: list[tuple[Case, CPOptions | None]]) -> list[list[tuple[float, float]]]:
-    return [train_cp_ep(case, options) for case, options in cases]
+    return [train_cp(case, options) for case, options in cases]
