@@ -177,9 +177,15 @@ def _hf_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-interface signature; the causal mask is ours (from positions),
-    so ``attention_mask`` (None for an unregistered mask kind) is not used. K/V heads are
-    gathered before they are repeated for GQA (fewer bytes on the wire)."""
+    """transformers' attention-interface signature; the causal mask is ours (from positions):
+    transformers builds none for an implementation without a registered mask kind, and a
+    caller's padding mask is refused rather than ignored. K/V heads are gathered before they
+    are repeated for GQA (fewer bytes on the wire)."""
+    if attention_mask is not None:
+        raise NotImplementedError(
+            "context parallelism takes whole, unpadded sequences: got an attention mask of "
+            f"shape {tuple(attention_mask.shape)}"
+        )
     attend: CPAttention = module.attention_fn
     out = attend(
         query, key, value, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=True
