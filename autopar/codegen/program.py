@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from autopar.plan import Plan
+from autopar.runtime.parallelize import pipeline_tp_plan
 from autopar.runtime.pipeline import SCHEDULES, layout_for
 from autopar.runtime.task import resolve_callable
 from autopar.runtime.tensor_parallel import collectives_of, find_blocks, tp_plan
-from autopar.runtime.trainer import pipeline_tp_plan
 
 GiB = 2**30
 

@@ -6,6 +6,7 @@ Modules (each documents its public functions at its top):
     data_parallel    replicated DP (explicit all-reduce), FSDP2 by ZeRO stage, HSDP
     recompute        full / selective activation checkpointing per block
     task             model factory, loss and data (synthetic or a user hook) of a plan
+    parallelize      a plan applied to a model: pipeline cut, TP, CP, EP, recompute, DP, in order
     trainer          the training loop: AdamW, clipping, accumulation, measured vs predicted
     parts, pipeline, context_parallel, expert_parallel   (pipeline and cp-ep helpers)
 

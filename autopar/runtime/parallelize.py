@@ -1,0 +1,263 @@
+"""Applying a plan to a model: pipeline cut, TP/SP, context and expert parallelism, recompute,
+data parallelism -- the parallelised model the training loop (`autopar.runtime.trainer`) drives.
+
+In: a full, seeded model (identical on every rank), the `RuntimeMesh`, the plan's
+`ParallelConfig`, its placements or an explicit TP plan and, for pp > 1, a `PipelineSpec`.
+Out: a `ParallelModel`: the module whose parameters the optimizer steps (pp > 1: this rank's
+chunks under their original paths), its `DataParallel` record(s), the applied TP plan, and
+the pipeline / context-parallel / expert-parallel records the loop calls.
+
+Order (as torchtitan): pipeline split -> tensor/sequence parallel -> context parallel ->
+expert parallel -> recompute -> FSDP2 / replication; with pp > 1 everything after the split
+is applied per chunk (`autopar.runtime.pipeline` calls back for each).
+
+    cp > 1   the model runs as one `stages.StageModule` (original paths), whose forward takes
+             a sequence shard's global positions, so FSDP's root hooks wrap it as well
+    ep > 1   folded over dp (fsdp == 1): the experts are left out of the dp average
+             (`DataParallel.skip`); `expert_parallel` syncs them
+
+Public functions:
+    PipelineSpec(num_microbatches, loss_fn, stage_layers=None, schedule=None)   # pp > 1
+    ParallelModel
+    parallelize_model(model, mesh, config, placements=None, tp=None, pipeline=None)
+    pipeline_tp_plan(model, config, placements=None, stage_layers=None) -> TP plan, pp > 1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.config import ParallelConfig
+from autopar.runtime.data_parallel import DataParallel, apply_data_parallel
+from autopar.runtime.mesh import RuntimeMesh
+from autopar.runtime.parts import parts_of
+from autopar.runtime.pipeline import Pipeline, build_pipeline, layout_for
+from autopar.runtime.recompute import apply_recompute
+from autopar.runtime.stages import build_stage_modules, even_layout
+from autopar.runtime.tensor_parallel import apply_tensor_parallel, find_blocks, tp_plan
+
+if TYPE_CHECKING:
+    from autopar.runtime.context_parallel import ContextParallel
+    from autopar.runtime.expert_parallel import ExpertParallel
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """What pp > 1 needs besides the config: micro-batches per step on this rank, the loss of
+    one micro-batch, the plan's stage boundaries (`[s.layers for s in plan.stages]`; None:
+    the even split) and optionally a schedule overriding config.schedule (`pipeline.SCHEDULES`,
+    e.g. "zbv")."""
+
+    num_microbatches: int
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    stage_layers: Sequence[Sequence[str]] | None = None
+    schedule: str | None = None
+
+
+@dataclass
+class ParallelModel:
+    """A model on the plan's mesh, with what the loop needs to drive it.
+
+    With pp > 1, `model` holds this rank's pipeline chunks under their original paths (the
+    optimizer's, memory's and checkpoints' view), `pipeline` runs them, and there is one
+    `DataParallel` per chunk (`data_parallels`; `data_parallel` is the first)."""
+
+    model: nn.Module
+    mesh: RuntimeMesh
+    data_parallel: DataParallel
+    tp_plan: dict[str, str]
+    blocks: list[str]
+    pipeline: Pipeline | None = None
+    data_parallels: list[DataParallel] = field(default_factory=list)
+    context_parallel: ContextParallel | None = None  # cp > 1: shards batches, sums gradients
+    expert_parallel: ExpertParallel | None = None  # ep > 1: this rank's experts, their sync
+
+
+class _Part(NamedTuple):
+    """What `_parallelize_part` leaves the loop for one model or pipeline chunk."""
+
+    data_parallel: DataParallel
+    context: ContextParallel | None
+    experts: ExpertParallel | None
+
+
+def parallelize_model(
+    model: nn.Module,
+    mesh: RuntimeMesh,
+    config: ParallelConfig,
+    placements: dict | None = None,
+    tp: dict[str, str] | None = None,
+    pipeline: PipelineSpec | None = None,
+) -> ParallelModel:
+    """Apply the plan to a full, seeded ``model`` (identical on every rank), in place.
+
+    ``tp`` is a TP plan (module -> style) as a generated program spells it out; without it the
+    TP plan is derived from ``placements`` (`tensor_parallel.tp_plan`). With pp > 1 the model
+    is cut into this rank's chunks (`autopar.runtime.pipeline`, ``pipeline`` required) and each
+    chunk gets its own TP plan -- ``tp`` restricted to the chunk's modules, or
+    `tp_plan(chunk)`, whose sequence-parallel ends are the chunk's first and last block (the
+    hidden states between stages are whole sequences) -- recompute and data parallelism."""
+    groups = _expert_groups(mesh, config)
+    if config.pp > 1:
+        return _parallelize_pipeline(model, mesh, config, placements, tp, pipeline, groups)
+    whole = model
+    if config.cp > 1:  # one module running embed -> blocks -> head at a shard's positions,
+        # original paths: FSDP's root hooks then wrap the context-parallel forward too
+        layout = even_layout(parts_of(model).num_blocks(model), 1)
+        model = build_stage_modules(model, layout, 0)[0]
+    blocks = find_blocks(model)
+    # the context-parallel loss reads whole-vocabulary logits: no vocabulary split with cp
+    vocab = config.cp == 1
+    plan = tp if tp is not None else tp_plan(model, config, placements, vocab_parallel=vocab)
+    part = _parallelize_part(model, blocks, mesh, config, plan, groups, whole)
+    names = [p for p, _ in blocks]
+    dp = part.data_parallel
+    return ParallelModel(model, mesh, dp, plan, names, None, [dp], part.context, part.experts)
+
+
+def _expert_groups(mesh: RuntimeMesh, config: ParallelConfig) -> tuple | None:
+    """ep > 1: (ep group, expert data group) of this rank, ep folded over dp (collective)."""
+    if config.ep == 1:
+        return None
+    if config.fsdp > 1:
+        raise ValueError(
+            f"expert parallelism runs with replicated data parallelism here: ep={config.ep} "
+            f"folds over dp={config.dp}; fsdp={config.fsdp} would shard the experts as well"
+        )
+    from autopar.runtime.expert_parallel import build_expert_groups  # see _parallelize_part
+
+    inner = config.fsdp * config.cp * config.tp
+    return build_expert_groups(dist.get_world_size(), config.dp, inner, config.ep)
+
+
+def _parallelize_part(
+    model: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    mesh: RuntimeMesh,
+    config: ParallelConfig,
+    plan: dict[str, str],
+    expert_groups: tuple | None = None,
+    whole: nn.Module | None = None,
+) -> _Part:
+    """TP/SP, context and expert parallelism, recompute, data parallelism of a whole model or
+    of one pipeline chunk (torchtitan's order), in place. ``whole``: the model ``model`` was
+    cut from (a Hugging Face model's attention implementation is set on it)."""
+    apply_tensor_parallel(model, mesh["tp"], plan)
+    context = experts = None
+    if config.cp > 1:  # attention over the cp ranks' sequence shards
+        # imported here: the module is optional until the cp-ep helper's collectives land
+        from autopar.runtime.context_parallel import apply_context_parallel
+
+        context = apply_context_parallel(whole or model, mesh.group("cp"))
+    if expert_groups is not None:  # ep > 1: this rank's experts, all-to-all token dispatch
+        from autopar.runtime.expert_parallel import apply_expert_parallel
+
+        ep_group, data_group = expert_groups
+        experts = apply_expert_parallel(model, ep_group, data_group, mesh.num_data_ranks)
+    apply_recompute(blocks, config.recompute)
+    data_parallel = apply_data_parallel(model, blocks, mesh, config)
+    if experts is not None:  # experts are synced by expert_parallel, not averaged over dp
+        data_parallel.skip = experts.expert_names
+    return _Part(data_parallel, context, experts)
+
+
+def _parallelize_pipeline(
+    model: nn.Module,
+    mesh: RuntimeMesh,
+    config: ParallelConfig,
+    placements: dict | None,
+    tp: dict[str, str] | None,
+    spec: PipelineSpec | None,
+    expert_groups: tuple | None = None,
+) -> ParallelModel:
+    """pp > 1: this rank's chunks, each parallelised by `_parallelize_part`, and the schedule."""
+    if spec is None:
+        raise ValueError("pp > 1 needs a PipelineSpec (micro-batches, loss, stage boundaries)")
+    plans: dict[str, str] = {}
+    data_parallels: list[DataParallel] = []
+    blocks: list[str] = []
+    contexts: list[ContextParallel] = []  # one per chunk, all alike (the cp group)
+    experts: list[ExpertParallel] = []  # one per chunk, each naming its own experts
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return contexts[0].loss(out, target) if contexts else spec.loss_fn(out, target)
+
+    def per_chunk(chunk: nn.Module) -> None:
+        named = chunk.named_blocks()
+        held = {name for name, _ in chunk.named_modules()}
+        # no vocabulary split: the pipeline's loss runs inside torch's schedule, outside
+        # loss_parallel(), so the head's logits must be whole
+        plan = (
+            {k: v for k, v in tp.items() if k in held}
+            if tp is not None
+            else tp_plan(chunk, config, placements)
+        )
+        plans.update(plan)
+        blocks.extend(p for p, _ in named)
+        part = _parallelize_part(chunk, named, mesh, config, plan, expert_groups)
+        data_parallels.append(part.data_parallel)
+        contexts.extend([part.context] if part.context is not None else [])
+        experts.extend([part.experts] if part.experts is not None else [])
+
+    pipe = build_pipeline(
+        model,
+        mesh,
+        config,
+        num_microbatches=spec.num_microbatches,
+        loss_fn=loss_fn,
+        stage_layers=spec.stage_layers,
+        parallelize_chunk=per_chunk,
+        schedule=spec.schedule,
+    )
+    held = _merge_modules(list(pipe.chunks))
+    context = contexts[0] if contexts else None
+    expert = None
+    if experts:  # one record for the rank's chunks: its parameters' names are the originals
+        names = frozenset().union(*(e.expert_names for e in experts))
+        blocks_ = sum(e.num_blocks for e in experts)
+        expert = dataclasses.replace(experts[0], expert_names=names, num_blocks=blocks_)
+    return ParallelModel(
+        held, mesh, data_parallels[0], plans, blocks, pipe, data_parallels, context, expert
+    )
+
+
+def pipeline_tp_plan(
+    model: nn.Module,
+    config: ParallelConfig,
+    placements: dict | None = None,
+    stage_layers: Sequence[Sequence[str]] | None = None,
+    schedule: str | None = None,
+) -> dict[str, str]:
+    """The TP plan pp > 1 applies, every chunk's (`tp_plan(chunk)`) in one dict: what a
+    generated program prints and passes back as ``tp``. With sequence parallelism each chunk's
+    first block splits the sequence and its last gathers it. ``model`` may be on the meta
+    device; it is not changed (the chunks share its modules)."""
+    layout = layout_for(config, model, stage_layers, schedule)
+    plan: dict[str, str] = {}
+    for rank in range(config.pp):
+        for chunk in build_stage_modules(model, layout, rank):
+            plan.update(tp_plan(chunk, config, placements))
+    return plan
+
+
+def _merge_modules(modules: list[nn.Module]) -> nn.Module:
+    """One module holding the children of ``modules`` under their own paths (a rank's pipeline
+    chunks; the blocks of several chunks in one ModuleDict), so parameter names stay the
+    original ones; the module itself when there is one."""
+    if len(modules) == 1:
+        return modules[0]
+    if any(next(m.parameters(recurse=False), None) is not None for m in modules):
+        raise ValueError("cannot merge modules that hold parameters of their own")
+    root = nn.ModuleDict() if all(isinstance(m, nn.ModuleDict) for m in modules) else nn.Module()
+    for name in dict.fromkeys(n for m in modules for n in m._modules):
+        held = [m._modules[name] for m in modules if m._modules.get(name) is not None]
+        distinct = list({id(h): h for h in held}.values())  # shared modules (rotary) once
+        root.add_module(name, _merge_modules(distinct))
+    return root
