@@ -118,6 +118,15 @@ def _add_planning_verbs(verbs: argparse._SubParsersAction) -> None:
     replan.add_argument("-o", "--out", default="out", help="directory for plan.json + train.py")
     replan.add_argument("--json", action="store_true", help="print the new plan's JSON only")
 
+    generate = verbs.add_parser(
+        "generate",
+        help="write the torchrun program (train.py) of a saved plan",
+        epilog="example: autopar generate out/plan.json -o run/ && "
+        "torchrun --nproc-per-node=8 run/train.py",
+    )
+    generate.add_argument("plan", help="a plan.json (with a model factory)")
+    generate.add_argument("-o", "--out", required=True, help="directory for plan.json + train.py")
+
     verbs.add_parser(
         "list-models",
         help="list the zoo models and Hugging Face presets",
@@ -143,6 +152,7 @@ _PLANNING_VERBS = {
     "compare": "autopar.commands.compare:run_compare",
     "list-models": "autopar.commands.models:run_list_models",
     "replan": "autopar.elastic:run_replan",
+    "generate": "autopar.commands.generate:run_generate",
 }
 
 
