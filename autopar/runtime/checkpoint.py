@@ -55,7 +55,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from autopar.errors import AutoparError
 from autopar.runtime.task import model_fingerprint
@@ -87,6 +91,12 @@ class CheckpointOptions:
     def __post_init__(self) -> None:
         if self.every < 0 or self.keep < 1:
             raise ValueError(f"checkpoint every={self.every} must be >= 0, keep={self.keep} >= 1")
+
+
+# Optimizer state keyed per parameter ("optimizer.state.<fqn>.exp_avg", ".param_groups.<fqn>.lr"):
+# the default keeps param_groups as one list under one key, which DCP saves once (rank 0's),
+# so a rank of another pipeline stage would load groups naming none of its parameters.
+_SD_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _name(step: int) -> str:
@@ -192,7 +202,7 @@ class Checkpointer:
             return 0
         meta = read_meta(path)
         self._check(meta, path)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SD_OPTIONS)
         state = {"model": model_sd, "optimizer": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
         set_state_dict(
@@ -200,6 +210,7 @@ class Checkpointer:
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
+            options=_SD_OPTIONS,
         )
         rng = path / f"rng-rank{self.rank}.pt"
         if rng.is_file():  # a run resumed on more ranks keeps its seeded state on the new ones
@@ -258,7 +269,7 @@ class Checkpointer:
         partial = self.root / f".partial-{_name(step)}"
         partial.mkdir(parents=True, exist_ok=True)
         torch.save(_rng_state(), partial / f"rng-rank{self.rank}.pt")
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SD_OPTIONS)
         state = {"model": model_sd, "optimizer": optim_sd}
         if self.options.async_save:
             # the state is staged (copied) before async_save returns: training may go on

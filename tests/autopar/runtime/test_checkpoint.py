@@ -30,6 +30,13 @@ from autopar.runtime.trainer import train
 
 FSDP2 = Case("gpt-tiny", ParallelConfig(fsdp=2, zero_stage=3, micro_batch_size=1), 4)
 TP2 = Case("llama-tiny", ParallelConfig(tp=2, sequence_parallel=True, micro_batch_size=2), 4)
+# each pipeline rank saves only its stage's parameters and optimizer state
+PP2 = Case(
+    "llama-tiny",
+    ParallelConfig(pp=2, schedule="interleaved_1f1b", virtual_stages=2, micro_batch_size=1),
+    4,
+    overrides={"num_layers": 4},
+)
 
 
 def _run(case: Case, steps: int, ckpt: CheckpointOptions | None) -> list[float]:
@@ -40,7 +47,8 @@ def _run(case: Case, steps: int, ckpt: CheckpointOptions | None) -> list[float]:
 
 def _cases(root: str) -> dict[str, object]:
     out: dict[str, object] = {}
-    for label, case, async_save in (("fsdp2", FSDP2, False), ("tp2-async", TP2, True)):
+    cases = (("fsdp2", FSDP2, False), ("tp2-async", TP2, True), ("pp2", PP2, False))
+    for label, case, async_save in cases:
         straight = _run(case, 4, None)
         ckpt = CheckpointOptions(f"{root}/{label}", every=2, async_save=async_save)
         first = _run(case, 4, ckpt)  # saves after steps 2 and 4; training goes on after 2
@@ -70,7 +78,7 @@ def _cases(root: str) -> dict[str, object]:
 @pytest.mark.slow
 def test_resume_continues_bitwise_and_refuses_another_model_or_batch(tmp_path):
     got = run_ranks(2, _cases, str(tmp_path))[0]
-    for label in ("fsdp2", "tp2-async"):
+    for label in ("fsdp2", "tp2-async", "pp2"):
         straight, first, resumed = got[label]
         assert first == straight
         assert [x.hex() for x in resumed] == [x.hex() for x in straight[2:]], label
