@@ -105,7 +105,7 @@ from pathlib import Path
 from autopar.config import ParallelConfig
 from autopar.plan import Plan
 from autopar.runtime.checkpoint import CheckpointOptions
-from autopar.runtime.mesh import build_mesh, init_distributed
+from autopar.runtime.mesh import build_mesh, init_distributed, shutdown_distributed
 from autopar.runtime.task import task_from_source
 from autopar.runtime.trainer import Prediction, TrainOptions, train
 
@@ -325,6 +325,7 @@ def main() -> None:
         fingerprint=FINGERPRINT,
         stage_layers=STAGE_LAYERS,
     )
+    shutdown_distributed()  # every rank done (no send still in flight), then the group freed
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ cp, tp)`, so a group the planner priced (say tp inside a node) is the group the 
 
 Public functions:
     init_distributed(device=None) -> (rank, world_size, device)   # process group from torchrun
+    shutdown_distributed()                                        # barrier, then destroy it
     build_mesh(config, device_type=None) -> RuntimeMesh           # refuses a wrong world size
     check_world_size(config, world_size)                          # the clear error, alone
 """
@@ -44,6 +45,18 @@ def check_world_size(config: ParallelConfig, world_size: int) -> None:
             f"{world_size} (WORLD_SIZE={world_size}); launch with --nproc-per-node x --nnodes = "
             f"{config.world_size}"
         )
+
+
+def shutdown_distributed() -> None:
+    """Wait for every rank, then destroy the default process group.
+
+    A rank that exits while a peer still has a pipeline send or receive in flight, or with
+    gloo's worker threads alive, can die in C++ ("terminate called without an active
+    exception") and fail the whole torchrun; ending on a barrier and a clean destroy avoids it.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def init_distributed(device: str | None = None) -> tuple[int, int, torch.device]:
