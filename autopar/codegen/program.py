@@ -102,6 +102,8 @@ def _imports() -> str:
 import argparse
 from pathlib import Path
 
+import torch.distributed as dist
+
 from autopar.config import ParallelConfig
 from autopar.plan import Plan
 from autopar.runtime.checkpoint import CheckpointOptions
@@ -292,6 +294,7 @@ def main() -> None:
     parser.add_argument("--async-checkpoint", action="store_true", help="save in the background")
     args = parser.parse_args()
 
+    owns_group = not dist.is_initialized()  # False when a launcher runs main() in its ranks
     init_distributed(args.device)  # RANK, WORLD_SIZE, ... from torchrun; gloo or nccl
     mesh = build_mesh(CONFIG, args.device)  # refuses a world size other than {plan.world_size}
     task = task_from_source(
@@ -325,7 +328,8 @@ def main() -> None:
         fingerprint=FINGERPRINT,
         stage_layers=STAGE_LAYERS,
     )
-    shutdown_distributed()  # every rank done (no send still in flight), then the group freed
+    if owns_group:
+        shutdown_distributed()  # every rank done (no send still in flight), then the group freed
 
 
 if __name__ == "__main__":
