@@ -82,9 +82,7 @@ class GPTAttention(nn.Module):
         if self.math:
             y_BNSD = _math_attention(q_BNSD, k_BNSD, v_BNSD, dropout_p, self.training)
         else:
-            y_BNSD = self.attention_fn(
-                q_BNSD, k_BNSD, v_BNSD, is_causal=True, dropout_p=dropout_p
-            )
+            y_BNSD = self.attention_fn(q_BNSD, k_BNSD, v_BNSD, is_causal=True, dropout_p=dropout_p)
         return self.resid_dropout(self.proj(y_BNSD.transpose(1, 2).reshape(b, s, -1)))
 
 

@@ -46,7 +46,11 @@ def test_replan_keeps_model_batch_and_precision(plan4):
     small = autopar.replan(plan4, num_devices=2)
     assert small.world_size == 2 and small.config.world_size == 2
     assert small.model_source == plan4.model_source
-    assert (small.global_batch_size, small.precision, small.seq_len) == (BATCH, "fp32", plan4.seq_len)
+    assert (small.global_batch_size, small.precision, small.seq_len) == (
+        BATCH,
+        "fp32",
+        plan4.seq_len,
+    )
     assert "re-planned from dp=2 fsdp=1 cp=1 tp=2" in small.notes[-1]
     fixed = autopar.replan(plan4, num_devices=2, config=autopar.ParallelConfig(tp=2))
     assert fixed.config == autopar.ParallelConfig(tp=2)
