@@ -36,13 +36,14 @@ import io
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from autopar.runtime.mesh import free_port
 
 _STEP_LINE = re.compile(r"^step (\d+)/(\d+) .*?time ([0-9.eE+-]+) s", re.MULTILINE)
 
@@ -128,12 +129,6 @@ def _last_error(text: str) -> str:
 # ---------------------------------------------------------------- the pool
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pool(
     world_size: int, programs: list[Program], steps: int, threads: int, timeout_s: float
 ) -> dict[str, Measured]:
@@ -146,7 +141,7 @@ def _pool(
         log = Path(tmp, "results.jsonl")
         ctx = mp.start_processes(
             _rank_main,
-            args=(world_size, _free_port(), programs, steps, threads, timeout_s, str(log)),
+            args=(world_size, free_port(), programs, steps, threads, timeout_s, str(log)),
             nprocs=world_size,
             join=False,
             start_method="spawn",

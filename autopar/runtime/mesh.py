@@ -12,6 +12,7 @@ cp, tp)`, so a group the planner priced (say tp inside a node) is the group the 
 Public functions:
     init_distributed(device=None) -> (rank, world_size, device)   # process group from torchrun
     shutdown_distributed()                                        # barrier, then destroy it
+    free_port() -> int                                            # a loopback port for local ranks
     build_mesh(config, device_type=None) -> RuntimeMesh           # refuses a wrong world size
     check_world_size(config, world_size)                          # the clear error, alone
 """
@@ -19,6 +20,7 @@ Public functions:
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +47,13 @@ def check_world_size(config: ParallelConfig, world_size: int) -> None:
             f"{world_size} (WORLD_SIZE={world_size}); launch with --nproc-per-node x --nnodes = "
             f"{config.world_size}"
         )
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (the OS picks it) for a local group's MASTER_PORT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def shutdown_distributed() -> None:

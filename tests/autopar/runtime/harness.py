@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 from autopar.config import ParallelConfig
+from autopar.runtime.mesh import free_port
 from autopar.runtime.task import HF_FACTORY, ZOO_FACTORY, task_from_source
 from autopar.runtime.trainer import TrainOptions, reference_run, train
 
@@ -47,12 +47,6 @@ class Case:
         extra += " uneven" if self.stage_layers else ""
         extra += f" {self.schedule}" if self.schedule else ""
         return f"{self.model} {self.config.as_text()}{extra}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def task_of(case: Case):
