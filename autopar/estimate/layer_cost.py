@@ -11,9 +11,9 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
     TP: each forward all-reduce of the table, size A b / c (all-gather + reduce-scatter of the
         same size with sequence parallelism), once forward and once backward, exposed by
         (1 - tp_comm_overlap).
-    CP: ring attention: c-1 steps, each sending the local K,V block (kv b / (c t)) to the next
-        rank while computing one block; exposed max(0, send - block compute) per step;
-        backward sends K,V and dK,dV (twice the bytes).
+    CP: all-gather of K and of V over the cp group before attention (kv b / (2 t) each,
+        gathered; the runtime's `context_parallel` and torch's default rotate method), exposed;
+        backward reduce-scatters dK and dV, the same sizes.
     EP: two all-to-alls of tokens x top_k x hidden forward (dispatch, combine), two backward,
         over the ep group, tokens b s / (t c) per rank.
     recompute: full re-runs the forward (compute and its collectives); selective re-runs the
@@ -95,7 +95,7 @@ def layer_time(
     fwd += attn_fwd + mem
     bwd += attn_bwd + 2 * mem
     tp_f = _tp_comm(table, cfg, act_scale, comm) * (1 - tp_overlap)
-    cp_f, cp_b = _cp_comm(table, cfg, act_scale, comm, attn_fwd, attn_bwd)
+    cp_f, cp_b = _cp_comm(table, cfg, act_scale, comm)
     ep = _ep_comm(table, cfg, act_scale, comm)
     if cfg.recompute == "full":
         recompute = fwd + tp_f + cp_f + ep
@@ -132,23 +132,15 @@ def _tp_comm(table: LayerTable, cfg: ParallelConfig, act_scale: float, comm: Com
 
 
 def _cp_comm(
-    table: LayerTable,
-    cfg: ParallelConfig,
-    act_scale: float,
-    comm: CommFn,
-    attn_fwd: float,
-    attn_bwd: float,
+    table: LayerTable, cfg: ParallelConfig, act_scale: float, comm: CommFn
 ) -> tuple[float, float]:
     if cfg.cp == 1 or not table.attention:
         return 0.0, 0.0
-    c = cfg.cp
     fwd = bwd = 0.0
     for op in table.attention:
-        block = op.kv_bytes * cfg.micro_batch_size * act_scale / (c * cfg.tp)
-        send = comm("send_recv", block, "cp")
-        fwd += (c - 1) * max(0.0, send - attn_fwd / len(table.attention) / c)
-        back = comm("send_recv", 2 * block, "cp")
-        bwd += (c - 1) * max(0.0, back - attn_bwd / len(table.attention) / c)
+        gathered = op.kv_bytes * cfg.micro_batch_size * act_scale / (2 * cfg.tp)  # K or V
+        fwd += 2 * comm("all_gather", gathered, "cp")
+        bwd += 2 * comm("reduce_scatter", gathered, "cp")
     return fwd, bwd
 
 
