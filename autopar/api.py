@@ -22,6 +22,14 @@ from autopar.estimate import CostOptions, Estimate, Estimator, build_tables
 from autopar.estimate.communication import stage_communication
 from autopar.layout import mesh_axes
 from autopar.plan import ModelSource, Plan, StagePlan
+from autopar.solve.refine import (
+    RecordingEstimator,
+    RefineOptions,
+    RefineResult,
+    refine,
+    refined_alternatives,
+    refined_note,
+)
 from autopar.solve.search import search
 from autopar.solve.space import SpaceLimits, shape_problems
 from autopar.tracing import ModelGraph, trace
@@ -45,6 +53,8 @@ class PlanOptions:
     # re-plan on 2x inter-node bandwidth and on +50% HBM for explain() (`autopar.whatif`);
     # two more searches on the same cost tables
     sensitivity: bool = True
+    # the search's top configs re-priced by the intra-layer ILP (`autopar.solve.refine`)
+    refine: RefineOptions = field(default_factory=RefineOptions)
 
 
 def parallelize(
@@ -99,7 +109,7 @@ def parallelize(
             f"({global_batch_size * seq_len:,} tokens, about 4M)"
         )
     tables = build_tables(graph)
-    estimator = Estimator(
+    estimator = RecordingEstimator(
         tables, cluster, precision=precision, optimizer=optimizer, options=options.cost
     )
     limits = space_limits(model, graph, cluster, global_batch_size, options.micro_batch_sizes)
@@ -110,7 +120,19 @@ def parallelize(
         progress=options.progress,
         time_limit_s=options.time_limit_s,
     )
-    plan = plan_from_estimate(result.best, graph, cluster, precision, optimizer, estimator)
+    t_ilp = time.perf_counter()
+    refined = refine(
+        estimator,
+        estimator.priced,
+        graph,
+        cluster,
+        global_batch_size,
+        result.best,
+        options.refine,
+    )
+    ilp_s = time.perf_counter() - t_ilp
+    best = refined.best
+    plan = plan_from_estimate(best, graph, cluster, precision, optimizer, estimator)
     plan = replace(plan, **_sources(model, model_factory, cluster))
     report = replace(result.report, trace_time_s=trace_s)
     if report.num_unsearched:
@@ -120,9 +142,11 @@ def parallelize(
             f"this is the best plan found, at most {report.optimality_gap:.0%} slower than the "
             "optimum (compute bound)"
         )
-    t_ilp = time.perf_counter()
-    placements, ilp = _intra_layer_placements(graph, cluster, result.best.config)
-    ilp_s = time.perf_counter() - t_ilp
+    alternatives = result.alternatives
+    if refined.changed:
+        notes.append(refined_note(refined, result.best))
+        alternatives = refined_alternatives(refined, result, options.max_alternatives)
+    placements, ilp = _intra_layer_placements(refined)
     t_whatif = time.perf_counter()
     what_if = ()
     if options.sensitivity:
@@ -130,7 +154,7 @@ def parallelize(
             tables,
             cluster,
             limits,
-            result.best,
+            best,
             precision=precision,
             optimizer=optimizer,
             options=options.cost,
@@ -139,12 +163,13 @@ def parallelize(
     whatif_s = time.perf_counter() - t_whatif
     return replace(
         plan,
-        alternatives=result.alternatives,
+        alternatives=alternatives,
         notes=tuple(notes),
         report={
             "text": report.as_text(timings=False),
             **_report_fields(report),
             "ilp": ilp,
+            "refine": refined.report(),
             "limits": json.loads(json.dumps(asdict(limits))),  # JSON values: the plan reloads
         },
         placements=placements,
@@ -160,28 +185,14 @@ def parallelize(
 
 
 def _intra_layer_placements(
-    graph: ModelGraph, cluster: Cluster, config: Any
+    refined: RefineResult,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Per repeated-layer class, the ILP's placements at the chosen tensor-parallel degree."""
-    if config.tp == 1:
-        return {}, []
-    from autopar.solve.intra import IntraLayerCache, solve_layer
-
-    cache = IntraLayerCache()
+    """Per repeated-layer class, the ILP's placements at the chosen tensor-parallel degree
+    (the plans the refinement solved for the winner)."""
     placements: dict[str, Any] = {}
     stats: list[dict[str, Any]] = []
-    for cls in graph.classes:
-        if graph.layer(cls.representative).kind != "block":
-            continue
-        sol = solve_layer(
-            graph,
-            cls.representative,
-            cluster,
-            config.tp,
-            sequence_parallel=config.sequence_parallel,
-            cache=cache,
-        )
-        placements[cls.id] = {
+    for cls_id, sol in refined.plans.items():
+        placements[cls_id] = {
             "layer": sol.layer,
             "parameters": dict(sol.parameter_placements),
             "nodes": {k: ",".join(v) for k, v in sol.placements.items()},
@@ -189,7 +200,7 @@ def _intra_layer_placements(
         }
         stats.append(
             {
-                "class": cls.id,
+                "class": cls_id,
                 "status": sol.status,
                 "variables": sol.num_variables,
                 "constraints": sol.num_constraints,

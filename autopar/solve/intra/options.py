@@ -21,6 +21,9 @@ class IntraOptions:
         micro_batch_size: samples per micro-batch; FLOPs, activation bytes and activation
             messages scale with it (the traced graph holds one sample).
         recompute: which `LayerInfo.saved_values` policy sets the saved activations.
+        precision: the training dtype ("bf16", "fp16", "fp32"): floating ops are priced at it
+            and floating tensors count its bytes, whatever dtype the graph was traced in (the
+            step estimator's `act_scale`, so both price the same layer); None: as traced.
         weight_grad_sync: charge an all-reduce of a replicated weight's gradient whenever a
             strategy leaves that gradient Partial (work split over tokens, say).
         no_folding: keep trivial ops as ILP nodes of their own (for tests and comparisons).
@@ -36,6 +39,7 @@ class IntraOptions:
     param_memory_factor: float = 1.0
     micro_batch_size: int = 1
     recompute: Literal["none", "selective", "full"] = "none"
+    precision: Literal["bf16", "fp16", "fp32"] | None = None
     weight_grad_sync: bool = True
     no_folding: bool = False
     unit_s: float = 1e-9
@@ -45,6 +49,8 @@ class IntraOptions:
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.precision not in (None, "bf16", "fp16", "fp32"):
+            raise ValueError(f"precision must be bf16, fp16, fp32 or None, got {self.precision!r}")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes <= 0:
             raise ValueError(f"memory_budget_bytes must be > 0, got {self.memory_budget_bytes}")
         if self.unit_s <= 0 or self.time_limit_s <= 0 or self.num_workers < 1:

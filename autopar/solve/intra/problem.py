@@ -57,6 +57,7 @@ from torch.fx import Node
 from autopar.solve.intra.options import IntraOptions
 from autopar.solve.intra.reshard import reshard_time_s
 from autopar.solve.intra.strategies import (
+    PRECISION_BYTES,
     NodeStrategies,
     Strategy,
     candidate_placements,
@@ -169,6 +170,12 @@ class _Builder:
     choices: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     edges: list[tuple[str, str, str, int]] = field(default_factory=list)
 
+    @property
+    def width(self) -> int | None:
+        """Bytes per floating element at the options' precision (None: the traced dtype)."""
+        p = self.options.precision
+        return PRECISION_BYTES[p] if p else None
+
     def units(self, seconds: float) -> int:
         return round(seconds / self.options.unit_s)
 
@@ -176,11 +183,11 @@ class _Builder:
         if node.name not in self.saved:
             return 0.0
         meta = output_metas(node)[0]
-        return self.options.micro_batch_size * local_bytes(meta, placement, self.t)
+        return self.options.micro_batch_size * local_bytes(meta, placement, self.t, self.width)
 
     def full_bytes(self, node: Node) -> float:
         """Whole-tensor bytes of node's output; activations scale with the micro-batch."""
-        whole = local_bytes(output_metas(node)[0], Replicate(), self.t)
+        whole = local_bytes(output_metas(node)[0], Replicate(), self.t, self.width)
         is_param = self.graph.nodes[node.name].kind == "parameter"
         return whole if is_param else self.options.micro_batch_size * whole
 
@@ -221,7 +228,7 @@ class _Builder:
         choices: list[dict] = []
         for p in candidate_placements(meta, self.t):
             if isinstance(p, (Replicate, Shard)):
-                mem = self.options.param_memory_factor * local_bytes(meta, p, self.t)
+                mem = self.options.param_memory_factor * local_bytes(meta, p, self.t, self.width)
                 choices.append(
                     dict(
                         label=_text(p),
@@ -256,7 +263,7 @@ class _Builder:
             ):
                 for param, p in zip(params, s.inputs, strict=True):
                     if param is not None and isinstance(p, Replicate):
-                        nbytes = local_bytes(output_metas(param)[0], p, self.t)
+                        nbytes = local_bytes(output_metas(param)[0], p, self.t, self.width)
                         sync_s += collective_time("all_reduce", nbytes, self.group_comm).time_s
                         syncs.append(param.name)
             choices.append(
@@ -371,6 +378,7 @@ def build_problem(
             device,
             param_inputs=frozenset(i for i, p in enumerate(params) if p),
             batch_scale=options.micro_batch_size,
+            precision=options.precision,
         )
         if ns.strategies[0].source == "replicated" and t > 1:
             b.replicated_ops.append((name, info.op))

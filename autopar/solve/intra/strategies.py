@@ -66,6 +66,8 @@ from autopar.solve.intra.rules import RULES, RuleContext
 from autopar.tracing.graph import NodeInfo
 from cost_models.compute import DeviceSpec, op_time_s
 
+# bytes per element of a floating tensor at each training precision (IntraOptions.precision)
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _DTYPE_NAMES = {
     torch.float32: "fp32",
     torch.bfloat16: "bf16",
@@ -124,8 +126,15 @@ def candidate_placements(meta: TensorMeta, t: int) -> list[Placement]:
     return out
 
 
-def local_bytes(meta: TensorMeta, placement: Placement, t: int) -> float:
-    full = math.prod(meta.shape) * meta.dtype.itemsize
+def local_bytes(
+    meta: TensorMeta, placement: Placement, t: int, float_bytes: int | None = None
+) -> float:
+    """Bytes of the tensor on one rank; floating tensors count `float_bytes` an element when
+    given (the training precision, where the graph was traced in another dtype)."""
+    itemsize = meta.dtype.itemsize
+    if float_bytes is not None and meta.dtype.is_floating_point:
+        itemsize = float_bytes
+    full = math.prod(meta.shape) * itemsize
     return full / t if isinstance(placement, Shard) else float(full)
 
 
@@ -250,6 +259,7 @@ class _Context:
     out_metas: tuple[TensorMeta, ...]
     param_inputs: frozenset[int]
     batch_scale: int
+    precision: str | None = None  # "bf16", "fp16", "fp32": priced at it, not the traced dtype
 
 
 def _compute(info: NodeInfo, outputs: tuple, inputs: tuple, ctx: _Context) -> tuple[float, float]:
@@ -258,14 +268,18 @@ def _compute(info: NodeInfo, outputs: tuple, inputs: tuple, ctx: _Context) -> tu
     t = ctx.t
     div = t if splits_work(outputs + inputs) else 1
     moved = 0.0
+    width = PRECISION_BYTES.get(ctx.precision) if ctx.precision else None
     for i, (m, p) in enumerate(zip(ctx.in_metas, inputs, strict=False)):
         scale = 1 if i in ctx.param_inputs else ctx.batch_scale
-        moved += scale * local_bytes(m, p, t)
+        moved += scale * local_bytes(m, p, t, width)
     moved += sum(
-        ctx.batch_scale * local_bytes(m, p, t) for m, p in zip(ctx.out_metas, outputs, strict=False)
+        ctx.batch_scale * local_bytes(m, p, t, width)
+        for m, p in zip(ctx.out_metas, outputs, strict=False)
     )
     op_class = info.op_class if info.op_class != "other" else "elementwise"
     dtype = _DTYPE_NAMES.get(ctx.out_metas[0].dtype, "fp32") if ctx.out_metas else "fp32"
+    if ctx.precision and ctx.out_metas and ctx.out_metas[0].dtype.is_floating_point:
+        dtype = ctx.precision
     fwd = op_time_s(ctx.device, op_class, ctx.batch_scale * info.flops / div, moved, dtype)
     if not info.requires_grad:
         return fwd, 0.0
@@ -281,6 +295,7 @@ def node_strategies(
     *,
     param_inputs: frozenset[int] = frozenset(),
     batch_scale: int = 1,
+    precision: str | None = None,
 ) -> NodeStrategies:
     """Every usable strategy of `node` on t ranks, deduplicated, replicated first.
 
@@ -291,6 +306,8 @@ def node_strategies(
         device: what the compute times are priced on.
         param_inputs: indices of the tensor inputs that are parameters (not batch-scaled).
         batch_scale: samples per micro-batch (FLOPs and activation bytes scale with it).
+        precision: price floating ops and bytes at this dtype ("bf16", "fp16", "fp32")
+            instead of the traced one (a model traced in fp32 and trained in bf16).
 
     Returns:
         NodeStrategies; never empty ("replicate everything" is always there).
@@ -313,7 +330,7 @@ def node_strategies(
         tuple(Replicate() for _ in out_metas),
         tuple(Replicate() for _ in in_metas),
     )
-    ctx = _Context(t, device, in_metas, out_metas, param_inputs, batch_scale)
+    ctx = _Context(t, device, in_metas, out_metas, param_inputs, batch_scale, precision)
     seen: dict[tuple[tuple, tuple], Strategy] = {}
     for outputs, inputs in [replicated, *pairs]:
         if len(outputs) != len(out_metas) or len(inputs) != len(in_metas):
