@@ -29,11 +29,29 @@ training element bytes and g the gradient element bytes:
             Reduce-scatter of each unit's gradients: m (ZeRO-2/3) or 1 (ZeRO-1). Bytes: P(unit)
             w gathered, P(unit) g reduce-scattered; HSDP adds an all-reduce over dp of the
             P(unit) g / fsdp shard after each reduce-scatter.
-    dp      replicated data parallelism: one all-reduce of P g per step (a flat buffer).
+    dp      replicated data parallelism: one all-reduce of P g per step (a flat buffer);
+            with ep > 1 the experts are left out of it (P_dense g, `dense_params_on_rank`).
+    cp      context parallelism, all-gather-KV attention (`autopar.runtime.context_parallel`,
+            torch's default rotate method; `layer_cost._cp_comm` prices the same): per
+            attention op of kv bytes K + V per sample, K and V all-gathered over cp forward,
+            kv b x / (2 t) each gathered (twice per micro-batch, four times with full
+            recompute), dK and dV reduce-scattered backward (twice per micro-batch). The loss
+            of a micro-batch is all-reduced over cp (one fp32 scalar, on the stage with the
+            last layer), and every gradient is summed over cp once per step (P g, divided by
+            fsdp where FSDP shards the gradients).
+    ep      expert parallelism, all-to-all token dispatch (`autopar.runtime.expert_parallel`):
+            per MoE layer and micro-batch, one all-to-all of the E per-expert row counts
+            (int64, 8 E bytes; forward only), and the routed rows, D b x / (t c) bytes with D
+            the layer's `moe_dispatch_bytes` (tokens x top_k x hidden): dispatch and combine
+            forward, their adjoints backward, so 4 per micro-batch (6 with full recompute,
+            which re-runs the forward's 2 and the counts). The rows one rank sends in the
+            combine and the dispatch's adjoint are those routed to it: the bytes are the mean
+            over the ep group (balanced routing), exact on every rank for the other two.
+            Expert gradients are summed over the ranks holding the same experts (dp / ep of
+            them, axis "expert_dp") when there are more than one: P_expert g.
     clip    the global gradient norm and the loss: one all-reduce of 16 bytes over the world.
 
-Not yet here: expert (all-to-all), context (ring) and pipeline (send/recv) parallelism, whose
-runtimes are checked by their own numerics tests.
+Not yet here: pipeline (send/recv) parallelism, whose runtime is checked by its numerics tests.
 """
 
 from __future__ import annotations
@@ -51,9 +69,9 @@ _PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 class PlannedCollective:
     """``count`` calls of ``kind`` over mesh ``axis`` per step, ``bytes`` each."""
 
-    part: str  # "tp", "loss", "sp", "fsdp", "dp", "clip"
-    kind: str  # "all_reduce", "all_gather", "reduce_scatter"
-    axis: str  # "tp", "fsdp", "dp", "world"
+    part: str  # "tp", "loss", "sp", "fsdp", "dp", "cp", "ep", "clip"
+    kind: str  # "all_reduce", "all_gather", "reduce_scatter", "all_to_all"
+    axis: str  # "tp", "fsdp", "dp", "cp", "ep", "expert_dp", "world"
     count: int
     bytes: float
     layer: str = ""  # the layer (or FSDP unit) it belongs to
@@ -64,8 +82,17 @@ class PlannedCollective:
 
 def params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
     """Parameters a rank holds of ``layers`` before data-parallel sharding (TP and EP split)."""
-    expert_div = max(cfg.ep, cfg.tp)
-    return sum(t.params_tp / cfg.tp + t.params_rep + t.params_expert / expert_div for t in layers)
+    return dense_params_on_rank(cfg, layers) + expert_params_on_rank(cfg, layers)
+
+
+def dense_params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
+    """The tensor-parallel and replicated parameters of ``layers`` on a rank (no experts)."""
+    return sum(t.params_tp / cfg.tp + t.params_rep for t in layers)
+
+
+def expert_params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
+    """The expert parameters of ``layers`` on a rank (split over max(ep, tp))."""
+    return sum(t.params_expert / max(cfg.ep, cfg.tp) for t in layers)
 
 
 def stage_communication(
@@ -81,55 +108,95 @@ def stage_communication(
     """Per stage, the collectives of one step on one of its ranks (module docstring)."""
     weight_bytes = _PRECISION_BYTES[precision]
     by_name = {t.name: t for t in tables.layers}
-    return tuple(
-        tuple(
-            _stage(
-                tables,
-                cfg,
-                [by_name[n] for n in names],
-                num_microbatches,
-                weight_bytes,
-                grad_bytes,
-                act_scale,
-            )
-        )
-        for names in stage_layers
-    )
+    last = tables.layers[-1].name if tables.layers else ""
+    out = []
+    for names in stage_layers:
+        layers = [by_name[n] for n in names]
+        m, g, x = num_microbatches, grad_bytes, act_scale
+        stage = _tensor_parallel(tables, cfg, layers, m, g, x)
+        stage += _context_parallel(cfg, layers, m, g, x, holds_loss=last in names)
+        stage += _expert_parallel(cfg, layers, m, x)
+        stage += _data_parallel(cfg, layers, m, weight_bytes, g)
+        if cfg.world_size > 1:
+            stage.append(PlannedCollective("clip", "all_reduce", "world", 1, 16.0, "norm and loss"))
+        out.append(tuple(stage))
+    return tuple(out)
 
 
-def _stage(
-    tables: ModelTables,
-    cfg: ParallelConfig,
-    layers: list[LayerTable],
-    m: int,
-    w: int,
-    g: int,
-    x: float,
+def _tensor_parallel(
+    tables: ModelTables, cfg: ParallelConfig, layers: list[LayerTable], m: int, g: int, x: float
 ) -> list[PlannedCollective]:
     out: list[PlannedCollective] = []
+    if cfg.tp == 1:
+        return out
     b = cfg.micro_batch_size
-    if cfg.tp > 1:
-        has_blocks = any(t.kind == "block" for t in tables.layers)
-        for t in layers:
-            again = cfg.recompute == "full" and t.kind == "block"
-            for size in t.tp_allreduce_bytes:
-                nbytes = size * b * x / cfg.cp
-                if cfg.sequence_parallel:
-                    out.append(PlannedCollective("tp", "all_gather", "tp", 2 * m, nbytes, t.name))
-                    out.append(
-                        PlannedCollective("tp", "reduce_scatter", "tp", 2 * m, nbytes, t.name)
-                    )
-                else:
-                    calls = (3 if again else 2) * m
-                    out.append(PlannedCollective("tp", "all_reduce", "tp", calls, nbytes, t.name))
-            if t.vocab_logits_bytes and has_blocks:  # the vocabulary-parallel head (tied or not)
-                tokens = b * tables.seq_len / cfg.cp
-                out.append(PlannedCollective("loss", "all_reduce", "tp", 3 * m, 4 * tokens, t.name))
-        if cfg.sequence_parallel:
-            region = _sequence_parallel_layers(layers)
-            rep = sum(t.params_rep for t in region) * g
-            if rep:
-                out.append(PlannedCollective("sp", "all_reduce", "tp", 1, rep, "norms"))
+    has_blocks = any(t.kind == "block" for t in tables.layers)
+    for t in layers:
+        again = cfg.recompute == "full" and t.kind == "block"
+        for size in t.tp_allreduce_bytes:
+            nbytes = size * b * x / cfg.cp
+            if cfg.sequence_parallel:
+                out.append(PlannedCollective("tp", "all_gather", "tp", 2 * m, nbytes, t.name))
+                out.append(PlannedCollective("tp", "reduce_scatter", "tp", 2 * m, nbytes, t.name))
+            else:
+                calls = (3 if again else 2) * m
+                out.append(PlannedCollective("tp", "all_reduce", "tp", calls, nbytes, t.name))
+        if t.vocab_logits_bytes and has_blocks:  # the vocabulary-parallel head (tied or not)
+            tokens = b * tables.seq_len / cfg.cp
+            out.append(PlannedCollective("loss", "all_reduce", "tp", 3 * m, 4 * tokens, t.name))
+    if cfg.sequence_parallel:
+        rep = sum(t.params_rep for t in _sequence_parallel_layers(layers)) * g
+        if rep:
+            out.append(PlannedCollective("sp", "all_reduce", "tp", 1, rep, "norms"))
+    return out
+
+
+def _context_parallel(
+    cfg: ParallelConfig, layers: list[LayerTable], m: int, g: int, x: float, holds_loss: bool
+) -> list[PlannedCollective]:
+    out: list[PlannedCollective] = []
+    if cfg.cp == 1:
+        return out
+    for t in layers:
+        forwards = 2 if cfg.recompute == "full" and t.kind == "block" else 1
+        for op in t.attention:
+            gathered = op.kv_bytes * cfg.micro_batch_size * x / (2 * cfg.tp)  # K or V
+            out.append(
+                PlannedCollective("cp", "all_gather", "cp", 2 * forwards * m, gathered, t.name)
+            )
+            out.append(PlannedCollective("cp", "reduce_scatter", "cp", 2 * m, gathered, t.name))
+    if holds_loss:  # the micro-batch's loss, summed over the sequence shards
+        out.append(PlannedCollective("cp", "all_reduce", "cp", m, 4.0, "loss"))
+    sharded = cfg.fsdp if cfg.fsdp > 1 and cfg.zero_stage >= 1 else 1
+    grads = params_on_rank(cfg, layers) * g / sharded
+    if grads:
+        out.append(PlannedCollective("cp", "all_reduce", "cp", 1, grads, "gradients"))
+    return out
+
+
+def _expert_parallel(
+    cfg: ParallelConfig, layers: list[LayerTable], m: int, x: float
+) -> list[PlannedCollective]:
+    out: list[PlannedCollective] = []
+    if cfg.ep == 1:
+        return out
+    for t in layers:
+        if not t.moe_num_experts:
+            continue
+        forwards = 2 if cfg.recompute == "full" else 1
+        rows = t.moe_dispatch_bytes * cfg.micro_batch_size * x / (cfg.tp * cfg.cp)
+        counts = 8.0 * t.moe_num_experts  # int64 rows per expert
+        out.append(PlannedCollective("ep", "all_to_all", "ep", forwards * m, counts, t.name))
+        out.append(
+            PlannedCollective("ep", "all_to_all", "ep", (2 * forwards + 2) * m, rows, t.name)
+        )
+    return out
+
+
+def _data_parallel(
+    cfg: ParallelConfig, layers: list[LayerTable], m: int, w: int, g: int
+) -> list[PlannedCollective]:
+    out: list[PlannedCollective] = []
     if cfg.fsdp > 1 and cfg.zero_stage >= 1:
         blocks = [t for t in layers if t.kind == "block"]
         root = [t for t in layers if t.kind != "block"]
@@ -145,10 +212,12 @@ def _stage(
                 shard = p * g / cfg.fsdp
                 out.append(PlannedCollective("fsdp", "all_reduce", "dp", scatters, shard, name))
     elif cfg.dp > 1:
-        p = params_on_rank(cfg, layers)
+        # expert parallelism: the experts are summed over their replicas only (expert_dp)
+        p = dense_params_on_rank(cfg, layers) if cfg.ep > 1 else params_on_rank(cfg, layers)
         out.append(PlannedCollective("dp", "all_reduce", "dp", 1, p * g, "gradients"))
-    if cfg.world_size > 1:
-        out.append(PlannedCollective("clip", "all_reduce", "world", 1, 16.0, "norm and loss"))
+        experts = expert_params_on_rank(cfg, layers) * g
+        if cfg.ep > 1 and cfg.dp > cfg.ep and experts:
+            out.append(PlannedCollective("ep", "all_reduce", "expert_dp", 1, experts, "experts"))
     return out
 
 

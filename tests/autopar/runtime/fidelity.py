@@ -115,8 +115,13 @@ def saved_activation_bytes(case: Case) -> float:
             seen[ptr] = nbytes
         return t
 
+    cp = pm.context_parallel
     with loss_context(pm.tp_plan), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = task.loss(task.forward(model, inputs), targets)
+        if cp is not None:  # this rank's sequence shard at its global positions (trainer's way)
+            inputs, targets, positions = cp.shard_batch(inputs, targets)
+            loss = cp.loss(pm.model(*inputs, positions=positions), targets)
+        else:
+            loss = task.loss(task.forward(model, inputs), targets)
     del loss
     return sum(seen.values())
 
