@@ -211,7 +211,8 @@ def _time_shared(profile: HardwareProfile, used: int) -> HardwareProfile:
     """The profile as ``used`` devices per node see it when only ``profile.compute_slots`` of
     them compute at once (ranks on fewer CPU cores): the operating system gives each device
     slots / used of the time, so its FLOP/s and memory bandwidth scale by that share and its
-    per-op overhead by the inverse. Unchanged when the slots suffice (every GPU profile)."""
+    per-op and per-layer runtime overheads by the inverse. Unchanged when the slots suffice
+    (every GPU profile)."""
     slots = profile.compute_slots
     if not slots or used <= slots:
         return profile
@@ -224,7 +225,8 @@ def _time_shared(profile: HardwareProfile, used: int) -> HardwareProfile:
         memory_bandwidth_bytes_per_s=d.memory_bandwidth_bytes_per_s * share,
         launch_overhead_s=d.launch_overhead_s / share,
     )
-    return replace(profile, device=device)
+    overheads = {k: v / share for k, v in profile.runtime_overhead_s.items()}
+    return replace(profile, device=device, runtime_overhead_s=overheads)
 
 
 def _split_devices(profile: HardwareProfile, num_devices: int) -> tuple[int, int]:

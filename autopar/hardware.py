@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +23,9 @@ from cost_models.comm import COLLECTIVES, Level, Torus
 from cost_models.compute import DTYPES, DeviceSpec, EfficiencyCurve
 
 SCHEMA_VERSION = 1
+# [runtime] layer_overhead_s keys: plain tensors, TP, TP with sequence parallelism, FSDP2
+# with ZeRO-1/2 and with ZeRO-3 (autopar.estimate.layer_cost.runtime_overhead_s combines them)
+RUNTIME_STYLES = ("plain", "tp", "tp_sp", "fsdp", "fsdp3")
 Kind = Literal["gpu", "tpu", "cpu"]
 
 
@@ -41,6 +44,10 @@ class HardwareProfile:
     # devices of a node that compute at once at the device's rates (CPU cores the ranks run
     # on); 0: all of them. `Cluster` time-shares the device when more devices are used.
     compute_slots: int = 0
+    # Host time the training runtime spends per repeated layer per micro-batch (forward and
+    # backward together) beyond what the op-level model prices, by parallel style
+    # (RUNTIME_STYLES); measured by `autopar profile`, empty for datasheet profiles.
+    runtime_overhead_s: Mapping[str, float] = field(default_factory=dict)
 
     def as_text(self) -> str:
         d = self.device
@@ -88,6 +95,11 @@ def load_profile(name_or_path: str | Path) -> HardwareProfile:
             malformed file, a missing, negative or out-of-range field.
     """
     text, origin = _read(name_or_path)
+    return profile_from_text(text, origin)
+
+
+def profile_from_text(text: str, origin: str = "<profile text>") -> HardwareProfile:
+    """A profile from its TOML text; ``origin`` names it in error messages."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -191,7 +203,28 @@ def _parse(f: _Fields, origin: str) -> HardwareProfile:
         sources=sources,
         path=origin,
         compute_slots=_compute_slots(f),
+        runtime_overhead_s=_runtime_overheads(f, sources),
     )
+
+
+def _runtime_overheads(f: _Fields, sources: dict[str, str]) -> dict[str, float]:
+    if f.get("runtime", required=False) is None:
+        return {}
+    sources["runtime"] = f.string("runtime.source")
+    table = f.get("runtime.layer_overhead_s")
+    if not isinstance(table, dict):
+        raise f.error("runtime.layer_overhead_s", f"must be a table, got {table!r}")
+    unknown = sorted(set(table) - set(RUNTIME_STYLES))
+    if unknown:
+        raise f.error(
+            "runtime.layer_overhead_s",
+            f"unknown style(s) {', '.join(unknown)}; known: {', '.join(RUNTIME_STYLES)}",
+        )
+    return {
+        k: f.number(f"runtime.layer_overhead_s.{k}", strict=False)
+        for k in RUNTIME_STYLES
+        if k in table
+    }
 
 
 def _compute_slots(f: _Fields) -> int:

@@ -18,11 +18,16 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
         over the ep group, tokens b s / (t c) per rank.
     recompute: full re-runs the forward (compute and its collectives); selective re-runs the
         memory-bound ops (the matmul and attention outputs are kept).
+    runtime overhead (profiles measured by `autopar profile`, [runtime]): o per repeated layer
+        per micro-batch, one third in the forward and two thirds in the backward (the
+        backward runs two ops per forward op); full recompute pays the forward third again.
+        o = o[tp_sp | tp | plain] + (o[fsdp3 | fsdp] - o[plain] when fsdp > 1): the
+        parallel styles' extra host work (DTensor dispatch, FSDP2 hooks and copies) adds up.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from autopar.config import ParallelConfig
@@ -68,8 +73,10 @@ def layer_time(
     act_scale: float,
     comm: CommFn,
     tp_overlap: float,
+    overheads: Mapping[str, float] | None = None,
 ) -> LayerTime:
-    """One micro-batch of ``cfg.micro_batch_size`` samples through ``table``'s layer."""
+    """One micro-batch of ``cfg.micro_batch_size`` samples through ``table``'s layer;
+    ``overheads``: the profile's `runtime_overhead_s` (module docstring)."""
     b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
     weight_div = {"tp": t, "rep": 1, "expert": max(cfg.ep, t)}
     flop_div = {"tp": t * c, "rep": c, "expert": t * c}
@@ -92,8 +99,9 @@ def layer_time(
         attn_fwd += op_time_s(device, "attention", op.flops * b / d, io, dtype)
         attn_bwd += op_time_s(device, "attention", op.backward_flops * b / d, 2 * io, dtype)
     mem = _memory_ops_time(table, cfg, device, act_scale)
-    fwd += attn_fwd + mem
-    bwd += attn_bwd + 2 * mem
+    host = runtime_overhead_s(overheads, cfg) if table.kind == "block" else 0.0
+    fwd += attn_fwd + mem + host / 3
+    bwd += attn_bwd + 2 * mem + 2 * host / 3
     tp_f = _tp_comm(table, cfg, act_scale, comm) * (1 - tp_overlap)
     cp_f, cp_b = _cp_comm(table, cfg, act_scale, comm)
     ep = _ep_comm(table, cfg, act_scale, comm)
@@ -104,6 +112,21 @@ def layer_time(
     else:
         recompute = 0.0
     return LayerTime(fwd, bwd, wgrad, recompute, tp_f, tp_f, cp_f, cp_b, ep, ep)
+
+
+def runtime_overhead_s(overheads: Mapping[str, float] | None, cfg: ParallelConfig) -> float:
+    """Per repeated layer per micro-batch, forward and backward: the styles ``cfg`` runs in,
+    combined as the module docstring says; 0 without measured overheads."""
+    if not overheads:
+        return 0.0
+    plain = overheads.get("plain", 0.0)
+    if cfg.tp > 1:
+        total = overheads.get("tp_sp" if cfg.sequence_parallel else "tp", plain)
+    else:
+        total = plain
+    if cfg.fsdp > 1:
+        total += overheads.get("fsdp3" if cfg.zero_stage == 3 else "fsdp", plain) - plain
+    return max(0.0, total)
 
 
 def _memory_ops_time(

@@ -15,6 +15,9 @@ so a reader (or a test) can check each fitted number against what produced it.
                         capped by every measured size (`_memory_fit`)
     topology.levels[l]  `cost_models.fit.fit_level` on level l's collectives: latency and the
                         achieved bandwidth, efficiency 1
+    runtime             per parallel style, the host time per layer that training through
+                        autopar.runtime adds to what the numbers above predict
+                        (`autopar.profiler.runtime_overhead`)
 """
 
 from __future__ import annotations
@@ -25,8 +28,11 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from autopar.hardware import profile_from_text
+from autopar.profiler import runtime_overhead
 from autopar.profiler.comm import LevelMeasurement, LevelPlan
 from autopar.profiler.compute import ComputeMeasurement
+from autopar.profiler.runtime_overhead import RuntimeMeasurement
 from cost_models.compute import EfficiencyCurve
 from cost_models.fit import CommMeasurement, CurveFit, LevelFit, fit_efficiency_curve, fit_level
 
@@ -161,8 +167,15 @@ def render(
     fits: Fits,
     compute: Sequence[ComputeMeasurement],
     comm: Sequence[LevelMeasurement],
+    runtime: Sequence[RuntimeMeasurement] = (),
 ) -> str:
-    """The profile's TOML text."""
+    """The profile's TOML text; with ``runtime`` measurements, its [runtime] overheads, priced
+    against the profile the other measurements give (`runtime_overhead.overheads`)."""
+    if runtime:
+        bare = profile_from_text(render(info, fits, compute, comm), info.name)
+        overheads = runtime_overhead.overheads(bare, runtime, info.world_size)
+    else:
+        overheads = {}
     run = (
         f"measured by `{info.command}` on {info.date} ({info.machine}; torch "
         f"{info.torch_version}; {info.world_size} ranks over {info.backend}, "
@@ -291,7 +304,31 @@ def render(
                 f"efficiency is 1; raw times in [measured]"
             ),
         ]
-    lines += _measured(info, compute, comm)
+    if overheads:
+        per_layer = runtime_overhead.measured_per_layer(runtime)
+        lines += [
+            "",
+            "# host time per repeated layer per micro-batch (forward + backward) that training",
+            "# through autopar's runtime adds to the op-level model, by parallel style",
+            "[runtime]",
+            "layer_overhead_s = { "
+            + ", ".join(f"{k} = {_n(v)}" for k, v in overheads.items())
+            + " }",
+            "source = "
+            + _s(
+                f"{run}: autopar.profiler.runtime_overhead: forward + backward of one "
+                f"micro-batch (batch 1) of {runtime_overhead.MODEL} "
+                f"({runtime_overhead.model_text()}) at 1 and 3 layers through "
+                "autopar.runtime, per style on all ranks (plain = dp, tp / tp_sp = tp 2 with "
+                "and without sequence parallelism, fsdp / fsdp3 = FSDP2 ZeRO-2 / ZeRO-3); "
+                "per layer the 3-layer minus the 1-layer time over 2, less the same "
+                "difference of the cost model's prediction from this profile's other "
+                "numbers, at least 0; measured per layer: "
+                + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in per_layer.items())
+                + "; raw times in [measured]"
+            ),
+        ]
+    lines += _measured(info, compute, comm, runtime)
     return "\n".join(lines) + "\n"
 
 
@@ -348,7 +385,10 @@ def refit(text: str, name: str) -> str:
         threads_per_rank=m["threads_per_rank"],
         wall_s=m["wall_s"],
     )
-    return render(info, fit_measurements(compute, comm, levels), compute, comm)
+    runtime = [
+        RuntimeMeasurement(r["style"], r["num_layers"], r["time_s"]) for r in m.get("runtime", [])
+    ]
+    return render(info, fit_measurements(compute, comm, levels), compute, comm, runtime)
 
 
 def _ratios(fit: LevelFit, comm: Sequence[LevelMeasurement]) -> str:
@@ -371,7 +411,10 @@ def _curve(op: str, fit: CurveFit, source: str) -> list[str]:
 
 
 def _measured(
-    info: RunInfo, compute: Sequence[ComputeMeasurement], comm: Sequence[LevelMeasurement]
+    info: RunInfo,
+    compute: Sequence[ComputeMeasurement],
+    comm: Sequence[LevelMeasurement],
+    runtime: Sequence[RuntimeMeasurement] = (),
 ) -> list[str]:
     lines = [
         "",
@@ -400,7 +443,16 @@ def _measured(
         f"time_s = {_n(m.time_s)} }},"
         for m in comm
     ]
-    return [*lines, "]"]
+    lines += ["]"]
+    if runtime:
+        lines += ["runtime = ["]
+        lines += [
+            f"    {{ style = {_s(m.style)}, num_layers = {m.num_layers}, "
+            f"time_s = {_n(m.time_s)} }},"
+            for m in runtime
+        ]
+        lines += ["]"]
+    return lines
 
 
 def _s(text: str) -> str:

@@ -4,7 +4,8 @@
 ``python -m torch.distributed.run --standalone --nproc-per-node N -m autopar profile ...`` and
 waits; under torchrun (which sets RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and GROUP_RANK) each rank
 runs `measure_and_write`: the compute measurements on every rank at once, then the
-collectives, then rank 0 fits and writes the profile. The file is written to a temporary name,
+collectives, then the runtime overheads (an even number of ranks), then rank 0 fits and
+writes the profile. The file is written to a temporary name,
 loaded back with `autopar.hardware.load_profile`, and only then moved to ``out``, so a failed
 run leaves no half-written profile behind.
 """
@@ -29,6 +30,7 @@ from autopar.hardware import load_profile
 from autopar.profiler.comm import CommPlan, discover_levels, measure_comm
 from autopar.profiler.compute import ComputeMeasurement, ComputePlan, measure_compute
 from autopar.profiler.document import RunInfo, fit_measurements, render
+from autopar.profiler.runtime_overhead import measure_runtime
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
@@ -128,11 +130,15 @@ def measure_and_write(options: ProfileOptions) -> str:
             "communication: " + ", ".join(f"{lv.name} {len(lv.members)} ranks" for lv in levels)
         )
         comm = measure_comm(levels, CommPlan.default(quick=options.quick), device, progress)
+        runtime = []
+        if dist.get_world_size() % 2 == 0:
+            progress("runtime overheads: a small Llama through autopar.runtime, by style")
+            runtime = measure_runtime(dist.get_world_size(), quick=options.quick, progress=progress)
         if rank != 0:
             return ""
         fits = fit_measurements(compute, comm, levels)
         info = _run_info(options, device, time.perf_counter() - started)
-        text = render(info, fits, compute, comm)
+        text = render(info, fits, compute, comm, runtime)
         summary = _write(Path(options.out), text)
         progress(f"wrote {options.out}")
         return summary

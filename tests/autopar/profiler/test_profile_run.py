@@ -45,7 +45,16 @@ def test_quick_two_rank_profile_loads_and_matches_its_measurements(tmp_path):
     assert level.name == "loopback" and level.devices_per_domain == 0
     assert level.latency_s > 0 and level.bandwidth_bytes_per_s > 1e7
 
+    # Runtime overheads: every style measured at 1 and 3 layers, none negative
+    assert set(profile.runtime_overhead_s) == {"plain", "tp", "tp_sp", "fsdp", "fsdp3"}
+    assert all(v >= 0 for v in profile.runtime_overhead_s.values())
+    assert "] runtime tp_sp:" in done.stderr
+
     raw = tomllib.loads(out.read_text())["measured"]
+    assert sorted((r["style"], r["num_layers"]) for r in raw["runtime"]) == sorted(
+        (s, n) for s in profile.runtime_overhead_s for n in (1, 3)
+    )
+    assert all(r["time_s"] > 0 for r in raw["runtime"])
     assert raw["world_size"] == 2 and raw["backend"] == "gloo"
     assert raw["torch"] and raw["machine"] and raw["date"][:2] == "20"
     assert "--quick" in raw["command"]

@@ -1,0 +1,176 @@
+"""Runtime overhead: what training through autopar's runtime costs beyond the op-level model.
+
+The cost model prices each op (FLOPs, bytes, a launch overhead) and each collective (alpha-
+beta); a real training step also spends host time on autograd bookkeeping, DTensor dispatch
+and redistribution planning (tensor and sequence parallelism), FSDP2's hooks and its copy-in /
+copy-out buffers. On a GPU most of that hides behind queued kernels; on CPU ranks it is the
+step (local validation, 2026-11-21: TP2+SP measured 2.3x its op-level prediction).
+
+In: the profiler's ranks (an initialised gloo or NCCL group of even size). Out: per parallel
+style (`autopar.hardware.RUNTIME_STYLES`) the measured time of one micro-batch's forward and
+backward through a small Llama layer stack (`MODEL`) at 1 and at 3 layers, and then -- given
+the profile fitted from the same run's compute and collectives -- the overhead per layer:
+
+    measured per layer  = (t(3 layers) - t(1 layer)) / 2       embedding, head, loss cancel
+    predicted per layer = the same difference of `autopar.evaluate`'s forward + backward
+                          (compute, TP and FSDP collectives; FSDP ZeRO-1/2's gather and
+                          reduce-scatter, which this loop runs every micro-batch)
+    overhead            = max(0, measured - predicted)
+
+Each timed micro-batch starts after a barrier and the slowest rank's median counts (a step
+goes at the pace of its slowest rank). The style's config uses all the ranks: plain = dp,
+tp and tp_sp = tp 2 x dp, fsdp and fsdp3 = fsdp (ZeRO-2, ZeRO-3).
+
+Public functions:
+    measure_runtime(world_size, quick, progress) -> list[RuntimeMeasurement]   (every rank)
+    overheads(profile, measurements, world_size) -> {style: seconds}                (rank 0)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from autopar.config import ParallelConfig
+
+Progress = Callable[[str], None]
+MODEL = "llama-tiny"
+# A small Llama layer (GQA), the size a few CPU cores train; 1 and 3 repeated layers.
+MODEL_OVERRIDES = dict(
+    vocab_size=2048, seq_len=128, hidden=256, ffn_hidden=688, num_heads=8, num_kv_heads=4
+)  # fmt: skip
+LAYERS = (1, 3)
+
+
+@dataclass(frozen=True)
+class RuntimeMeasurement:
+    style: str  # autopar.hardware.RUNTIME_STYLES
+    num_layers: int
+    time_s: float  # one micro-batch's forward + backward, slowest rank's median
+
+
+def style_config(style: str, world_size: int) -> ParallelConfig:
+    """The config a style is measured under on ``world_size`` ranks (module docstring)."""
+    if world_size < 2 or world_size % 2:
+        raise ValueError(f"the runtime overheads need an even number of ranks, got {world_size}")
+    if style == "plain":
+        return ParallelConfig(dp=world_size)
+    if style in ("tp", "tp_sp"):
+        return ParallelConfig(dp=world_size // 2, tp=2, sequence_parallel=style == "tp_sp")
+    if style in ("fsdp", "fsdp3"):
+        return ParallelConfig(fsdp=world_size, zero_stage=3 if style == "fsdp3" else 2)
+    raise ValueError(f"unknown runtime style {style!r}")
+
+
+def measure_runtime(
+    world_size: int, *, quick: bool, progress: Progress
+) -> list[RuntimeMeasurement]:
+    """Time every style at 1 and 3 layers on this group's ranks (all ranks call this)."""
+    from autopar.hardware import RUNTIME_STYLES
+
+    iterations = 3 if quick else 7
+    out = []
+    for style in RUNTIME_STYLES:
+        cfg = style_config(style, world_size)
+        for layers in LAYERS:
+            seconds = _time_style(cfg, layers, iterations)
+            out.append(RuntimeMeasurement(style, layers, seconds))
+        per_layer = (out[-1].time_s - out[-2].time_s) / (LAYERS[1] - LAYERS[0])
+        progress(f"runtime {style}: {per_layer * 1e3:.2f} ms per layer per micro-batch")
+    return out
+
+
+def _time_style(cfg: ParallelConfig, num_layers: int, iterations: int) -> float:
+    from autopar.models import zoo
+    from autopar.runtime.mesh import build_mesh
+    from autopar.runtime.parallelize import parallelize_model
+    from autopar.runtime.tensor_parallel import loss_context
+
+    mesh = build_mesh(cfg, "cuda" if torch.cuda.is_available() else "cpu")
+    device = (
+        torch.device(mesh.mesh.device_type, torch.cuda.current_device())
+        if (mesh.mesh.device_type == "cuda")
+        else torch.device("cpu")
+    )
+    model = zoo.build(MODEL, num_layers=num_layers, **MODEL_OVERRIDES).to(device)
+    pm = parallelize_model(model, mesh, cfg)
+    loss_fn = zoo.loss_fn(MODEL)
+    inputs, targets = zoo.example_batch(MODEL, model, batch_size=1)
+    inputs, targets = tuple(t.to(device) for t in inputs), targets.to(device)
+
+    def micro_batch() -> None:
+        with loss_context(pm.tp_plan):
+            loss = loss_fn(pm.model(*inputs), targets)
+            pm.data_parallel.before_backward(is_last_microbatch=True)
+            loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    times = []
+    for i in range(iterations + 2):  # two warm-up micro-batches
+        pm.model.zero_grad(set_to_none=True)
+        dist.barrier()
+        start = time.perf_counter()
+        micro_batch()
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    mine = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return float(mine.item())
+
+
+def model_text() -> str:
+    return ", ".join(f"{k} {v}" for k, v in MODEL_OVERRIDES.items())
+
+
+def measured_per_layer(measurements: Sequence[RuntimeMeasurement]) -> dict[str, float]:
+    """Per style, the measured time per layer per micro-batch (module docstring)."""
+    by_key = {(m.style, m.num_layers): m.time_s for m in measurements}
+    span = LAYERS[1] - LAYERS[0]
+    return {
+        style: (by_key[(style, LAYERS[1])] - by_key[(style, LAYERS[0])]) / span
+        for style in dict.fromkeys(m.style for m in measurements)
+    }
+
+
+def overheads(
+    profile, measurements: Sequence[RuntimeMeasurement], world_size: int
+) -> dict[str, float]:
+    """Per style, measured minus predicted time per layer per micro-batch, at least 0.
+
+    ``profile``: a `HardwareProfile` fitted from the same run, without [runtime] overheads
+    (its predictions are what the overheads add to)."""
+    out = {}
+    span = LAYERS[1] - LAYERS[0]
+    for style, measured in measured_per_layer(measurements).items():
+        predicted = (
+            predicted_micro_batch_s(profile, style, LAYERS[1], world_size)
+            - predicted_micro_batch_s(profile, style, LAYERS[0], world_size)
+        ) / span
+        out[style] = max(0.0, measured - predicted)
+    return out
+
+
+def predicted_micro_batch_s(profile, style: str, num_layers: int, world_size: int) -> float:
+    """The cost model's forward + backward of the measured micro-batch (module docstring)."""
+    import autopar
+    from autopar.cluster import Cluster
+    from autopar.models import zoo
+
+    cfg = style_config(style, world_size)
+    model = zoo.build(MODEL, device="meta", num_layers=num_layers, **MODEL_OVERRIDES)
+    inputs, _ = zoo.example_batch(MODEL, model, batch_size=1)
+    cluster = Cluster(profile, 1, world_size)
+    plan = autopar.evaluate(
+        model, cluster, cfg, inputs, global_batch_size=cfg.dp * cfg.fsdp, precision="fp32"
+    )
+    b = plan.breakdown
+    keys = ["compute_forward", "compute_backward", "tp_comm", "fsdp_comm"]
+    if style in ("fsdp", "fsdp3"):
+        keys.append("dp_comm")
+    return sum(b[k] for k in keys)

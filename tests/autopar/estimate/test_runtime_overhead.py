@@ -1,0 +1,122 @@
+"""The profile's [runtime] layer overheads: parsed, priced per layer and micro-batch by style,
+and recovered by the profiler's arithmetic from synthetic measurements."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import autopar
+from autopar import Cluster, ParallelConfig
+from autopar.errors import ProfileError
+from autopar.estimate import Estimator, build_tables
+from autopar.estimate.layer_cost import runtime_overhead_s
+from autopar.hardware import profile_from_text
+from autopar.models import zoo
+from autopar.profiler import runtime_overhead as ro
+
+OVERHEADS = {"plain": 1e-3, "tp": 3e-3, "tp_sp": 5e-3, "fsdp": 2e-3, "fsdp3": 4e-3}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model = zoo.build("llama-tiny", device="meta")
+    graph = autopar.trace(model, zoo.example_inputs("llama-tiny", model))
+    return model, graph, build_tables(graph)
+
+
+def with_overheads(cluster: Cluster, overheads: dict[str, float]) -> Cluster:
+    return dataclasses.replace(
+        cluster, profile=dataclasses.replace(cluster.profile, runtime_overhead_s=overheads)
+    )
+
+
+@pytest.mark.parametrize(
+    "cfg, expected",
+    [
+        (ParallelConfig(dp=4), 1e-3),
+        (ParallelConfig(dp=2, tp=2), 3e-3),
+        (ParallelConfig(dp=2, tp=2, sequence_parallel=True), 5e-3),
+        (ParallelConfig(fsdp=4, zero_stage=1), 2e-3),
+        (ParallelConfig(fsdp=4, zero_stage=3), 4e-3),
+        # TP + FSDP: the TP style plus FSDP's extra over plain tensors
+        (ParallelConfig(fsdp=2, tp=2, zero_stage=3, sequence_parallel=True), 5e-3 + 3e-3),
+    ],
+)
+def test_styles_combine(cfg, expected):
+    assert runtime_overhead_s(OVERHEADS, cfg) == pytest.approx(expected)
+    assert runtime_overhead_s({}, cfg) == 0.0
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ParallelConfig(dp=4, micro_batch_size=2),
+        ParallelConfig(dp=2, tp=2, sequence_parallel=True),
+        ParallelConfig(fsdp=4, zero_stage=3),
+        ParallelConfig(dp=2, tp=2, recompute="full"),
+    ],
+)
+def test_each_layer_and_micro_batch_pays_the_overhead(llama, cfg):
+    """The step grows by layers x micro-batches x overhead (and a third more with full
+    recompute, which re-runs the forward); forward gets a third, backward two thirds."""
+    _, _, tables = llama
+    bare = Cluster.from_profile("local_cpu", num_devices=4)
+    base = Estimator(tables, bare, precision="fp32").evaluate(cfg, 8)
+    est = Estimator(tables, with_overheads(bare, OVERHEADS), precision="fp32").evaluate(cfg, 8)
+    layers = sum(t.kind == "block" for t in tables.layers)
+    o = runtime_overhead_s(OVERHEADS, cfg)
+    m = est.num_microbatches
+    extra = layers * m * o * (4 / 3 if cfg.recompute == "full" else 1.0)
+    assert est.step_time_s - base.step_time_s == pytest.approx(extra, rel=1e-6)
+    fwd = est.breakdown["compute_forward"] - base.breakdown["compute_forward"]
+    assert fwd == pytest.approx(layers * m * o / 3, rel=1e-6)
+
+
+def test_time_sharing_scales_the_overheads():
+    """4 ranks on a 2-slot node each get half the time: every overhead doubles."""
+    two = Cluster.from_profile("local_cpu", num_devices=2)
+    four = Cluster.from_profile("local_cpu", num_devices=4)
+    assert two.profile.compute_slots == 2
+    for style, value in two.profile.runtime_overhead_s.items():
+        assert four.profile.runtime_overhead_s[style] == pytest.approx(2 * value)
+
+
+def test_profiler_recovers_known_overheads():
+    """Synthetic measurements = the bare profile's prediction + a known per-layer overhead
+    (and a fixed cost for embedding, head and loss): `overheads` gives the overhead back."""
+    profile = autopar.load_profile("local_cpu")
+    bare = dataclasses.replace(profile, runtime_overhead_s={})
+    truth = {"plain": 2e-3, "tp": 0.0, "tp_sp": 7e-3, "fsdp": 1e-3, "fsdp3": 4e-3}
+    fake = []
+    for style, o in truth.items():
+        for layers in ro.LAYERS:
+            predicted = ro.predicted_micro_batch_s(bare, style, layers, 2)
+            fake.append(ro.RuntimeMeasurement(style, layers, predicted + 0.05 + layers * o))
+    got = ro.overheads(bare, fake, 2)
+    assert got == pytest.approx(truth, abs=1e-9)
+    # faster than predicted: no negative overhead
+    fast = [dataclasses.replace(m, time_s=m.time_s * 0.1) for m in fake]
+    assert all(v == 0.0 for v in ro.overheads(bare, fast, 2).values())
+
+
+def test_style_configs_use_every_rank_and_refuse_odd_groups():
+    for style in ("plain", "tp", "tp_sp", "fsdp", "fsdp3"):
+        assert ro.style_config(style, 4).world_size == 4
+    with pytest.raises(ValueError, match="even number of ranks, got 3"):
+        ro.style_config("tp", 3)
+
+
+def test_bad_runtime_tables_are_refused():
+    text = autopar.load_profile("local_cpu").path
+    base = open(text).read().split("\n[runtime]")[0].split("\n# host time per")[0]
+    base = base.split("\n# The raw measurements")[0]
+    good = '\n[runtime]\nlayer_overhead_s = { plain = 1e-3 }\nsource = "test"\n'
+    assert profile_from_text(base + good).runtime_overhead_s == {"plain": 1e-3}
+    with pytest.raises(ProfileError, match=r"unknown style\(s\) gpu.*known: plain, tp"):
+        profile_from_text(base + good.replace("plain", "gpu"))
+    with pytest.raises(ProfileError, match=r"runtime.layer_overhead_s.plain: must be >= 0"):
+        profile_from_text(base + good.replace("1e-3", "-1e-3"))
+    with pytest.raises(ProfileError, match="runtime.source: missing"):
+        profile_from_text(base + good.replace('source = "test"', ""))
