@@ -4,7 +4,10 @@ Degrees (DESIGN.md): world size = dp * fsdp * cp * tp * pp. ``dp`` replicates (g
 all-reduced), ``fsdp`` shards data-parallel state with ``zero_stage`` 1-3 saying what is sharded
 (dp > 1 and fsdp > 1 together is HSDP); ``ep`` is not a further factor: expert layers re-fold
 the non-pipeline ranks of a stage, so ep divides dp * fsdp * cp * tp. ``micro_batch_size`` is
-per rank; global batch = micro_batch_size * num_microbatches * dp * fsdp.
+per rank; global batch = micro_batch_size * num_microbatches * dp * fsdp. ``recompute`` is
+the policy; ``recompute_layers`` k applies it to only the first k repeated layers (blocks) of
+each model chunk (the whole model when pp = 1; one of the pp x virtual_stages chunks otherwise),
+the other blocks keep their activations; None applies it to every layer.
 Invariant: `ParallelConfig.validate` reports every violated rule at once, with the numbers.
 """
 
@@ -41,6 +44,9 @@ class ParallelConfig:
     virtual_stages: int = 1
     recompute: Recompute = "none"
     sequence_parallel: bool = False
+    # None: the policy on every layer; k: on the first k blocks of each model chunk only.
+    # Last, and left out of to_dict() when None, so existing plan.json files stay the same.
+    recompute_layers: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -82,6 +88,14 @@ class ParallelConfig:
             out.append(f"virtual_stages={self.virtual_stages} needs pp > 1")
         if self.recompute not in RECOMPUTE:
             out.append(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        k = self.recompute_layers
+        if k is not None:
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                out.append(f"recompute_layers must be None or an integer >= 1, got {k!r}")
+            elif self.recompute == "none":
+                out.append(
+                    f"recompute_layers={k} needs recompute full or selective, got recompute=none"
+                )
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence_parallel needs tp > 1, got tp=1")
         non_pipeline = self.dp * self.fsdp * self.cp * self.tp
@@ -110,8 +124,20 @@ class ParallelConfig:
         extras = f"zero={self.zero_stage} mbs={self.micro_batch_size} {self.schedule}"
         if self.virtual_stages > 1:
             extras += f" v={self.virtual_stages}"
-        extras += f" recompute={self.recompute}" + (" +sp" if self.sequence_parallel else "")
+        extras += f" recompute={self.recompute_text}" + (" +sp" if self.sequence_parallel else "")
         return f"{degrees} | {extras}"
 
+    @property
+    def recompute_text(self) -> str:
+        """``full`` (every layer), ``full:3`` (the first 3 blocks of each model chunk)."""
+        if self.recompute_layers is None:
+            return self.recompute
+        return f"{self.recompute}:{self.recompute_layers}"
+
     def to_dict(self) -> dict[str, object]:
-        return asdict(self)
+        """The fields as JSON values; recompute_layers only when set (plans made before it
+        existed load, and save byte-identical)."""
+        data = asdict(self)
+        if data["recompute_layers"] is None:
+            del data["recompute_layers"]
+        return data

@@ -128,6 +128,7 @@ class Plan:
     def to_json(self) -> str:
         data = asdict(self)
         del data["timings"]  # wall clock differs run to run; the plan does not
+        data["config"] = self.config.to_dict()  # recompute_layers only when set
         return json.dumps(data, indent=1, sort_keys=True)
 
     @classmethod

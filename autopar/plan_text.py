@@ -112,6 +112,8 @@ def explain_text(plan: Plan) -> str:
         _memory(plan),
     ]
     limits = plan.report.get("limits") if plan.report else None
+    if plan.config.recompute_layers is not None:
+        lines.append(_recompute_layers(plan, limits))
     if limits:
         lines.append(_divisibility(limits))
     if plan.alternatives:
@@ -178,6 +180,18 @@ def _memory(plan: Plan) -> str:
         f"Memory: stage {worst.index} is the fullest at {worst.peak_memory_bytes / GiB:.1f} GiB "
         f"of {plan.memory_capacity_bytes / GiB:.1f} GiB; its largest part is {biggest} "
         f"({worst.memory_bytes[biggest] / GiB:.1f} GiB)."
+    )
+
+
+def _recompute_layers(plan: Plan, limits: dict[str, Any] | None) -> str:
+    cfg = plan.config
+    chunks = cfg.pp * cfg.virtual_stages
+    of = f" of {-(-limits['num_blocks'] // chunks)}" if limits else ""
+    where = "the model" if chunks == 1 else f"each of the {chunks} model chunks"
+    return (
+        f"Recompute: {cfg.recompute} on the first {cfg.recompute_layers}{of} repeated layers "
+        f"of {where}; the others keep their activations"
+        + (" (fewer did not fit in memory)." if limits else ".")
     )
 
 

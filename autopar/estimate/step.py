@@ -23,6 +23,17 @@ Optimizer: memory bound, bytes per parameter by optimizer and precision (`_OPTIM
 Memory per stage: model state (cost_models.memory.model_state_bytes), activations of the
 in-flight micro-batches, one layer's recompute transient, logits on the last stage,
 communication buffers, and the allocator reserve.
+
+Per-layer recompute (cfg.recompute_layers = k): the policy applies to the first k blocks of
+each model chunk (`_recomputed`); the other layers keep their activations ("none") and cost no
+recompute time nor, under ZeRO-3 with full recompute, a third gather. None applies the policy
+to every layer, embedding and head included (the estimate as before k existed). The chunk
+split is the all-layer policy's, so k changes no stage boundary. Per stage s, with d_l = a_l^none
+- a_l^policy >= 0 the bytes a recomputed layer l drops and n_s >= 1 in-flight micro-batches,
+    act_s(k) = sum_l a_l^none n_s - sum_{l recomputed} d_l n_s + max_{l recomputed} d_l
+falls as k grows (a layer added lowers the sum by d_l n_s and raises the max by at most d_l),
+so `fewest_recomputed_layers` bisects for the smallest k whose busiest stage fits; step time
+rises with k, so that k is the fastest of the policy's per-layer variants.
 """
 
 from __future__ import annotations
@@ -62,6 +73,7 @@ class StageEstimate:
     forward_s: float  # one micro-batch
     backward_s: float
     memory: PeakMemory
+    inflight_microbatches: float = 1.0  # peak activations held, in micro-batches
 
 
 @dataclass(frozen=True)
@@ -132,7 +144,8 @@ class Estimator:
         times = self._layer_times(cfg, mesh)
         chunks = self._chunks(cfg, times)
         stage_layers = self._stage_layers(cfg, chunks)
-        per_stage = [self._stage_times(cfg, mesh, ls, times) for ls in stage_layers]
+        rec = self._recomputed(cfg, chunks)
+        per_stage = [self._stage_times(cfg, mesh, ls, times, rec) for ls in stage_layers]
         if time_bound_s is not None:
             busy = max(m * (s["forward"] + s["backward"]) for s in per_stage)
             if busy > time_bound_s:
@@ -151,7 +164,8 @@ class Estimator:
                 layers=tuple(t.name for t in ls),
                 forward_s=st["forward"],
                 backward_s=st["backward"],
-                memory=self._stage_memory(cfg, i, ls, inflight[i]),
+                memory=self._stage_memory(cfg, i, ls, inflight[i], rec),
+                inflight_microbatches=inflight[i],
             )
             for i, (ls, st) in enumerate(zip(stage_layers, per_stage, strict=True))
         )
@@ -168,6 +182,52 @@ class Estimator:
             model_flops=model_flops,
             mfu=model_flops / (step * world * self.peak_flops),
         )
+
+    def fewest_recomputed_layers(
+        self,
+        cfg: ParallelConfig,
+        global_batch_size: int,
+        capacity_bytes: float,
+        max_layers: int | None = None,
+    ) -> int | None:
+        """The smallest ``recompute_layers`` k (1 .. ``max_layers``, default the blocks of the
+        fullest chunk) for which every stage of ``cfg`` fits in ``capacity_bytes``; None when
+        even the largest k does not fit or cfg recomputes nothing. Memory only, by bisection
+        (module docstring); the time of that k is evaluate()'s."""
+        if cfg.recompute == "none":
+            return None
+        cfg = replace(cfg, recompute_layers=None)
+        m = self._num_microbatches(cfg, global_batch_size)
+        mesh = self._mesh(cfg)
+        times = self._layer_times(cfg, mesh)
+        chunks = self._chunks(cfg, times)
+        stage_layers = self._stage_layers(cfg, chunks)
+        top = max(sum(t.kind == "block" for t in c) for c in chunks)
+        if max_layers is not None:
+            top = min(top, max_layers)
+        if top < 1:
+            return None
+        if cfg.pp == 1:
+            inflight = [1.0]
+        else:
+            rec = self._recomputed(cfg, chunks)
+            per_stage = [self._stage_times(cfg, mesh, ls, times, rec) for ls in stage_layers]
+            inflight = self._pipeline(cfg, m, per_stage, mesh)[1]
+
+        def fits(k: int) -> bool:
+            rec = self._recomputed(replace(cfg, recompute_layers=k), chunks)
+            return all(
+                self._stage_memory(cfg, i, ls, inflight[i], rec).total_bytes <= capacity_bytes
+                for i, ls in enumerate(stage_layers)
+            )
+
+        if not fits(top):
+            return None
+        lo, hi = 0, top  # fits(hi); lo is 0 (no block recomputed) or a k that does not fit
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        return hi
 
     # ------------------------------------------------------------------ structure
 
@@ -246,6 +306,24 @@ class Estimator:
             self._partition_cache[key] = linear_partition(weights, n_chunks)
         return self._partition_cache[key]
 
+    def _recomputed(
+        self, cfg: ParallelConfig, chunks: list[list[LayerTable]]
+    ) -> frozenset[str] | None:
+        """Names of the layers cfg.recompute applies to: the first recompute_layers blocks of
+        each chunk; None for every layer (recompute_layers None)."""
+        k = cfg.recompute_layers
+        if k is None:
+            return None
+        top = max(sum(t.kind == "block" for t in c) for c in chunks)
+        if k > top:
+            raise ConfigError(
+                f"recompute_layers={k} but the fullest of the {len(chunks)} model chunks "
+                f"(pp={cfg.pp} x virtual_stages={cfg.virtual_stages}) holds {top} repeated layers"
+            )
+        return frozenset(
+            name for c in chunks for name in [t.name for t in c if t.kind == "block"][:k]
+        )
+
     def _stage_layers(
         self, cfg: ParallelConfig, chunks: list[list[LayerTable]]
     ) -> list[list[LayerTable]]:
@@ -265,6 +343,7 @@ class Estimator:
         mesh: MeshGroups,
         layers: list[LayerTable],
         times: dict[str, LayerTime],
+        recomputed: frozenset[str] | None = None,
     ) -> dict[str, float]:
         lt = [times[t.name] for t in layers]
         out = {
@@ -278,7 +357,12 @@ class Estimator:
             "forward": sum(x.forward_s for x in lt),
             "backward": sum(x.backward_s for x in lt),
         }
-        fsdp_f, fsdp_b = self._fsdp_exposed(cfg, mesh, layers, out)
+        if recomputed is not None:  # the policy on some blocks only: the rest re-run nothing
+            kept = sum(x.recompute_s for t, x in zip(layers, lt, strict=True)
+                       if t.name not in recomputed)  # fmt: skip
+            out["recompute"] -= kept
+            out["backward"] -= kept
+        fsdp_f, fsdp_b = self._fsdp_exposed(cfg, mesh, layers, out, recomputed)
         out["fsdp_comm"] = fsdp_f + fsdp_b
         out["forward"] += fsdp_f
         out["backward"] += fsdp_b
@@ -291,13 +375,18 @@ class Estimator:
         )
 
     def _fsdp_exposed(
-        self, cfg: ParallelConfig, mesh: MeshGroups, layers: list[LayerTable], st: dict[str, float]
+        self,
+        cfg: ParallelConfig,
+        mesh: MeshGroups,
+        layers: list[LayerTable],
+        st: dict[str, float],
+        recomputed: frozenset[str] | None = None,
     ) -> tuple[float, float]:
         if cfg.zero_stage < 3 or cfg.fsdp == 1:
             return 0.0, 0.0
         pbytes = _PRECISION_BYTES[self.precision]
         grad_ratio = self.options.grad_bytes / pbytes
-        gathers, scatters = [], []
+        gathers, scatters, regathers = [], [], []
 
         def timed(collective: str, nbytes: float) -> float:
             t = mesh.time(collective, nbytes, "fsdp")
@@ -317,16 +406,23 @@ class Estimator:
             scatter = gather * grad_ratio
             gathers.append(calls * timed("all_gather", gather))
             scatters.append(calls * timed("reduce_scatter", scatter))
+            if recomputed is None or table.name in recomputed:
+                regathers.append(gathers[-1])
         if not gathers:
             return 0.0, 0.0
         # backward gathers again; with full recompute the re-run forward gathers once more
-        regather = 2 if cfg.recompute == "full" else 1
+        if cfg.recompute != "full":
+            bwd_gathers = sum(gathers)
+        elif recomputed is None:
+            bwd_gathers = 2 * sum(gathers)
+        else:
+            bwd_gathers = sum(gathers) + sum(regathers)
         fwd_compute = st["compute_forward"] + st["tp_comm"] / 2
         bwd_compute = st["compute_backward"] + st["recompute"] + st["tp_comm"] / 2
         if not self.options.fsdp_prefetch:
-            return sum(gathers), regather * sum(gathers) + sum(scatters)
+            return sum(gathers), bwd_gathers + sum(scatters)
         fwd = gathers[0] + max(0.0, sum(gathers[1:]) - fwd_compute)
-        bwd_comm = regather * sum(gathers) + sum(scatters[:-1])
+        bwd_comm = bwd_gathers + sum(scatters[:-1])
         bwd = scatters[-1] + max(0.0, bwd_comm - bwd_compute)
         return fwd, bwd
 
@@ -411,7 +507,12 @@ class Estimator:
     # ------------------------------------------------------------------ memory
 
     def _stage_memory(
-        self, cfg: ParallelConfig, index: int, layers: list[LayerTable], inflight: float
+        self,
+        cfg: ParallelConfig,
+        index: int,
+        layers: list[LayerTable],
+        inflight: float,
+        recomputed: frozenset[str] | None = None,
     ) -> PeakMemory:
         params = self.params_on_rank(cfg, layers)
         state = model_state_bytes(
@@ -425,10 +526,13 @@ class Estimator:
         div = {"tp": t * c, "rep": c * (t if cfg.sequence_parallel else 1), "expert": t * c}
         per_mb = transient = logits = 0.0
         for table in layers:
+            policy = cfg.recompute
+            if recomputed is not None and table.name not in recomputed:
+                policy = "none"
             kept, none = (
                 self.act_scale
                 * sum(v * b / div[k] for k, v in table.activations.get(p, {}).items())
-                for p in (cfg.recompute, "none")
+                for p in (policy, "none")
             )
             per_mb += kept
             transient = max(transient, none - kept)

@@ -1,18 +1,23 @@
 """The outer search: price every config of the space, keep the fastest that fits.
 
     for degrees in space.degree_choices (pipeline-free first):   (divisibility built in)
-        for config in space.inner_choices(degrees):
+        for config in space.inner_choices(degrees):               (+ its per-layer variants)
             skip if dominated, or memory lower bound > capacity   (`_Bounds`, no pricing)
+            per-layer recompute: k = the fewest recomputed layers per chunk that fit
+                (Estimator.fewest_recomputed_layers, memory only); price k instead of all
             skip if the busiest stage's work > best step so far   (branch and bound)
             estimate = Estimator.evaluate(config)                (cached classes, pipelines)
             feasible if estimate.peak_memory_bytes <= capacity
     best = min feasible by (step time, config text)               (deterministic ties)
 
 Memory bound: model state and one micro-batch's activations of the average stage; the busiest
-stage holds at least that, so the bound never prunes a config that would fit. Dominated: more
-recompute than a config that already fits (only slower), and tensor parallelism without
+stage holds at least that, so the bound never prunes a config that would fit. Dominated: any
+recompute when the same config without it fits (only slower), tensor parallelism without
 sequence parallelism (the same collective volume, more memory and replicated elementwise
-work). Both claims are checked against exhaustive enumeration in tests/autopar/solve. The
+work), and of a policy's per-layer variants (recompute_layers 1..L, and None = every layer)
+all but the fewest layers that fit: memory falls and time rises with the recomputed layers
+(estimate/step.py), so fewer do not fit and more are slower. These claims are checked against
+exhaustive enumeration (inner_choices x recompute_layer_choices) in tests/autopar/solve. The
 alternatives are the fastest feasible configs of other degrees and the fastest that did not
 fit, each with why it lost.
 """
@@ -27,7 +32,12 @@ from dataclasses import dataclass, field, replace
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError
 from autopar.estimate import Estimate, Estimator
-from autopar.solve.space import SpaceLimits, degree_choices, inner_choices
+from autopar.solve.space import (
+    SpaceLimits,
+    degree_choices,
+    inner_choices,
+    recompute_layer_choices,
+)
 from cost_models.memory import model_state_bytes
 
 GiB = 2**30
@@ -109,30 +119,33 @@ def search(
             break
         if progress is not None:
             progress(index, len(degrees_list))
-        settled: set[tuple] = (
-            set()
-        )  # (config but recompute) that already fit: more recompute is slower
+        # (config but recompute) that fit without recompute: any recompute is only slower
+        settled: set[tuple] = set()
         for cfg in inner_choices(limits, degrees):
-            num_configs += 1
+            layer_choices = recompute_layer_choices(limits, cfg)
+            variants = 1 + len(layer_choices)  # cfg (every layer) and its per-layer variants
+            num_configs += variants
             key = _without_recompute(cfg)
             if cfg.tp > 1 and not cfg.sequence_parallel:
                 # same collective volume as with SP, more memory and replicated elementwise work
-                pruned["dominated (sequence parallel off)"] += 1
+                pruned["dominated (sequence parallel off)"] += variants
                 continue
             if key in settled:
-                pruned["dominated (more recompute than a config that fits)"] += 1
+                pruned["dominated (more recompute than a config that fits)"] += variants
                 continue
-            if bounds.memory(cfg) > capacity:
-                pruned["memory (lower bound)"] += 1
+            if bounds.memory(cfg) > capacity:  # holds for the variants: they keep more
+                pruned["memory (lower bound)"] += variants
                 continue
+            candidate = _fewest_layers(estimator, limits, cfg, layer_choices, capacity, pruned)
             best_s = feasible_best[0] if feasible_best else None
-            est = estimator.evaluate(cfg, limits.global_batch_size, time_bound_s=best_s)
+            est = estimator.evaluate(candidate, limits.global_batch_size, time_bound_s=best_s)
             if est is None:
                 pruned["slower than the best so far (bound)"] += 1
                 continue
             if est.peak_memory_bytes <= capacity:
                 feasible.append(est)
-                settled.add(key)
+                if cfg.recompute == "none":
+                    settled.add(key)
                 if not feasible_best or est.step_time_s < feasible_best[0]:
                     feasible_best[:] = [est.step_time_s]
             else:
@@ -156,6 +169,31 @@ def search(
         # step time >= model FLOPs / (world * peak) = mfu * step time for every config
         report = replace(report, optimality_gap=1.0 - best.mfu)
     return SearchResult(best, _alternatives(best, ranked, over, capacity, max_alternatives), report)
+
+
+def _fewest_layers(
+    estimator: Estimator,
+    limits: SpaceLimits,
+    cfg: ParallelConfig,
+    layer_choices: range,
+    capacity: float,
+    pruned: Counter[str],
+) -> ParallelConfig:
+    """Of ``cfg`` (the policy on every layer) and its per-layer variants, the one to price:
+    the fewest recomputed layers per chunk that fit, else ``cfg`` itself (the most frugal);
+    the others are counted in ``pruned`` (module docstring: why they cannot win)."""
+    if not layer_choices:
+        return cfg
+    k = estimator.fewest_recomputed_layers(
+        cfg, limits.global_batch_size, capacity, max_layers=layer_choices[-1]
+    )
+    if k is None:
+        pruned["memory (per-layer recompute: no layer count fits)"] += len(layer_choices)
+        return cfg
+    pruned["memory (per-layer recompute: fewer layers than fit)"] += k - 1
+    # more layers, and cfg (every layer, embedding and head too), recompute more: slower
+    pruned["dominated (more recomputed layers than fit)"] += len(layer_choices) - k + 1
+    return replace(cfg, recompute_layers=k)
 
 
 def _without_recompute(cfg: ParallelConfig) -> tuple:

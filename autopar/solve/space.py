@@ -6,6 +6,10 @@ divides the world and splits the sequence into 2*cp load-balanced chunks; the re
 parallel ranks split into dp x fsdp (fsdp > 1 with ZeRO 1, 2 or 3; both > 1 is HSDP); ep divides
 the non-pipeline ranks and the number of experts. Per degree choice: sequence parallelism on or
 off with tp, micro-batch size, schedule (and virtual stages) with pp, recompute policy.
+Per recompute policy (full, selective), `recompute_layer_choices` gives the per-layer variants:
+the policy on only the first k blocks of each of the pp x v model chunks, k = 1 ..
+ceil(num_blocks / (pp x v)) (`blocks_per_chunk`); `inner_choices` yields the all-layer config
+(recompute_layers=None) and the search expands it, so the space is inner_choices x those.
 Divisibility is checked here, so every config that comes out is one the runtime can run.
 """
 
@@ -52,6 +56,13 @@ def shape_problems(cfg: ParallelConfig, lim: SpaceLimits) -> list[str]:
             f"pp={cfg.pp} x virtual_stages={cfg.virtual_stages} = {chunks} model chunks but "
             f"the model has {lim.num_blocks} repeated layers to split"
         )
+    k = cfg.recompute_layers
+    if k is not None and k > blocks_per_chunk(lim, cfg):
+        out.append(
+            f"recompute_layers={k} but each of the pp={cfg.pp} x virtual_stages="
+            f"{cfg.virtual_stages} = {chunks} model chunks holds at most "
+            f"{blocks_per_chunk(lim, cfg)} of the model's {lim.num_blocks} repeated layers"
+        )
     if cfg.ep > 1 and (not lim.num_experts or lim.num_experts % cfg.ep):
         has = f"{lim.num_experts} experts" if lim.num_experts else "no expert layers"
         out.append(f"ep={cfg.ep} does not divide the model's experts: it has {has}")
@@ -61,6 +72,20 @@ def shape_problems(cfg: ParallelConfig, lim: SpaceLimits) -> list[str]:
             f"but seq_len={lim.seq_len} does not divide"
         )
     return out
+
+
+def blocks_per_chunk(lim: SpaceLimits, cfg: ParallelConfig) -> int:
+    """Repeated layers of the fullest model chunk under the even split: the most blocks
+    ``recompute_layers`` may name."""
+    return -(-lim.num_blocks // (cfg.pp * cfg.virtual_stages))
+
+
+def recompute_layer_choices(lim: SpaceLimits, cfg: ParallelConfig) -> range:
+    """The per-layer variants of an all-layer recompute config: recompute_layers = 1 .. the
+    blocks of a chunk (ascending: memory falls, time rises); empty for recompute none."""
+    if cfg.recompute == "none":
+        return range(0)
+    return range(1, blocks_per_chunk(lim, cfg) + 1)
 
 
 def divisors(n: int) -> list[int]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import autopar
@@ -9,7 +11,12 @@ from autopar import Cluster, InfeasibleError
 from autopar.api import attention_heads
 from autopar.estimate import Estimator, build_tables
 from autopar.models import zoo
-from autopar.solve.space import SpaceLimits, degree_choices, inner_choices
+from autopar.solve.space import (
+    SpaceLimits,
+    degree_choices,
+    inner_choices,
+    recompute_layer_choices,
+)
 
 
 def _traced(name: str, **overrides):
@@ -40,17 +47,25 @@ def test_search_equals_exhaustive_enumeration(gpt, profile):
     )
     best = None
     count = 0
-    for degrees in degree_choices(limits):
-        for cfg in inner_choices(limits, degrees):  # every config, nothing pruned
-            est = estimator.evaluate(cfg, 32)
-            count += 1
-            if est.peak_memory_bytes <= cluster.profile.device.memory_bytes and (
-                best is None or est.step_time_s < best.step_time_s
-            ):
-                best = est
+    for cfg in _every_config(limits):  # every config, per-layer recompute too, nothing pruned
+        est = estimator.evaluate(cfg, 32)
+        count += 1
+        if est.peak_memory_bytes <= cluster.profile.device.memory_bytes and (
+            best is None or est.step_time_s < best.step_time_s
+        ):
+            best = est
     assert count > 500
     assert plan.step_time_s == pytest.approx(best.step_time_s, rel=1e-12)
     assert plan.report["num_configs"] == count
+
+
+def _every_config(limits: SpaceLimits):
+    """The whole space: inner_choices and, per recompute policy, every recompute_layers k."""
+    for degrees in degree_choices(limits):
+        for cfg in inner_choices(limits, degrees):
+            yield cfg
+            for k in recompute_layer_choices(limits, cfg):
+                yield replace(cfg, recompute_layers=k)
 
 
 def test_model_that_fits_gets_plain_data_parallelism(gpt):
