@@ -1,22 +1,29 @@
 """Overhead of the generated program against a hand-written torch program of the same plan.
 
-    python3 benchmarks/runtime_overhead.py [--steps 12] [--repeats 3]
+    python3 benchmarks/runtime_overhead.py [--cases dp2xtp2,pp2xtp2,dp2xpp2xtp2]
+                                           [--steps 12] [--repeats 3] [--quick]
 
-The plan: a Llama (the zoo's llama-tiny widened: hidden 256, 4 layers, seq 128, vocab 1024)
-under DP2 x TP2 on 4 CPU ranks (gloo), fp32, global batch 8 in micro-batches of 2. The same
-model (same seed), data, steps and plan run twice under torchrun:
+The model: a Llama (the zoo's llama-tiny widened: hidden 256, 4 layers, seq 128, vocab 1024),
+fp32, global batch 8 in micro-batches of 2, on CPU ranks over gloo. The cases (plans):
 
-    generated     autopar.evaluate -> plan.save -> torchrun out/overhead/train.py (autopar.runtime)
-    hand-written  this file with --handwritten: init_device_mesh, parallelize_module with
-                  Colwise/Rowwise/PrepareModuleInput and a vocabulary-parallel embedding/head
-                  under loss_parallel, a manual flat all-reduce over dp, the global-norm clip,
-                  AdamW -- plain torch, nothing from autopar.runtime
+    dp2xtp2       DP2 x TP2 on 4 ranks
+    pp2xtp2       PP2 (1F1B, 4 micro-batches) x TP2 on 4 ranks
+    dp2xpp2xtp2   DP2 x PP2 (1F1B, 2 micro-batches per data rank) x TP2 on 8 ranks
 
-Each run prints per-step wall times; a run's time is the median over its steps after the first
-two (warm-up), and each program's the median over the repeats (run alternately, so load on the
-shared machine hits both alike). Printed: both, and the ratio generated / hand-written (the
-target is <= 1.05). Pipeline parallelism is not in the plan yet: the trainer does not drive
-`autopar.runtime.pipeline` (see the closing notes of issue 6).
+Per case the same model (same seed), data, steps and plan run twice under torchrun:
+
+    generated     autopar.evaluate -> plan.save -> torchrun out/overhead/<case>/train.py
+    hand-written  `handwritten_programs.run`: DeviceMesh, parallelize_module, PipelineStage +
+                  Schedule1F1B, a manual flat all-reduce over dp, the global-norm clip, AdamW --
+                  plain torch, nothing from autopar.runtime
+
+Each run prints per-step wall times; a run's time is the median over its steps after the
+warm-up (the first two, the first with --quick), and each program's the median over the
+repeats, run alternately so that load on the shared machine hits both alike. Printed per case:
+generated ms/step, hand-written ms/step, their ratio (target <= 1.05) and whether the losses
+of every step agree (relative 1e-5, the printed 6 decimals): the check that both programs
+compute the same thing, so the ratio compares like with like. --quick: 4 steps, 1 repeat (a
+smoke run, not a timing).
 """
 
 from __future__ import annotations
@@ -27,10 +34,14 @@ import re
 import statistics
 import subprocess
 import sys
-import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from handwritten_programs import MODEL, Shape  # noqa: E402
+
 OVERRIDES = {
     "hidden": 256,
     "num_layers": 4,
@@ -40,161 +51,133 @@ OVERRIDES = {
     "seq_len": 128,
     "vocab_size": 1024,
 }
-DP, TP, MBS, BATCH = 2, 2, 2, 8
-STEP_LINE = re.compile(r"^step (\d+)/\d+ .*time (\S+) s", re.M)
+MBS, BATCH = 2, 8
+CASES = {
+    "dp2xtp2": Shape(dp=2, tp=2),
+    "pp2xtp2": Shape(tp=2, pp=2),
+    "dp2xpp2xtp2": Shape(dp=2, tp=2, pp=2),
+}
+STEP_LINE = re.compile(r"^step (\d+)/\d+\s+loss (\S+) .*time (\S+) s", re.M)
+LOSS_RTOL = 1e-5
 
 
-def handwritten(steps: int) -> None:
-    """The same plan with torch's APIs only (run under torchrun with 4 ranks)."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        loss_parallel,
-        parallelize_module,
+@dataclass(frozen=True)
+class Row:
+    """One case's result: median ms per step of each program, and whether the losses agree."""
+
+    case: str
+    generated_ms: float
+    handwritten_ms: float
+    loss_diff: float  # the largest relative difference of a step's loss
+
+    @property
+    def ratio(self) -> float:
+        return self.generated_ms / self.handwritten_ms
+
+    @property
+    def losses_match(self) -> bool:
+        return self.loss_diff <= LOSS_RTOL
+
+    def as_text(self) -> str:
+        return (
+            f"{self.case:12} {self.generated_ms:10.1f} {self.handwritten_ms:13.1f} "
+            f"{self.ratio:6.3f}  {'yes' if self.losses_match else 'NO'} "
+            f"(max rel diff {self.loss_diff:.1e})"
+        )
+
+
+def save_plan(shape: Shape, out: Path, overrides: dict = OVERRIDES, batch: int = BATCH) -> Path:
+    """Price ``shape`` with autopar.evaluate and save plan.json + train.py under ``out``.
+
+    Raises:
+        ValueError: the plan's pipeline stages are not the even split the hand-written
+            program uses (the two would not run the same plan).
+    """
+    import autopar
+    from autopar.models import zoo
+
+    model = zoo.build(MODEL, device="meta", **overrides)
+    cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=shape.world_size)
+    config = autopar.ParallelConfig(dp=shape.dp, tp=shape.tp, pp=shape.pp, micro_batch_size=MBS)
+    inputs = zoo.example_inputs(MODEL, model)
+    plan = autopar.evaluate(
+        model, cluster, config, inputs, global_batch_size=batch, precision="fp32"
     )
-
-    from autopar.models import zoo  # the model only: the same seeded weights
-
-    dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-    model = zoo.build("llama-tiny", **OVERRIDES)
-    shared = PrepareModuleInput(  # q/k/v (gate/up) share one input: one grad all-reduce
-        input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
-    )
-    attn_in = PrepareModuleInput(
-        input_layouts=(Replicate(), None, None),
-        desired_input_layouts=(Replicate(), None, None),
-        use_local_output=False,
-    )
-    plan = {
-        "embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-        "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-    }
-    for i in range(OVERRIDES["num_layers"]):
-        p = f"layers.{i}"
-        plan |= {
-            f"{p}.self_attn": attn_in,
-            f"{p}.self_attn.q_proj": ColwiseParallel(),
-            f"{p}.self_attn.k_proj": ColwiseParallel(),
-            f"{p}.self_attn.v_proj": ColwiseParallel(),
-            f"{p}.self_attn.o_proj": RowwiseParallel(),
-            f"{p}.mlp": shared,
-            f"{p}.mlp.gate_proj": ColwiseParallel(),
-            f"{p}.mlp.up_proj": ColwiseParallel(),
-            f"{p}.mlp.down_proj": RowwiseParallel(),
-        }
-    parallelize_module(model, mesh["tp"], plan)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
-    dp_rank, dp_group = mesh.get_local_rank("dp"), mesh["dp"].get_group()
-    per_rank = BATCH // DP
-    num_micro = per_rank // MBS
-
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
-
-    for step in range(steps):
-        t0 = time.perf_counter()
-        inputs, targets = zoo.example_batch("llama-tiny", model, batch_size=BATCH, seed=step)
-        (ids,) = inputs
-        ids, targets = (t[dp_rank * per_rank : (dp_rank + 1) * per_rank] for t in (ids, targets))
-        loss_sum = 0.0
-        for i in range(num_micro):
-            mb = slice(i * MBS, (i + 1) * MBS)
-            with loss_parallel():
-                loss = zoo.lm_loss(model(ids[mb]), targets[mb]) / num_micro
-                loss.backward()
-            loss_sum += local(loss.detach()).item()
-        for p in params:  # the embedding's replicated gradient -> its vocabulary shard
-            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-        grads = [local(p.grad) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=dp_group)
-        flat.div_(DP)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-        total = torch.zeros(2, dtype=torch.float64)
-        for p, g in zip(params, grads, strict=True):
-            sharded = isinstance(p, DTensor) and p.placements[0].is_shard()
-            total[0] += g.double().pow(2).sum() * ((1 if sharded else 1 / TP) / DP)
-        total[1] = loss_sum / (DP * TP)
-        dist.all_reduce(total)
-        norm = total[0].sqrt().item()
-        coef = min(1.0, 1.0 / (norm + 1e-6))
-        with torch.no_grad():
-            for g in grads:
-                g.mul_(coef)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if dist.get_rank() == 0:
-            print(
-                f"step {step + 1}/{steps}  loss {total[1].item():.6f}  grad_norm {norm:.6f}  "
-                f"time {time.perf_counter() - t0:.4f} s",
-                flush=True,
-            )
-    dist.destroy_process_group()
+    n = model.config.num_layers
+    for k, stage in enumerate(plan.stages):
+        blocks = [x for x in stage.layers if x.startswith("layers.")]
+        even = [f"layers.{i}" for i in range(k * n // shape.pp, (k + 1) * n // shape.pp)]
+        if blocks != even:
+            raise ValueError(f"plan stage {k} holds {blocks}, the hand-written program {even}")
+    plan.save(out)
+    return out / "train.py"
 
 
-def _torchrun(script: Path, steps: int) -> tuple[list[float], list[float]]:
-    """(per-step times, losses) of one torchrun of ``script`` on 4 ranks."""
+def _torchrun(
+    shape: Shape, script: Path, steps: int, case: str | None
+) -> list[tuple[float, float]]:
+    """(loss, seconds) per step of one torchrun of ``script`` on the shape's ranks."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
-    cmd += [str(script), "--steps", str(steps)]
-    if script.resolve() == Path(__file__).resolve():
-        cmd.append("--handwritten")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc-per-node={shape.world_size}", str(script), "--steps", str(steps)]
+    if case is not None:
+        cmd += ["--handwritten", case]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode:
         raise RuntimeError(f"{script} failed:\n{done.stderr[-3000:]}")
-    times = [float(t) for _, t in STEP_LINE.findall(done.stdout)]
-    losses = [float(x) for x in re.findall(r"loss (\S+)", done.stdout)]
-    return times, losses
+    return [(float(loss), float(t)) for _, loss, t in STEP_LINE.findall(done.stdout)]
+
+
+def loss_difference(a: list[float], b: list[float]) -> float:
+    """The largest relative difference of two runs' per-step losses (inf if lengths differ)."""
+    if len(a) != len(b) or not a:
+        return float("inf")
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+def measure(case: str, steps: int, repeats: int, out: Path) -> Row:
+    shape = CASES[case]
+    scripts = {"generated": save_plan(shape, out / case), "hand-written": Path(__file__)}
+    warmup = 1 if steps <= 4 else 2
+    medians: dict[str, list[float]] = {name: [] for name in scripts}
+    losses: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        for name, script in scripts.items():
+            steps_run = _torchrun(shape, script, steps, case if name == "hand-written" else None)
+            if len(steps_run) != steps:
+                raise RuntimeError(f"{case} {name}: printed {len(steps_run)} of {steps} steps")
+            losses[name] = [loss for loss, _ in steps_run]
+            medians[name].append(statistics.median(t for _, t in steps_run[warmup:]))
+    gen, hand = (statistics.median(medians[k]) * 1e3 for k in ("generated", "hand-written"))
+    return Row(case, gen, hand, loss_difference(losses["generated"], losses["hand-written"]))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES), help=f"of {', '.join(CASES)}")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--handwritten", action="store_true", help="(under torchrun) run it")
+    parser.add_argument("--quick", action="store_true", help="4 steps, 1 repeat: a smoke run")
+    parser.add_argument("--handwritten", metavar="CASE", help="(under torchrun) run that case")
     parser.add_argument("--out", default=str(REPO / "out" / "overhead"))
     args = parser.parse_args()
     if args.handwritten:
-        handwritten(args.steps)
-        return
-    sys.path.insert(0, str(REPO))
-    import autopar
-    from autopar.models import zoo
+        import handwritten_programs
 
-    model = zoo.build("llama-tiny", **OVERRIDES)
-    cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=DP * TP)
-    config = autopar.ParallelConfig(dp=DP, tp=TP, micro_batch_size=MBS)
-    inputs = zoo.example_inputs("llama-tiny", model)
-    plan = autopar.evaluate(
-        model, cluster, config, inputs, global_batch_size=BATCH, precision="fp32"
-    )
-    plan.save(args.out)
-    runs: dict[str, list[float]] = {"generated": [], "hand-written": []}
-    scripts = {"generated": Path(args.out) / "train.py", "hand-written": Path(__file__)}
-    losses = {}
-    for _ in range(args.repeats):
-        for name, script in scripts.items():
-            times, losses[name] = _torchrun(script, args.steps)
-            runs[name].append(statistics.median(times[2:]))
-    gen, hand = (statistics.median(runs[k]) for k in ("generated", "hand-written"))
-    print(f"plan {config.as_text()} on 4 CPU ranks (gloo), {args.steps} steps x {args.repeats}")
-    for name, per_run in runs.items():
-        shown = ", ".join(f"{t * 1e3:.1f}" for t in per_run)
-        print(f"{name:13} median step {statistics.median(per_run) * 1e3:7.1f} ms  (runs: {shown})")
-    same = max(abs(a - b) for a, b in zip(losses["generated"], losses["hand-written"], strict=True))
-    print(f"losses agree within {same:.1e}")
-    print(f"ratio generated / hand-written = {gen / hand:.3f}  (target <= 1.05)")
+        handwritten_programs.run(CASES[args.handwritten], args.steps, OVERRIDES, BATCH, MBS)
+        return
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise SystemExit(f"--cases: unknown {unknown}; known: {', '.join(CASES)}")
+    steps, repeats = (4, 1) if args.quick else (args.steps, args.repeats)
+    print(f"{MODEL} {OVERRIDES}, fp32, batch {BATCH} (micro-batches of {MBS}), gloo on CPU;")
+    print(f"{steps} steps x {repeats} repeats per program{' (--quick: not a timing)' * args.quick}")
+    print(f"{'case':12} {'generated':>10} {'hand-written':>13} {'ratio':>6}  losses match")
+    print(f"{'':12} {'ms/step':>10} {'ms/step':>13}")
+    for case in cases:
+        print(measure(case, steps, repeats, Path(args.out)).as_text(), flush=True)
+    print("target: ratio <= 1.05")
 
 
 if __name__ == "__main__":
