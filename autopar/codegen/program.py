@@ -42,7 +42,7 @@ def program_text(plan: Plan) -> str:
         _tensor_parallel(plan, model),
         _data_parallel(plan, model),
         _pipeline(plan, model),
-        _recompute(plan),
+        _recompute(plan, model),
         _main(plan),
     ]
     return "\n\n".join(s.rstrip("\n") for s in sections) + "\n"
@@ -256,14 +256,31 @@ def _pipeline(plan: Plan, model: nn.Module) -> str:
     return "\n".join(lines)
 
 
-def _recompute(plan: Plan) -> str:
+def _recompute(plan: Plan, model: nn.Module) -> str:
+    c = plan.config
     what = {
         "none": "none: every activation is kept for backward",
         "full": "full: each block keeps its input only and re-runs its forward in backward",
         "selective": "selective: each block keeps matmul/attention/collective outputs and "
         "recomputes the rest",
-    }[plan.config.recompute]
-    return f"# ---- recompute: {what}"
+    }[c.recompute]
+    k = c.recompute_layers
+    if k is None or c.recompute == "none":
+        return f"# ---- recompute: {what}"
+    # per-layer recompute (CONFIG.recompute_layers): the first k blocks of each model chunk
+    # are wrapped (autopar.runtime.recompute.apply_recompute), the others keep activations
+    blocks = [p for p, _ in find_blocks(model)]
+    if c.pp == 1:
+        bounds = [(0, len(blocks))]
+    else:
+        bounds = list(layout_for(c, model, _stage_layers(plan)).bounds)
+    where = "of the model" if len(bounds) == 1 else f"of each of the {len(bounds)} model chunks"
+    lines = [f"# ---- recompute: {what}", f"#   only the first {k} blocks {where}:"]
+    for n, (a, b) in enumerate(bounds):
+        head = "" if len(bounds) == 1 else f"chunk {n}: "
+        wrapped, kept = blocks[a : min(b, a + k)], blocks[min(b, a + k) : b]
+        lines.append(f"#   {head}recomputed {_names(wrapped)}; kept {_names(kept) or 'none'}")
+    return "\n".join(lines)
 
 
 def _main(plan: Plan) -> str:

@@ -161,7 +161,7 @@ def _parallelize_part(
 
         ep_group, data_group = expert_groups
         experts = apply_expert_parallel(model, ep_group, data_group, mesh.num_data_ranks)
-    apply_recompute(blocks, config.recompute)
+    apply_recompute(blocks, config.recompute, config.recompute_layers)  # first k: the plan's
     data_parallel = apply_data_parallel(model, blocks, mesh, config)
     if experts is not None:  # experts are synced by expert_parallel, not averaged over dp
         data_parallel.skip = experts.expert_names

@@ -1,6 +1,7 @@
 """Activation recomputation per block with torch's checkpoint APIs.
 
-In: the repeated blocks and the plan's policy. Out: the blocks, each forward now running under
+In: the repeated blocks (of the model, or of one pipeline chunk), the plan's policy and its
+recompute_layers k. Out: the first k blocks (all when k is None), each forward now running under
 `torch.utils.checkpoint.checkpoint(use_reentrant=False)`; parameter names are unchanged (the
 block's `forward` is wrapped in place rather than the module replaced, so plans, optimizer
 state and checkpoints keep their keys).
@@ -15,8 +16,11 @@ state and checkpoints keep their keys).
 Apply after tensor parallelism and before FSDP (as torchtitan): FSDP's hooks then sit outside
 the checkpointed region and the recomputed forward reads the already gathered parameters.
 
+Per-layer recompute wraps the first k blocks in the order given (the model's, or the chunk's);
+the rest keep their activations, as the estimator prices it (`autopar.estimate.step`).
+
 Public functions:
-    apply_recompute(blocks, policy) -> number of blocks wrapped
+    apply_recompute(blocks, policy, num_layers=None) -> number of blocks wrapped
     selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy
 """
 
@@ -61,18 +65,26 @@ def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoint
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_recompute(blocks: list[tuple[str, nn.Module]], policy: str) -> int:
-    """Wrap each block's forward for ``policy`` ("none", "full", "selective"), in place.
+def apply_recompute(
+    blocks: list[tuple[str, nn.Module]], policy: str, num_layers: int | None = None
+) -> int:
+    """Wrap the forward of the first ``num_layers`` blocks (every block when None) for
+    ``policy`` ("none", "full", "selective"), in place.
 
-    Returns the number of blocks wrapped. Raises ValueError for another policy.
+    Returns the number of blocks wrapped (fewer than ``num_layers`` when there are fewer
+    blocks: a pipeline chunk of an uneven split). Raises ValueError for another policy or a
+    ``num_layers`` below 1.
     """
     if policy == "none":
         return 0
     if policy not in ("full", "selective"):
         raise ValueError(f"recompute must be none, full or selective, got {policy!r}")
-    for _, block in blocks:
+    if num_layers is not None and num_layers < 1:
+        raise ValueError(f"recompute_layers must be None or >= 1, got {num_layers}")
+    chosen = blocks if num_layers is None else blocks[:num_layers]
+    for _, block in chosen:
         block.forward = _checkpointed(block.forward, policy)  # instance attribute: nn.Module
-    return len(blocks)
+    return len(chosen)
 
 
 def _checkpointed(forward: Callable[..., Any], policy: str) -> Callable[..., Any]:

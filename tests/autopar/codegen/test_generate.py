@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,17 @@ def _run_and_compare(plan: Plan, tmp_path: Path, kwargs: dict) -> subprocess.Com
     for (gl, gn), (wl, wn) in zip(got, want, strict=True):
         assert gl == pytest.approx(wl, rel=1e-5) and gn == pytest.approx(wn, rel=1e-5)
     return done
+
+
+def test_program_names_the_blocks_of_per_layer_recompute(pp_plan):
+    full_1 = replace(pp_plan, config=replace(pp_plan.config, recompute="full", recompute_layers=1))
+    text = program_text(full_1)
+    ast.parse(text)
+    assert "recompute='full', sequence_parallel=False, recompute_layers=1)" in text
+    assert (
+        "#   only the first 1 blocks of each of the 2 model chunks:\n"
+        "#   chunk 0: recomputed blocks.0; kept blocks.1\n"
+        "#   chunk 1: recomputed blocks.2; kept blocks.3"
+    ) in text
+    assert "recompute=full:1" in text  # the config text in the docstring
+    assert "recompute_layers" not in program_text(pp_plan)  # unset: the program as before
