@@ -259,6 +259,7 @@ class Estimator:
                     self.act_scale,
                     mesh.time,
                     self.options.tp_comm_overlap,
+                    self.cluster.profile.runtime_overhead_s,
                 )
             out[table.name] = by_class[table.class_id]
         return out

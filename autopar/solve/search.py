@@ -14,12 +14,13 @@ Memory bound: model state and one micro-batch's activations of the average stage
 stage holds at least that, so the bound never prunes a config that would fit. Dominated: any
 recompute when the same config without it fits (only slower), tensor parallelism without
 sequence parallelism (the same collective volume, more memory and replicated elementwise
-work), and of a policy's per-layer variants (recompute_layers 1..L, and None = every layer)
-all but the fewest layers that fit: memory falls and time rises with the recomputed layers
-(estimate/step.py), so fewer do not fit and more are slower. These claims are checked against
-exhaustive enumeration (inner_choices x recompute_layer_choices) in tests/autopar/solve. The
-alternatives are the fastest feasible configs of other degrees and the fastest that did not
-fit, each with why it lost.
+work; not where collectives pay per-call latency or the runtime's host overhead differs by
+style: `_sp_dominates`), and of a policy's per-layer variants (recompute_layers 1..L, and
+None = every layer) all but the fewest layers that fit: memory falls and time rises with the
+recomputed layers (estimate/step.py), so fewer do not fit and more are slower. These claims
+are checked against exhaustive enumeration (inner_choices x recompute_layer_choices) in
+tests/autopar/solve. The alternatives are the fastest feasible configs of other degrees and
+the fastest that did not fit, each with why it lost.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ def search(
     feasible_best: list[float] = []
     num_configs = 0
     bounds = _Bounds(estimator)
+    sp_dominates = _sp_dominates(estimator)
     for index, degrees in enumerate(degrees_list):
         if deadline is not None and feasible and time.perf_counter() > deadline:
             num_unsearched = len(degrees_list) - index
@@ -126,7 +128,7 @@ def search(
             variants = 1 + len(layer_choices)  # cfg (every layer) and its per-layer variants
             num_configs += variants
             key = _without_recompute(cfg)
-            if cfg.tp > 1 and not cfg.sequence_parallel:
+            if cfg.tp > 1 and not cfg.sequence_parallel and sp_dominates:
                 # same collective volume as with SP, more memory and replicated elementwise work
                 pruned["dominated (sequence parallel off)"] += variants
                 continue
@@ -169,6 +171,17 @@ def search(
         # step time >= model FLOPs / (world * peak) = mfu * step time for every config
         report = replace(report, optimality_gap=1.0 - best.mfu)
     return SearchResult(best, _alternatives(best, ranked, over, capacity, max_alternatives), report)
+
+
+def _sp_dominates(estimator: Estimator) -> bool:
+    """Whether TP with sequence parallelism is never slower than without: true where both
+    move the same bytes at bandwidth cost and run alike on the host (datasheet profiles);
+    not where each collective pays its own latency (SP issues two per all-reduce: gloo) or
+    the runtime's measured host overhead differs by style (`[runtime]`)."""
+    profile = estimator.cluster.profile
+    return not profile.runtime_overhead_s and not any(
+        lv.collective_latency_s for lv in profile.levels
+    )
 
 
 def _fewest_layers(
