@@ -225,8 +225,9 @@ def _time_shared(profile: HardwareProfile, used: int) -> HardwareProfile:
         memory_bandwidth_bytes_per_s=d.memory_bandwidth_bytes_per_s * share,
         launch_overhead_s=d.launch_overhead_s / share,
     )
-    overheads = {k: v / share for k, v in profile.runtime_overhead_s.items()}
-    return replace(profile, device=device, runtime_overhead_s=overheads)
+    layer = {k: v / share for k, v in profile.runtime_overhead_s.items()}
+    step = {k: v / share for k, v in profile.optimizer_overhead_s.items()}
+    return replace(profile, device=device, runtime_overhead_s=layer, optimizer_overhead_s=step)
 
 
 def _split_devices(profile: HardwareProfile, num_devices: int) -> tuple[int, int]:

@@ -48,6 +48,8 @@ class HardwareProfile:
     # backward together) beyond what the op-level model prices, by parallel style
     # (RUNTIME_STYLES); measured by `autopar profile`, empty for datasheet profiles.
     runtime_overhead_s: Mapping[str, float] = field(default_factory=dict)
+    # The same for the optimizer step (clipping, AdamW) per repeated layer per step.
+    optimizer_overhead_s: Mapping[str, float] = field(default_factory=dict)
 
     def as_text(self) -> str:
         d = self.device
@@ -203,28 +205,28 @@ def _parse(f: _Fields, origin: str) -> HardwareProfile:
         sources=sources,
         path=origin,
         compute_slots=_compute_slots(f),
-        runtime_overhead_s=_runtime_overheads(f, sources),
+        runtime_overhead_s=_runtime_overheads(f, sources, "layer_overhead_s"),
+        optimizer_overhead_s=_runtime_overheads(f, sources, "optimizer_overhead_s"),
     )
 
 
-def _runtime_overheads(f: _Fields, sources: dict[str, str]) -> dict[str, float]:
+def _runtime_overheads(f: _Fields, sources: dict[str, str], key: str) -> dict[str, float]:
+    """[runtime] ``key``: seconds by style (layer_overhead_s required, the optimizer's not)."""
     if f.get("runtime", required=False) is None:
         return {}
     sources["runtime"] = f.string("runtime.source")
-    table = f.get("runtime.layer_overhead_s")
+    path = f"runtime.{key}"
+    table = f.get(path, required=key == "layer_overhead_s")
+    if table is None:
+        return {}
     if not isinstance(table, dict):
-        raise f.error("runtime.layer_overhead_s", f"must be a table, got {table!r}")
+        raise f.error(path, f"must be a table, got {table!r}")
     unknown = sorted(set(table) - set(RUNTIME_STYLES))
     if unknown:
         raise f.error(
-            "runtime.layer_overhead_s",
-            f"unknown style(s) {', '.join(unknown)}; known: {', '.join(RUNTIME_STYLES)}",
+            path, f"unknown style(s) {', '.join(unknown)}; known: {', '.join(RUNTIME_STYLES)}"
         )
-    return {
-        k: f.number(f"runtime.layer_overhead_s.{k}", strict=False)
-        for k in RUNTIME_STYLES
-        if k in table
-    }
+    return {k: f.number(f"{path}.{k}", strict=False) for k in RUNTIME_STYLES if k in table}
 
 
 def _compute_slots(f: _Fields) -> int:

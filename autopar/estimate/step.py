@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.errors import ConfigError
-from autopar.estimate.layer_cost import LayerTime, layer_time
+from autopar.estimate.layer_cost import LayerTime, layer_time, runtime_overhead_s
 from autopar.estimate.mesh import MeshGroups
 from autopar.estimate.options import CostOptions
 from autopar.estimate.pipeline_timer import PipelineTimer
@@ -469,9 +469,12 @@ class Estimator:
             sync = self._overlapped(mesh.time("all_reduce", grad / cfg.fsdp, "dp"), grad, st)
         sharded = params / (cfg.fsdp if cfg.zero_stage >= 1 else 1)
         opt_bytes = sharded * _OPTIMIZER_BYTES[(self.optimizer, self.precision != "fp32")]
+        blocks = sum(t.kind == "block" for t in layers)
         optimizer = (
             op_time_s(self.device, "elementwise", 0.0, opt_bytes, "fp32")
             + 10 * self.device.launch_overhead_s
+            # the runtime's per-layer host work in the step (profile [runtime], CPU ranks)
+            + blocks * runtime_overhead_s(self.cluster.profile.optimizer_overhead_s, cfg)
         )
         clip = op_time_s(self.device, "elementwise", 0.0, sharded * 12, "fp32") + mesh.time(
             "all_reduce", 4, "world"

@@ -174,8 +174,9 @@ def render(
     if runtime:
         bare = profile_from_text(render(info, fits, compute, comm), info.name)
         overheads = runtime_overhead.overheads(bare, runtime, info.world_size)
+        optimizer = runtime_overhead.overheads(bare, runtime, info.world_size, "optimizer_s")
     else:
-        overheads = {}
+        overheads = optimizer = {}
     run = (
         f"measured by `{info.command}` on {info.date} ({info.machine}; torch "
         f"{info.torch_version}; {info.world_size} ranks over {info.backend}, "
@@ -314,6 +315,9 @@ def render(
             "layer_overhead_s = { "
             + ", ".join(f"{k} = {_n(v)}" for k, v in overheads.items())
             + " }",
+            "optimizer_overhead_s = { "
+            + ", ".join(f"{k} = {_n(v)}" for k, v in optimizer.items())
+            + " }",
             "source = "
             + _s(
                 f"{run}: autopar.profiler.runtime_overhead: forward + backward of one "
@@ -325,7 +329,8 @@ def render(
                 "difference of the cost model's prediction from this profile's other "
                 "numbers, at least 0; measured per layer: "
                 + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in per_layer.items())
-                + "; raw times in [measured]"
+                + "; optimizer_overhead_s the same for the step's clipping and AdamW "
+                "(foreach=False, as the trainer), per layer per step; raw times in [measured]"
             ),
         ]
     lines += _measured(info, compute, comm, runtime)
@@ -386,7 +391,8 @@ def refit(text: str, name: str) -> str:
         wall_s=m["wall_s"],
     )
     runtime = [
-        RuntimeMeasurement(r["style"], r["num_layers"], r["time_s"]) for r in m.get("runtime", [])
+        RuntimeMeasurement(r["style"], r["num_layers"], r["time_s"], r.get("optimizer_s", 0.0))
+        for r in m.get("runtime", [])
     ]
     return render(info, fit_measurements(compute, comm, levels), compute, comm, runtime)
 
@@ -448,7 +454,7 @@ def _measured(
         lines += ["runtime = ["]
         lines += [
             f"    {{ style = {_s(m.style)}, num_layers = {m.num_layers}, "
-            f"time_s = {_n(m.time_s)} }},"
+            f"time_s = {_n(m.time_s)}, optimizer_s = {_n(m.optimizer_s)} }},"
             for m in runtime
         ]
         lines += ["]"]

@@ -17,17 +17,22 @@ the profile fitted from the same run's compute and collectives -- the overhead p
                           reduce-scatter, which this loop runs every micro-batch)
     overhead            = max(0, measured - predicted)
 
+and the same for the optimizer step that follows (global gradient norm, clipping and AdamW
+with foreach=False, as `autopar.runtime.trainer`): per layer per step against the cost
+model's optimizer and grad_clip terms (a per-parameter loop: every op of it pays dispatch).
+
 Each timed micro-batch starts after a barrier and the slowest rank's median counts (a step
 goes at the pace of its slowest rank). The style's config uses all the ranks: plain = dp,
 tp and tp_sp = tp 2 x dp, fsdp and fsdp3 = fsdp (ZeRO-2, ZeRO-3).
 
 Public functions:
     measure_runtime(world_size, quick, progress) -> list[RuntimeMeasurement]   (every rank)
-    overheads(profile, measurements, world_size) -> {style: seconds}                (rank 0)
+    overheads(profile, measurements, world_size, part) -> {style: seconds}                (rank 0)
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -52,6 +57,7 @@ class RuntimeMeasurement:
     style: str  # autopar.hardware.RUNTIME_STYLES
     num_layers: int
     time_s: float  # one micro-batch's forward + backward, slowest rank's median
+    optimizer_s: float = 0.0  # the step's gradient clipping and AdamW step, the same way
 
 
 def style_config(style: str, world_size: int) -> ParallelConfig:
@@ -78,18 +84,19 @@ def measure_runtime(
     for style in RUNTIME_STYLES:
         cfg = style_config(style, world_size)
         for layers in LAYERS:
-            seconds = _time_style(cfg, layers, iterations)
-            out.append(RuntimeMeasurement(style, layers, seconds))
+            seconds, optimizer_s = _time_style(cfg, layers, iterations)
+            out.append(RuntimeMeasurement(style, layers, seconds, optimizer_s))
         per_layer = (out[-1].time_s - out[-2].time_s) / (LAYERS[1] - LAYERS[0])
         progress(f"runtime {style}: {per_layer * 1e3:.2f} ms per layer per micro-batch")
     return out
 
 
-def _time_style(cfg: ParallelConfig, num_layers: int, iterations: int) -> float:
+def _time_style(cfg: ParallelConfig, num_layers: int, iterations: int) -> tuple[float, float]:
     from autopar.models import zoo
     from autopar.runtime.mesh import build_mesh
     from autopar.runtime.parallelize import parallelize_model
     from autopar.runtime.tensor_parallel import loss_context
+    from autopar.runtime.trainer import TrainOptions, _local, _make_optimizer
 
     mesh = build_mesh(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     device = (
@@ -111,26 +118,50 @@ def _time_style(cfg: ParallelConfig, num_layers: int, iterations: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    times = []
-    for i in range(iterations + 2):  # two warm-up micro-batches
+    optimizer = _make_optimizer(pm.model, TrainOptions())
+
+    def optimizer_step() -> None:  # as the trainer: global norm, clip, AdamW
+        grads = [p.grad for p in pm.model.parameters() if p.grad is not None]
+        norm = torch.zeros((), dtype=torch.float64)
+        for g in grads:
+            norm += _local(g).detach().double().pow(2).sum()
+        dist.all_reduce(norm)
+        coef = min(1.0, 1.0 / (math.sqrt(norm.item()) + 1e-6))
+        with torch.no_grad():
+            for g in grads:
+                _local(g).mul_(coef)
+        optimizer.step()
+
+    times, optimizer_times = [], []
+    for i in range(iterations + 2):  # two warm-up steps
         pm.model.zero_grad(set_to_none=True)
         dist.barrier()
         start = time.perf_counter()
         micro_batch()
+        middle = time.perf_counter()
+        dist.barrier()
+        resumed = time.perf_counter()
+        optimizer_step()
         if i >= 2:
-            times.append(time.perf_counter() - start)
-    mine = torch.tensor([statistics.median(times)], dtype=torch.float64)
+            times.append(middle - start)
+            optimizer_times.append(time.perf_counter() - resumed)
+    mine = torch.tensor(
+        [statistics.median(times), statistics.median(optimizer_times)], dtype=torch.float64
+    )
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return float(mine.item())
+    return float(mine[0]), float(mine[1])
 
 
 def model_text() -> str:
     return ", ".join(f"{k} {v}" for k, v in MODEL_OVERRIDES.items())
 
 
-def measured_per_layer(measurements: Sequence[RuntimeMeasurement]) -> dict[str, float]:
-    """Per style, the measured time per layer per micro-batch (module docstring)."""
-    by_key = {(m.style, m.num_layers): m.time_s for m in measurements}
+def measured_per_layer(
+    measurements: Sequence[RuntimeMeasurement], part: str = "time_s"
+) -> dict[str, float]:
+    """Per style, the measured time per layer per micro-batch (module docstring); ``part``
+    "optimizer_s": the optimizer step's per layer."""
+    by_key = {(m.style, m.num_layers): getattr(m, part) for m in measurements}
     span = LAYERS[1] - LAYERS[0]
     return {
         style: (by_key[(style, LAYERS[1])] - by_key[(style, LAYERS[0])]) / span
@@ -139,25 +170,29 @@ def measured_per_layer(measurements: Sequence[RuntimeMeasurement]) -> dict[str, 
 
 
 def overheads(
-    profile, measurements: Sequence[RuntimeMeasurement], world_size: int
+    profile, measurements: Sequence[RuntimeMeasurement], world_size: int, part: str = "time_s"
 ) -> dict[str, float]:
-    """Per style, measured minus predicted time per layer per micro-batch, at least 0.
+    """Per style, measured minus predicted time per layer per micro-batch, at least 0;
+    ``part`` "optimizer_s": per layer per step of the optimizer step.
 
     ``profile``: a `HardwareProfile` fitted from the same run, without [runtime] overheads
     (its predictions are what the overheads add to)."""
     out = {}
     span = LAYERS[1] - LAYERS[0]
-    for style, measured in measured_per_layer(measurements).items():
+    for style, measured in measured_per_layer(measurements, part).items():
         predicted = (
-            predicted_micro_batch_s(profile, style, LAYERS[1], world_size)
-            - predicted_micro_batch_s(profile, style, LAYERS[0], world_size)
+            predicted_s(profile, style, LAYERS[1], world_size, part)
+            - predicted_s(profile, style, LAYERS[0], world_size, part)
         ) / span
         out[style] = max(0.0, measured - predicted)
     return out
 
 
-def predicted_micro_batch_s(profile, style: str, num_layers: int, world_size: int) -> float:
-    """The cost model's forward + backward of the measured micro-batch (module docstring)."""
+def predicted_s(
+    profile, style: str, num_layers: int, world_size: int, part: str = "time_s"
+) -> float:
+    """The cost model's forward + backward of the measured micro-batch (module docstring),
+    or with ``part`` "optimizer_s" its gradient clipping and optimizer step."""
     import autopar
     from autopar.cluster import Cluster
     from autopar.models import zoo
@@ -170,6 +205,8 @@ def predicted_micro_batch_s(profile, style: str, num_layers: int, world_size: in
         model, cluster, cfg, inputs, global_batch_size=cfg.dp * cfg.fsdp, precision="fp32"
     )
     b = plan.breakdown
+    if part == "optimizer_s":
+        return b["optimizer"] + b["grad_clip"]
     keys = ["compute_forward", "compute_backward", "tp_comm", "fsdp_comm"]
     if style in ("fsdp", "fsdp3"):
         keys.append("dp_comm")

@@ -74,13 +74,31 @@ def test_each_layer_and_micro_batch_pays_the_overhead(llama, cfg):
     assert fwd == pytest.approx(layers * m * o / 3, rel=1e-6)
 
 
+def test_optimizer_overhead_is_paid_per_layer_per_step(llama):
+    _, _, tables = llama
+    bare = Cluster.from_profile("local_cpu", num_devices=4)
+    profile = dataclasses.replace(bare.profile, optimizer_overhead_s=OVERHEADS)
+    cluster = dataclasses.replace(bare, profile=profile)
+    layers = sum(t.kind == "block" for t in tables.layers)
+    for cfg in (ParallelConfig(dp=4), ParallelConfig(fsdp=2, tp=2, zero_stage=3)):
+        cfg = dataclasses.replace(cfg, micro_batch_size=1)
+        base = Estimator(tables, bare, precision="fp32").evaluate(cfg, 8)
+        est = Estimator(tables, cluster, precision="fp32").evaluate(cfg, 8)
+        extra = layers * runtime_overhead_s(OVERHEADS, cfg)  # once per step, any micro-batches
+        assert est.breakdown["optimizer"] - base.breakdown["optimizer"] == pytest.approx(extra)
+        assert est.step_time_s - base.step_time_s == pytest.approx(extra)
+
+
 def test_time_sharing_scales_the_overheads():
     """4 ranks on a 2-slot node each get half the time: every overhead doubles."""
     two = Cluster.from_profile("local_cpu", num_devices=2)
     four = Cluster.from_profile("local_cpu", num_devices=4)
     assert two.profile.compute_slots == 2
+    assert two.profile.runtime_overhead_s and two.profile.optimizer_overhead_s
     for style, value in two.profile.runtime_overhead_s.items():
         assert four.profile.runtime_overhead_s[style] == pytest.approx(2 * value)
+    for style, value in two.profile.optimizer_overhead_s.items():
+        assert four.profile.optimizer_overhead_s[style] == pytest.approx(2 * value)
 
 
 def test_profiler_recovers_known_overheads():
@@ -89,13 +107,19 @@ def test_profiler_recovers_known_overheads():
     profile = autopar.load_profile("local_cpu")
     bare = dataclasses.replace(profile, runtime_overhead_s={})
     truth = {"plain": 2e-3, "tp": 0.0, "tp_sp": 7e-3, "fsdp": 1e-3, "fsdp3": 4e-3}
+    step_truth = {k: v / 2 for k, v in truth.items()}
     fake = []
     for style, o in truth.items():
         for layers in ro.LAYERS:
-            predicted = ro.predicted_micro_batch_s(bare, style, layers, 2)
-            fake.append(ro.RuntimeMeasurement(style, layers, predicted + 0.05 + layers * o))
-    got = ro.overheads(bare, fake, 2)
-    assert got == pytest.approx(truth, abs=1e-9)
+            predicted = ro.predicted_s(bare, style, layers, 2)
+            step = ro.predicted_s(bare, style, layers, 2, "optimizer_s")
+            fake.append(
+                ro.RuntimeMeasurement(
+                    style, layers, predicted + 0.05 + layers * o, step + 0.01 + layers * o / 2
+                )
+            )
+    assert ro.overheads(bare, fake, 2) == pytest.approx(truth, abs=1e-9)
+    assert ro.overheads(bare, fake, 2, "optimizer_s") == pytest.approx(step_truth, abs=1e-9)
     # faster than predicted: no negative overhead
     fast = [dataclasses.replace(m, time_s=m.time_s * 0.1) for m in fake]
     assert all(v == 0.0 for v in ro.overheads(bare, fast, 2).values())
@@ -114,6 +138,7 @@ def test_bad_runtime_tables_are_refused():
     base = base.split("\n# The raw measurements")[0]
     good = '\n[runtime]\nlayer_overhead_s = { plain = 1e-3 }\nsource = "test"\n'
     assert profile_from_text(base + good).runtime_overhead_s == {"plain": 1e-3}
+    assert profile_from_text(base + good).optimizer_overhead_s == {}
     with pytest.raises(ProfileError, match=r"unknown style\(s\) gpu.*known: plain, tp"):
         profile_from_text(base + good.replace("plain", "gpu"))
     with pytest.raises(ProfileError, match=r"runtime.layer_overhead_s.plain: must be >= 0"):
