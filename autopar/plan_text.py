@@ -126,6 +126,8 @@ def explain_text(plan: Plan) -> str:
         lines.append(
             "Sensitivity: not computed for this plan (parallelize computes it; evaluate does not)"
         )
+    if plan.report.get("refine"):
+        lines += refine_lines(plan.report["refine"])
     if plan.report.get("text"):
         lines.append(f"Search: {plan.report['text']}")
     if plan.timings:
@@ -227,6 +229,35 @@ def _loses(plan: Plan, alt: dict[str, Any]) -> str:
     # terms that differ by less than 0.1% of the step are noise, not a reason
     worse = [f"{k} {d:+.3f} s" for k, d in diffs[:2] if d > 1e-3 * plan.step_time_s]
     return f"{head}, loses on " + (", ".join(worse) if worse else "no single term")
+
+
+def refine_lines(refine: dict[str, Any], limit: int = 6) -> list[str]:
+    """Text for `Plan.explain()`: how the intra-layer ILP re-priced the search's best configs
+    (`autopar.solve.refine`), per re-priced config its per-layer and step-time change."""
+    head = (
+        f"ILP re-pricing: {refine['num_candidates']} best configs, {refine['num_repriced']} "
+        f"re-priced with tensor parallelism ({refine['ilp_solves']} ILP solves, "
+        f"{refine['cache_hits']} cache hits); "
+        + ("it CHANGED the winner" if refine["changed"] else "the winner stands")
+    )
+    lines = [head]
+    shown = [c for c in refine["candidates"] if c["layers"]][:limit]
+    for c in shown:
+        analytic = sum(v["analytic_s"] for v in c["layers"].values())
+        ilp = sum(v["ilp_s"] for v in c["layers"].values())
+        step = c["step_time_s"] / c["analytic_step_time_s"] - 1
+        tp = c["config"].split(" tp=")[1].split()[0]
+        text = (
+            f"  the ILP re-priced tp={tp} {ilp / analytic - 1:+.1%} per layer "
+            f"({analytic * 1e3:.3f} -> {ilp * 1e3:.3f} ms fwd+bwd), step {step:+.1%}: "
+            f"{c['config']}"
+        )
+        if c.get("replicated"):
+            text += " (its ILP plan does not divide the layer: tp runs replicated)"
+        lines.append(text)
+    skipped = sorted({c["skipped"] for c in refine["candidates"] if c.get("skipped")})
+    lines += [f"  analytic price kept where {why}" for why in skipped]
+    return lines
 
 
 def axis_text(entry: dict[str, Any], devices_per_node: int) -> str:

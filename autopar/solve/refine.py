@@ -16,10 +16,19 @@ b = c.micro_batch_size samples; `layer_cost.layer_time` gives the analytic A, th
 
     r          = I(t).compute_s / I(1).compute_s       how well the ILP's plan divides the work
                                                        (1 when it replicates the layer)
-    compute    = A(c with tp=1).compute * r            forward, backward and weight-gradient
-                                                       parts each scaled by r
+    compute    = (A(c with tp=1).compute - host(tp=1)) * r + host(c)
+                                                       forward, backward and weight-gradient
+                                                       parts each scaled by r; host: the
+                                                       profile's per-layer runtime overhead
+                                                       (`layer_cost.runtime_overhead_s`)
     tp comm    = I(t).communication_s * (1 - tp_comm_overlap), half forward, half backward
     recompute  = full: the new forward + its tp comm; selective: A's (memory-bound ops)
+
+A layer plan cheaper than A(c) only because it keeps weights whole (more weight bytes per rank
+than the analytic tp split, e.g. tokens split over the tp group with gradients all-reduced every
+micro-batch) keeps A(c): the config's memory was not priced for it. A plan whose compute is not
+divided (r >= 0.9, weights replicated) is reported as running replicated; its layer then costs
+at least the tp = 1 layer, so such a tp config is never cheaper than tp = 1.
 
 The tp = 1 compute anchors the level to the analytic (calibrated) model and the ILP decides the
 tp scaling and the collectives: both price ops with `cost_models.compute.op_time_s` and
@@ -45,7 +54,7 @@ from typing import Any
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.estimate import Estimate, Estimator
-from autopar.estimate.layer_cost import LayerTime, layer_time
+from autopar.estimate.layer_cost import LayerTime, layer_time, runtime_overhead_s
 from autopar.estimate.mesh import MeshGroups
 from autopar.estimate.tables import LayerTable
 from autopar.solve.intra import IntraLayerCache, IntraLayerPlan, IntraOptions, solve_layer
@@ -116,8 +125,8 @@ class Candidate:
     analytic: Estimate
     # class id -> (analytic, combined) seconds of one layer, one micro-batch, fwd + bwd
     layer_s: dict[str, tuple[float, float]] = field(default_factory=dict)
-    skipped: str = ""  # why the ILP did not re-price it ("" when it did, or tp = 1)
-    replicated: tuple[str, ...] = ()  # classes whose ILP plan keeps every weight whole
+    skipped: str = ""  # why the ILP did not re-price it, or kept a class's analytic price
+    replicated: tuple[str, ...] = ()  # classes whose ILP plan does not divide the compute
 
     @property
     def change(self) -> float:
@@ -216,7 +225,7 @@ def refine(
         if cfg.tp == 1 or skip:
             notes[cfg] = ({}, skip, ())
             continue
-        times, layer_s, replicated = {}, {}, []
+        times, layer_s, replicated, whole = {}, {}, [], []
         for table in blocks:
             plan_t, plan_1 = (
                 _solve(graph, table, cluster, t, cfg, estimator, options, cache)
@@ -225,12 +234,22 @@ def refine(
             if not (plan_t.feasible and plan_1.feasible) or plan_1.compute_s <= 0:
                 continue
             analytic, new = _repriced(table, cfg, estimator, plan_t, plan_1)
+            if _total(new) < _total(analytic) and plan_t.parameter_bytes > 1.05 * _weight_bytes(
+                table, cfg, estimator
+            ):
+                # cheaper only by holding more weight bytes than the config's memory budgeted
+                # (weights kept whole, tokens split): not a price this config can have
+                new = analytic
+                whole.append(table.class_id)
             times[table.class_id] = new
             layer_s[table.class_id] = (_total(analytic), _total(new))
-            if set(plan_t.parameter_placements.values()) <= {"R"}:
+            if plan_t.compute_s >= 0.9 * plan_1.compute_s:
                 replicated.append(table.class_id)
         overrides[cfg] = times
-        notes[cfg] = (layer_s, "" if times else "no feasible ILP plan", tuple(replicated))
+        skip = "" if times else "no feasible ILP plan"
+        if whole:
+            skip = "its ILP plan is cheaper only with whole weights (more memory than budgeted)"
+        notes[cfg] = (layer_s, skip, tuple(replicated))
     repriced = RepricedEstimator(estimator, overrides)
     ranked = []
     for est in pool:
@@ -315,6 +334,8 @@ def _repriced(
 ) -> tuple[LayerTime, LayerTime]:
     """(analytic, combined) LayerTime of `table` under `cfg` (module docstring)."""
 
+    overheads = estimator.cluster.profile.runtime_overhead_s
+
     def analytic(c: ParallelConfig) -> LayerTime:
         mesh = MeshGroups(estimator.cluster, c)
         return layer_time(
@@ -325,13 +346,16 @@ def _repriced(
             estimator.act_scale,
             mesh.time,
             estimator.options.tp_comm_overlap,
+            overheads,
         )
 
-    now = analytic(cfg)
-    base = analytic(replace(cfg, tp=1, sequence_parallel=False, dp=cfg.dp * cfg.tp))
+    one = replace(cfg, tp=1, sequence_parallel=False, dp=cfg.dp * cfg.tp)
+    now, base = analytic(cfg), analytic(one)
+    # the host's per-layer overhead (a third forward, two thirds backward) does not divide
+    host_1, host = runtime_overhead_s(overheads, one), runtime_overhead_s(overheads, cfg)
     r = plan_t.compute_s / plan_1.compute_s
     tp_s = plan_t.communication_s * (1 - estimator.options.tp_comm_overlap) / 2
-    fwd = base.compute_forward_s * r
+    fwd = (base.compute_forward_s - host_1 / 3) * r + host / 3
     if cfg.recompute == "full":
         recompute = fwd + tp_s + now.cp_forward_s + now.ep_forward_s
     else:
@@ -339,13 +363,20 @@ def _repriced(
     new = replace(
         now,
         compute_forward_s=fwd,
-        compute_backward_s=base.compute_backward_s * r,
+        compute_backward_s=(base.compute_backward_s - 2 * host_1 / 3) * r + 2 * host / 3,
         weight_grad_s=base.weight_grad_s * r,
         recompute_s=recompute,
         tp_forward_s=tp_s,
         tp_backward_s=tp_s,
     )
     return now, new
+
+
+def _weight_bytes(table: LayerTable, cfg: ParallelConfig, estimator: Estimator) -> float:
+    """Weight bytes of one layer on a rank as the analytic model holds them (split over tp)."""
+    width = estimator.act_scale * estimator.tables.traced_float_bytes
+    params = table.params_tp / cfg.tp + table.params_rep
+    return width * (params + table.params_expert / max(cfg.ep, cfg.tp))
 
 
 def _total(lt: LayerTime) -> float:
