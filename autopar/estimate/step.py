@@ -32,8 +32,9 @@ split is the all-layer policy's, so k changes no stage boundary. Per stage s, wi
 - a_l^policy >= 0 the bytes a recomputed layer l drops and n_s >= 1 in-flight micro-batches,
     act_s(k) = sum_l a_l^none n_s - sum_{l recomputed} d_l n_s + max_{l recomputed} d_l
 falls as k grows (a layer added lowers the sum by d_l n_s and raises the max by at most d_l),
-so `fewest_recomputed_layers` bisects for the smallest k whose busiest stage fits; step time
-rises with k, so that k is the fastest of the policy's per-layer variants.
+so the smallest k whose busiest stage fits is found by one scan over k with running sums
+(`fewest_recomputed_layers`); step time rises with k, so that k is the fastest of the
+policy's per-layer variants.
 """
 
 from __future__ import annotations
@@ -49,7 +50,13 @@ from autopar.estimate.options import CostOptions
 from autopar.estimate.pipeline_timer import PipelineTimer
 from autopar.estimate.tables import LayerTable, ModelTables
 from cost_models.compute import list_collective_time_s, op_time_s
-from cost_models.memory import PeakMemory, model_state_bytes, peak_memory
+from cost_models.memory import (
+    PeakMemory,
+    allocator_reserve_bytes,
+    model_state_bytes,
+    peak_memory,
+)
+from cost_models.pipeline import peak_inflight_microbatches
 
 # Bytes read + written per parameter by one optimizer step (fp32 master weights, fp32 grads).
 # AdamW mixed precision: read master, m, v, grad (16), write master, m, v (12), bf16 copy (2).
@@ -130,6 +137,7 @@ class Estimator:
         self._pipeline_timer = PipelineTimer()
         self._partition_cache: dict[tuple, list[int]] = {}
         self._mesh_cache: dict[tuple, MeshGroups] = {}
+        self._activation_cache: dict[tuple, float] = {}
 
     # ------------------------------------------------------------------ public
 
@@ -192,42 +200,51 @@ class Estimator:
     ) -> int | None:
         """The smallest ``recompute_layers`` k (1 .. ``max_layers``, default the blocks of the
         fullest chunk) for which every stage of ``cfg`` fits in ``capacity_bytes``; None when
-        even the largest k does not fit or cfg recomputes nothing. Memory only, by bisection
-        (module docstring); the time of that k is evaluate()'s."""
+        no k fits or cfg recomputes nothing. Memory only: per stage, the bytes with no block
+        recomputed less what the first k blocks of its chunks drop (module docstring), for
+        every k at once; the time of that k is evaluate()'s."""
         if cfg.recompute == "none":
             return None
         cfg = replace(cfg, recompute_layers=None)
         m = self._num_microbatches(cfg, global_batch_size)
-        mesh = self._mesh(cfg)
-        times = self._layer_times(cfg, mesh)
+        times = self._layer_times(cfg, self._mesh(cfg))
         chunks = self._chunks(cfg, times)
-        stage_layers = self._stage_layers(cfg, chunks)
-        top = max(sum(t.kind == "block" for t in c) for c in chunks)
+        blocks = [[t for t in c if t.kind == "block"] for c in chunks]
+        top = max(len(b) for b in blocks)
         if max_layers is not None:
             top = min(top, max_layers)
         if top < 1:
             return None
-        if cfg.pp == 1:
-            inflight = [1.0]
-        else:
-            rec = self._recomputed(cfg, chunks)
-            per_stage = [self._stage_times(cfg, mesh, ls, times, rec) for ls in stage_layers]
-            inflight = self._pipeline(cfg, m, per_stage, mesh)[1]
-
-        def fits(k: int) -> bool:
-            rec = self._recomputed(replace(cfg, recompute_layers=k), chunks)
-            return all(
-                self._stage_memory(cfg, i, ls, inflight[i], rec).total_bytes <= capacity_bytes
-                for i, ls in enumerate(stage_layers)
-            )
-
-        if not fits(top):
-            return None
-        lo, hi = 0, top  # fits(hi); lo is 0 (no block recomputed) or a k that does not fit
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-        return hi
+        stage_layers = self._stage_layers(cfg, chunks)
+        inflight = [1.0]  # the schedule's op order alone sets it: no simulation
+        if cfg.pp > 1:
+            inflight = list(peak_inflight_microbatches(cfg.schedule, cfg.pp, m, cfg.virtual_stages))
+        # per stage and block position j in its chunks: bytes dropped (summed), transient (max)
+        dropped = [[0.0] * top for _ in stage_layers]
+        transient = [[0.0] * top for _ in stage_layers]
+        for k, chunk in enumerate(blocks):
+            s = self._stage_of_chunk(cfg, k)
+            for j, table in enumerate(chunk[:top]):
+                d = self._activation_bytes(cfg, table, "none") - self._activation_bytes(
+                    cfg, table, cfg.recompute
+                )
+                dropped[s][j] += d
+                transient[s][j] = max(transient[s][j], d)
+        live, drop, peak = [], [0.0] * len(stage_layers), [0.0] * len(stage_layers)
+        for i, ls in enumerate(stage_layers):
+            base = self._stage_memory(cfg, i, ls, inflight[i], frozenset())
+            live.append(base.total_bytes - base.reserve_bytes)
+        for k in range(1, top + 1):
+            fits = True
+            for s in range(len(stage_layers)):
+                drop[s] += dropped[s][k - 1] * max(1.0, inflight[s])
+                peak[s] = max(peak[s], transient[s][k - 1])
+                now = live[s] - drop[s] + peak[s]
+                reserve = allocator_reserve_bytes(now, fraction=self.options.reserve_fraction)
+                fits = fits and now + reserve <= capacity_bytes
+            if fits:
+                return k
+        return None
 
     # ------------------------------------------------------------------ structure
 
@@ -331,10 +348,16 @@ class Estimator:
         p = cfg.pp
         stages: list[list[LayerTable]] = [[] for _ in range(p)]
         for k, chunk in enumerate(chunks):
-            v_shape = cfg.schedule == "dualpipe_v"
-            stage = (k if k < p else 2 * p - 1 - k) if v_shape else k % p
-            stages[stage].extend(chunk)
+            stages[self._stage_of_chunk(cfg, k)].extend(chunk)
         return stages
+
+    @staticmethod
+    def _stage_of_chunk(cfg: ParallelConfig, k: int) -> int:
+        """The stage of model chunk k: round-robin, or a V for DualPipe-V."""
+        p = cfg.pp
+        if cfg.schedule == "dualpipe_v":
+            return k if k < p else 2 * p - 1 - k
+        return k % p
 
     # ------------------------------------------------------------------ time
 
@@ -527,17 +550,12 @@ class Estimator:
             shard_degree=cfg.fsdp,
         )
         b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
-        div = {"tp": t * c, "rep": c * (t if cfg.sequence_parallel else 1), "expert": t * c}
         per_mb = transient = logits = 0.0
         for table in layers:
             policy = cfg.recompute
             if recomputed is not None and table.name not in recomputed:
                 policy = "none"
-            kept, none = (
-                self.act_scale
-                * sum(v * b / div[k] for k, v in table.activations.get(p, {}).items())
-                for p in (policy, "none")
-            )
+            kept, none = (self._activation_bytes(cfg, table, p) for p in (policy, "none"))
             per_mb += kept
             transient = max(transient, none - kept)
             logits += table.vocab_logits_bytes * b / (t * c) * self.act_scale * 2
@@ -554,6 +572,21 @@ class Estimator:
             communication_buffer_bytes=buffers,
             reserve_fraction=self.options.reserve_fraction,
         )
+
+    def _activation_bytes(self, cfg: ParallelConfig, table: LayerTable, policy: str) -> float:
+        """One micro-batch's activations ``table`` keeps under ``policy`` on one rank: per
+        shard class, divided by t*c (sharded) or c (x t with SP, replicated); cached."""
+        b, t, c, sp = cfg.micro_batch_size, cfg.tp, cfg.cp, cfg.sequence_parallel
+        key = (table.name, policy, b, t, c, sp)
+        if key not in self._activation_cache:
+            div = {"tp": t * c, "rep": c * (t if sp else 1), "expert": t * c}
+            kept = sum(v * b / div[k] for k, v in table.activations.get(policy, {}).items())
+            if c > 1 and policy == "none":
+                # context parallelism all-gathers K and V: the backward keeps the whole
+                # sequence's, not the 1/c shard counted above (autopar.runtime.context_parallel)
+                kept += sum(op.kv_bytes for op in table.attention) * b / t * (1 - 1 / c)
+            self._activation_cache[key] = self.act_scale * kept
+        return self._activation_cache[key]
 
 
 def linear_partition(weights: list[float], parts: int) -> list[int]:
