@@ -491,3 +491,16 @@ def simulate_pipeline(
         peak_inflight_microbatches=_peak_held(schedule, p, m, v),
         tasks=tuple(sorted(tasks, key=lambda t: (t.start_s, t.stage))),
     )
+
+
+def peak_inflight_microbatches(
+    schedule: Schedule, num_stages: int, num_microbatches: int, virtual_stages: int = 1
+) -> tuple[float, ...]:
+    """Per rank, the peak in-flight micro-batches `simulate_pipeline` reports, without
+    simulating: the peak follows the op order alone (`_peak_held`), not the times.
+
+    >>> peak_inflight_microbatches("1f1b", 4, 8)
+    (4.0, 3.0, 2.0, 1.0)
+    """
+    _validate(schedule, num_stages, num_microbatches, virtual_stages, {}, 0.0)
+    return _peak_held(schedule, num_stages, num_microbatches, virtual_stages)
