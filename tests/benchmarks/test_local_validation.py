@@ -2,7 +2,7 @@
 
 One plain DP config of the validation model runs a few steps in the spawned gloo pool; its
 measured step time is read from the program's own step lines and must be within a generous
-factor of the prediction (the machine is shared, so this checks the machinery and the order
+factor (20x) of the prediction (the machine is shared, so this checks the machinery and the order
 of magnitude, not the cost model's accuracy: the benchmark itself does that).
 """
 
@@ -58,6 +58,9 @@ def test_one_config_runs_and_measures_near_its_prediction(tmp_path):
     # the fastest step after the first: the one other processes on the machine slowed least
     got = local_runner.measure(2, programs, steps=4, threads=1)["dp2"]
     assert got.ok, got.error
+    assert len(got.step_times_s) == 4
     measured = min(got.step_times_s[1:])
     ratio = plan.step_time_s / measured
-    assert 1 / 3 <= ratio <= 3, f"predicted {plan.step_time_s:.3f} s, measured {measured:.3f} s"
+    # a unit slip (ms for s) or a step line of another program is off by 1000x; a loaded
+    # machine slowed this step 5x in a CI run beside other jobs (0.78 s against 0.16 s)
+    assert 1 / 20 <= ratio <= 20, f"predicted {plan.step_time_s:.3f} s, measured {measured:.3f} s"
