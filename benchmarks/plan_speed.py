@@ -40,6 +40,7 @@ def one(case: str) -> dict[str, object]:
         "step_time_s": plan.step_time_s,
         "mfu": plan.mfu,
         "report": plan.report["text"],
+        "refine": {k: v for k, v in plan.report.get("refine", {}).items() if k != "candidates"},
         "timings": plan.timings,
     }
 
@@ -58,6 +59,13 @@ def main(cases: list[str]) -> None:
         )
         print(f"    plan {r['config']}: step {r['step_time_s']:.2f} s, MFU {r['mfu']:.1%}")
         print(f"    {r['report']}")
+        if r.get("refine"):
+            f = r["refine"]
+            print(
+                f"    ILP re-pricing: {f['num_candidates']} candidates, {f['num_repriced']} "
+                f"re-priced, {f['ilp_solves']} solves, {f['cache_hits']} cache hits, "
+                f"winner {'CHANGED' if f['changed'] else 'unchanged'} (timed under 'ilp')"
+            )
         print("    " + ", ".join(f"{k} {v:.2f} s" for k, v in r["timings"].items()))
 
 
