@@ -123,6 +123,9 @@ def search(
             progress(index, len(degrees_list))
         # (config but recompute) that fit without recompute: any recompute is only slower
         settled: set[tuple] = set()
+        # (config but recompute) whose no-recompute config was slower than the best already:
+        # recompute only adds work to every stage, so those are slower too
+        bounded: set[tuple] = set()
         for cfg in inner_choices(limits, degrees):
             layer_choices = recompute_layer_choices(limits, cfg)
             variants = 1 + len(layer_choices)  # cfg (every layer) and its per-layer variants
@@ -135,6 +138,9 @@ def search(
             if key in settled:
                 pruned["dominated (more recompute than a config that fits)"] += variants
                 continue
+            if key in bounded:
+                pruned["slower than the best so far (bound)"] += variants
+                continue
             if bounds.memory(cfg) > capacity:  # holds for the variants: they keep more
                 pruned["memory (lower bound)"] += variants
                 continue
@@ -143,6 +149,8 @@ def search(
             est = estimator.evaluate(candidate, limits.global_batch_size, time_bound_s=best_s)
             if est is None:
                 pruned["slower than the best so far (bound)"] += 1
+                if cfg.recompute == "none":
+                    bounded.add(key)
                 continue
             if est.peak_memory_bytes <= capacity:
                 feasible.append(est)
