@@ -22,8 +22,9 @@ with foreach=False, as `autopar.runtime.trainer`): per layer per step against th
 model's optimizer and grad_clip terms (a per-parameter loop: every op of it pays dispatch).
 
 Each timed micro-batch starts after a barrier and the slowest rank's median counts (a step
-goes at the pace of its slowest rank). The style's config uses all the ranks: plain = dp,
-tp and tp_sp = tp 2 x dp, fsdp and fsdp3 = fsdp (ZeRO-2, ZeRO-3).
+goes at the pace of its slowest rank); the two depths alternate step by step. The style's
+config uses all the ranks: plain = dp, tp and tp_sp = tp 2 x dp, fsdp and fsdp3 = fsdp
+(ZeRO-2, ZeRO-3).
 
 Public functions:
     measure_runtime(world_size, quick, progress) -> list[RuntimeMeasurement]   (every rank)
@@ -79,49 +80,62 @@ def measure_runtime(
     """Time every style at 1 and 3 layers on this group's ranks (all ranks call this)."""
     from autopar.hardware import RUNTIME_STYLES
 
-    iterations = 3 if quick else 7
+    iterations = 4 if quick else 15
     out = []
     for style in RUNTIME_STYLES:
         cfg = style_config(style, world_size)
-        for layers in LAYERS:
-            seconds, optimizer_s = _time_style(cfg, layers, iterations)
+        for layers, (seconds, optimizer_s) in zip(
+            LAYERS, _time_style(cfg, iterations), strict=True
+        ):
             out.append(RuntimeMeasurement(style, layers, seconds, optimizer_s))
         per_layer = (out[-1].time_s - out[-2].time_s) / (LAYERS[1] - LAYERS[0])
         progress(f"runtime {style}: {per_layer * 1e3:.2f} ms per layer per micro-batch")
     return out
 
 
-def _time_style(cfg: ParallelConfig, num_layers: int, iterations: int) -> tuple[float, float]:
-    from autopar.models import zoo
-    from autopar.runtime.mesh import build_mesh
-    from autopar.runtime.parallelize import parallelize_model
-    from autopar.runtime.tensor_parallel import loss_context
-    from autopar.runtime.trainer import TrainOptions, _local, _make_optimizer
+class _Runner:
+    """One depth of the style's model on the plan's mesh, with its timed step parts."""
 
-    mesh = build_mesh(cfg, "cuda" if torch.cuda.is_available() else "cpu")
-    device = (
-        torch.device(mesh.mesh.device_type, torch.cuda.current_device())
-        if (mesh.mesh.device_type == "cuda")
-        else torch.device("cpu")
-    )
-    model = zoo.build(MODEL, num_layers=num_layers, **MODEL_OVERRIDES).to(device)
-    pm = parallelize_model(model, mesh, cfg)
-    loss_fn = zoo.loss_fn(MODEL)
-    inputs, targets = zoo.example_batch(MODEL, model, batch_size=1)
-    inputs, targets = tuple(t.to(device) for t in inputs), targets.to(device)
+    def __init__(self, cfg: ParallelConfig, num_layers: int) -> None:
+        from autopar.models import zoo
+        from autopar.runtime.mesh import build_mesh
+        from autopar.runtime.parallelize import parallelize_model
+        from autopar.runtime.trainer import TrainOptions, _make_optimizer
 
-    def micro_batch() -> None:
-        with loss_context(pm.tp_plan):
-            loss = loss_fn(pm.model(*inputs), targets)
-            pm.data_parallel.before_backward(is_last_microbatch=True)
+        mesh = build_mesh(cfg, "cuda" if torch.cuda.is_available() else "cpu")
+        cuda = mesh.mesh.device_type == "cuda"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
+        model = zoo.build(MODEL, num_layers=num_layers, **MODEL_OVERRIDES)
+        self.pm = parallelize_model(model.to(self.device or "cpu"), mesh, cfg)
+        self.loss_fn = zoo.loss_fn(MODEL)
+        inputs, targets = zoo.example_batch(MODEL, model, batch_size=1)
+        self.inputs = tuple(t.to(self.device or "cpu") for t in inputs)
+        self.targets = targets.to(self.device or "cpu")
+        self.optimizer = _make_optimizer(self.pm.model, TrainOptions())
+
+    def _sync(self) -> None:
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)
+
+    def micro_batch(self) -> float:
+        from autopar.runtime.tensor_parallel import loss_context
+
+        self.pm.model.zero_grad(set_to_none=True)
+        dist.barrier()
+        start = time.perf_counter()
+        with loss_context(self.pm.tp_plan):
+            loss = self.loss_fn(self.pm.model(*self.inputs), self.targets)
+            self.pm.data_parallel.before_backward(is_last_microbatch=True)
             loss.backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        self._sync()
+        return time.perf_counter() - start
 
-    optimizer = _make_optimizer(pm.model, TrainOptions())
+    def optimizer_step(self) -> float:  # as the trainer: global norm, clip, AdamW
+        from autopar.runtime.trainer import _local
 
-    def optimizer_step() -> None:  # as the trainer: global norm, clip, AdamW
-        grads = [p.grad for p in pm.model.parameters() if p.grad is not None]
+        dist.barrier()
+        start = time.perf_counter()
+        grads = [p.grad for p in self.pm.model.parameters() if p.grad is not None]
         norm = torch.zeros((), dtype=torch.float64)
         for g in grads:
             norm += _local(g).detach().double().pow(2).sum()
@@ -130,26 +144,28 @@ def _time_style(cfg: ParallelConfig, num_layers: int, iterations: int) -> tuple[
         with torch.no_grad():
             for g in grads:
                 _local(g).mul_(coef)
-        optimizer.step()
+        self.optimizer.step()
+        self._sync()
+        return time.perf_counter() - start
 
-    times, optimizer_times = [], []
-    for i in range(iterations + 2):  # two warm-up steps
-        pm.model.zero_grad(set_to_none=True)
-        dist.barrier()
-        start = time.perf_counter()
-        micro_batch()
-        middle = time.perf_counter()
-        dist.barrier()
-        resumed = time.perf_counter()
-        optimizer_step()
-        if i >= 2:
-            times.append(middle - start)
-            optimizer_times.append(time.perf_counter() - resumed)
-    mine = torch.tensor(
-        [statistics.median(times), statistics.median(optimizer_times)], dtype=torch.float64
-    )
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return float(mine[0]), float(mine[1])
+
+def _time_style(cfg: ParallelConfig, iterations: int) -> list[tuple[float, float]]:
+    """Per depth of LAYERS: (micro-batch, optimizer step) medians, the slowest rank's. The
+    depths alternate step by step, so a change in the machine's load falls on both alike."""
+    runners = [_Runner(cfg, layers) for layers in LAYERS]
+    times: list[list[tuple[float, float]]] = [[] for _ in runners]
+    for i in range(iterations + 2):  # two warm-up steps each
+        for runner, mine in zip(runners, times, strict=True):
+            step = (runner.micro_batch(), runner.optimizer_step())
+            if i >= 2:
+                mine.append(step)
+    medians = [
+        (statistics.median(t for t, _ in mine), statistics.median(o for _, o in mine))
+        for mine in times
+    ]
+    flat = torch.tensor(medians, dtype=torch.float64)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    return [(float(a), float(b)) for a, b in flat]
 
 
 def model_text() -> str:
