@@ -7,7 +7,10 @@ the non-pipeline ranks of a stage, so ep divides dp * fsdp * cp * tp. ``micro_ba
 per rank; global batch = micro_batch_size * num_microbatches * dp * fsdp. ``recompute`` is
 the policy; ``recompute_layers`` k applies it to only the first k repeated layers (blocks) of
 each model chunk (the whole model when pp = 1; one of the pp x virtual_stages chunks otherwise),
-the other blocks keep their activations; None applies it to every layer.
+the other blocks keep their activations; None applies it to every layer. ``axis_order`` lays
+the non-pipeline axes on the ranks, innermost (stride 1) first, pp always outermost: None is
+`DEFAULT_AXIS_ORDER` (tp, cp, fsdp, dp: tensor parallelism inside a node first); e.g.
+("fsdp", "tp", "cp", "dp") puts fsdp inside the node and tp across nodes.
 Invariant: `ParallelConfig.validate` reports every violated rule at once, with the numbers.
 """
 
@@ -28,6 +31,8 @@ RECOMPUTE = ("none", "selective", "full")
 # Schedules that place more than one model chunk on a pipeline rank.
 _MULTI_CHUNK = {"interleaved_1f1b": "at least 2", "dualpipe_v": "exactly 2"}
 DEGREES = ("dp", "fsdp", "cp", "tp", "pp")
+# Megatron's and torchtitan's rank layout, innermost first: what axis_order=None means.
+DEFAULT_AXIS_ORDER = ("tp", "cp", "fsdp", "dp")
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,30 @@ class ParallelConfig:
     # None: the policy on every layer; k: on the first k blocks of each model chunk only.
     # Last, and left out of to_dict() when None, so existing plan.json files stay the same.
     recompute_layers: int | None = None
+    # None: DEFAULT_AXIS_ORDER; else dp, fsdp, cp, tp each once, innermost first. Left out of
+    # to_dict() when None, like recompute_layers.
+    axis_order: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.axis_order, list):  # as plan.json spells it
+            object.__setattr__(self, "axis_order", tuple(self.axis_order))
+        if self.axis_order == DEFAULT_AXIS_ORDER:  # one spelling per layout: equal, same JSON
+            object.__setattr__(self, "axis_order", None)
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The non-pipeline axes, innermost (stride 1) first; pp lies outside them all."""
+        return DEFAULT_AXIS_ORDER if self.axis_order is None else self.axis_order
+
+    @property
+    def strides(self) -> dict[str, int]:
+        """Rank stride of every axis (dp, fsdp, cp, tp in `order`, then pp): an axis'
+        coordinate is rank // stride % degree."""
+        out, stride = {}, 1
+        for axis in (*self.order, "pp"):
+            out[axis] = stride
+            stride *= getattr(self, axis)
+        return out
 
     @property
     def world_size(self) -> int:
@@ -96,6 +125,14 @@ class ParallelConfig:
                 out.append(
                     f"recompute_layers={k} needs recompute full or selective, got recompute=none"
                 )
+        order = self.axis_order
+        if order is not None and (
+            not isinstance(order, tuple) or sorted(map(str, order)) != sorted(DEFAULT_AXIS_ORDER)
+        ):
+            out.append(
+                f"axis_order must list dp, fsdp, cp and tp once each, innermost first (pp is "
+                f"always outermost), got {order!r}"
+            )
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence_parallel needs tp > 1, got tp=1")
         non_pipeline = self.dp * self.fsdp * self.cp * self.tp
@@ -125,6 +162,8 @@ class ParallelConfig:
         if self.virtual_stages > 1:
             extras += f" v={self.virtual_stages}"
         extras += f" recompute={self.recompute_text}" + (" +sp" if self.sequence_parallel else "")
+        if self.axis_order is not None:
+            extras += f" order={','.join(self.axis_order)}"
         return f"{degrees} | {extras}"
 
     @property
@@ -135,9 +174,10 @@ class ParallelConfig:
         return f"{self.recompute}:{self.recompute_layers}"
 
     def to_dict(self) -> dict[str, object]:
-        """The fields as JSON values; recompute_layers only when set (plans made before it
-        existed load, and save byte-identical)."""
+        """The fields as JSON values; recompute_layers and axis_order only when set (plans
+        made before they existed load, and save byte-identical)."""
         data = asdict(self)
-        if data["recompute_layers"] is None:
-            del data["recompute_layers"]
+        for name in ("recompute_layers", "axis_order"):
+            if data[name] is None:
+                del data[name]
         return data

@@ -130,10 +130,7 @@ assert CONFIG == PLAN.config, "train.py and plan.json disagree: regenerate with 
 def _mesh(plan: Plan) -> str:
     c = plan.config
     sizes = {"pp": c.pp, "dp": c.dp, "fsdp": c.fsdp, "cp": c.cp, "tp": c.tp}
-    stride, strides = 1, {}
-    for axis in ("tp", "cp", "fsdp", "dp", "pp"):
-        strides[axis] = stride
-        stride *= sizes[axis]
+    strides = c.strides  # the plan's axis order, innermost first, pp outermost
     split = [a for a in ("pp", "dp", "fsdp", "cp", "tp") if sizes[a] > 1]
     rows = "\n".join(
         f"#   {a:<5} size {sizes[a]:<3} coordinate = rank // {strides[a]} % {sizes[a]}; "
@@ -144,7 +141,15 @@ def _mesh(plan: Plan) -> str:
     if ones:
         rows += f"\n#   {', '.join(ones)}: size 1"
     n = plan.world_size
-    return f"""# ---- the mesh: DeviceMesh(arange({n}).reshape(pp, dp, fsdp, cp, tp)), tp innermost
+    if c.axis_order is None:
+        head = f"DeviceMesh(arange({n}).reshape(pp, dp, fsdp, cp, tp)), tp innermost"
+    else:
+        outer = ", ".join(("pp", *reversed(c.order)))
+        head = (
+            f"DeviceMesh(arange({n}).reshape({outer}) permuted to (pp, dp, fsdp, cp, tp)), "
+            f"axis order {','.join(c.order)} innermost first"
+        )
+    return f"""# ---- the mesh: {head}
 {rows}
 # data rank = dp * fsdp_size + fsdp of D = dp * fsdp: samples [rank * B / D, (rank + 1) * B / D)"""
 

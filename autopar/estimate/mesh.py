@@ -1,9 +1,22 @@
 """Process groups of a config on the cluster, and their collective times (cached).
 
-Ranks are laid out with tp innermost, then cp, fsdp, dp, and pp outermost (Megatron's and
-torchtitan's default order), so tensor parallelism stays inside a node first. The group of an
-axis is the ranks that differ only in that axis' coordinate, starting at rank 0; ep folds over
-the innermost ep non-pipeline ranks; "world" is every rank.
+In: a `Cluster` and a `ParallelConfig`. Out: `MeshGroups`, the ranks of each axis' group that
+holds rank 0 and the seconds of a collective over it.
+
+Layout: the non-pipeline axes lie on the ranks in the config's `axis_order`, innermost (stride
+1) first, pp outermost; the default is tp, cp, fsdp, dp (Megatron's and torchtitan's order, tensor
+parallelism inside a node first). An axis' coordinate is rank // stride % degree
+(`ParallelConfig.strides`), and its group is the ranks that differ only in that coordinate,
+starting at rank 0. `autopar.runtime.mesh.build_mesh` lays the DeviceMesh out the same way.
+
+Expert parallelism: where the runtime can run it (fsdp = 1 and ep divides dp) ep folds over the
+dp axis, the ep coordinates nearest rank 0 of it (stride: dp's), as
+`autopar.runtime.expert_parallel.build_expert_groups` builds the groups; otherwise over the
+innermost ep non-pipeline ranks (Megatron-Core's fold; the runtime refuses those configs).
+"world" is every rank.
+
+`layout_signature` is what the cost model sees of a layout: two configs with equal signatures
+price every collective alike, so the search keeps one axis order per signature.
 """
 
 from __future__ import annotations
@@ -13,17 +26,28 @@ from autopar.config import ParallelConfig
 from cost_models.comm import collective_time
 
 
+def axis_ranks(cfg: ParallelConfig) -> dict[str, tuple[int, ...]]:
+    """Per axis (dp, fsdp, cp, tp, pp, ep), the ranks of its group that holds rank 0."""
+    strides = cfg.strides
+    out = {
+        axis: tuple(i * strides[axis] for i in range(getattr(cfg, axis)))
+        for axis in ("tp", "cp", "fsdp", "dp", "pp")
+    }
+    out["ep"] = expert_ranks(cfg)
+    return out
+
+
+def expert_ranks(cfg: ParallelConfig) -> tuple[int, ...]:
+    """The ep group that holds rank 0 (module docstring: folded over dp where it can run)."""
+    if cfg.fsdp == 1 and cfg.dp % cfg.ep == 0:
+        return tuple(i * cfg.strides["dp"] for i in range(cfg.ep))
+    return tuple(range(cfg.ep))
+
+
 class MeshGroups:
     def __init__(self, cluster: Cluster, cfg: ParallelConfig) -> None:
         self.cluster = cluster
-        strides = {"tp": 1}
-        strides["cp"] = cfg.tp
-        strides["fsdp"] = strides["cp"] * cfg.cp
-        strides["dp"] = strides["fsdp"] * cfg.fsdp
-        strides["pp"] = strides["dp"] * cfg.dp
-        sizes = {"tp": cfg.tp, "cp": cfg.cp, "fsdp": cfg.fsdp, "dp": cfg.dp, "pp": cfg.pp}
-        self.ranks = {axis: tuple(i * strides[axis] for i in range(sizes[axis])) for axis in sizes}
-        self.ranks["ep"] = tuple(range(cfg.ep))
+        self.ranks = axis_ranks(cfg)
         self.ranks["world"] = tuple(range(cluster.world_size))
         # point-to-point partners: a pipeline neighbour, a context-parallel ring neighbour
         self.ranks["pp"] = self.ranks["pp"][:2]
@@ -45,3 +69,12 @@ class MeshGroups:
             cached = collective_time(collective, nbytes, group).time_s  # type: ignore[arg-type]
             self._cache[key] = cached
         return cached
+
+
+def layout_signature(cluster: Cluster, cfg: ParallelConfig) -> tuple:
+    """How every priced group of ``cfg`` lies on ``cluster``'s levels (the world group is the
+    same for every layout and left out): equal signatures, equal collective times."""
+    ranks = axis_ranks(cfg)
+    ranks["pp"] = ranks["pp"][:2]
+    ranks["cp_pair"] = ranks["cp"][:2]
+    return tuple(cluster.comm_group(ranks[a]) for a in sorted(ranks))

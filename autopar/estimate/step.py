@@ -258,7 +258,7 @@ class Estimator:
         return global_batch_size // per_step
 
     def _mesh(self, cfg: ParallelConfig) -> MeshGroups:
-        key = (cfg.dp, cfg.fsdp, cfg.cp, cfg.tp, cfg.pp, cfg.ep)
+        key = (cfg.dp, cfg.fsdp, cfg.cp, cfg.tp, cfg.pp, cfg.ep, cfg.axis_order)
         if key not in self._mesh_cache:
             self._mesh_cache[key] = MeshGroups(self.cluster, cfg)
         return self._mesh_cache[key]

@@ -34,7 +34,7 @@ Public functions:
     ExpertParallel.expert_parameters(model) -> list of parameters (this rank's experts)
     ExpertParallel.is_expert(name) -> bool
     ExpertParallel.sync_gradients(model)          # after backward: experts' data average
-    build_expert_groups(world, dp, inner, ep) -> (ep group, expert data group) of this rank
+    build_expert_groups(world, dp, inner, ep, ranks=None) -> (ep group, expert data group)
 """
 
 from __future__ import annotations
@@ -167,20 +167,24 @@ def apply_expert_parallel(
 
 
 def build_expert_groups(
-    world: int, dp: int, inner: int, ep: int
+    world: int, dp: int, inner: int, ep: int, ranks: torch.Tensor | None = None
 ) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
     """This rank's ep group and expert data group, for ep folded over the dp axis.
 
-    Ranks are laid out `[pp, dp, inner]` (inner = fsdp*cp*tp, as `autopar.runtime.mesh`):
-    the dp index splits into (dp/ep, ep), ep inner. Every rank must call this (new_group is
-    collective). Returns (ep group, expert data group or None when dp == ep).
+    ``ranks``: the mesh's ranks indexed [pp, dp, fsdp, cp, tp] (`RuntimeMesh.mesh.mesh`, laid
+    out in the plan's axis order); default `arange(world)` as [pp, dp, inner] (inner =
+    fsdp*cp*tp, the default order). The dp index splits into (dp/ep, ep), ep inner, so rank 0's
+    ep group is the ep ranks along dp nearest it (`autopar.estimate.mesh.expert_ranks`). Every
+    rank must call this (new_group is collective). Returns (ep group, expert data group or None
+    when dp == ep).
 
     Raises:
         ValueError: ep does not divide dp.
     """
     if dp % ep:
         raise ValueError(f"expert parallelism folds over dp here: ep={ep} must divide dp={dp}")
-    layout = torch.arange(world).reshape(-1, dp // ep, ep, inner)
+    base = torch.arange(world) if ranks is None else ranks
+    layout = base.reshape(-1, dp // ep, ep, inner)
     me = dist.get_rank()
     ep_group = edp_group = None
     for ranks in layout.permute(0, 1, 3, 2).reshape(-1, ep).tolist():

@@ -5,15 +5,19 @@ a `ParallelConfig`. Out: a `RuntimeMesh`, a `torch.distributed.device_mesh.Devic
 axes "pp", "dp", "fsdp", "cp", "tp" (outer to inner, every axis present, size 1 included) and
 the coordinates of this rank.
 
-Invariant: the rank layout is `autopar.estimate.mesh.MeshGroups`' -- tp innermost (stride 1),
-then cp, fsdp, dp, and pp outermost -- because the mesh is `arange(world).reshape(pp, dp, fsdp,
-cp, tp)`, so a group the planner priced (say tp inside a node) is the group the program uses.
+Invariant: the rank layout is `autopar.estimate.mesh.MeshGroups`' -- the non-pipeline axes in
+the config's `axis_order`, innermost (stride 1) first (default tp, cp, fsdp, dp), pp outermost
+-- because the mesh is `arange(world)` reshaped to pp and the axes outer to inner, then permuted
+to the named dims (pp, dp, fsdp, cp, tp), so a group the planner priced (say tp inside a node,
+or fsdp inside it and tp across) is the group the program uses. The dims keep their names and
+order whatever the layout; only which ranks sit at which coordinates changes.
 
 Public functions:
     init_distributed(device=None) -> (rank, world_size, device)   # process group from torchrun
     shutdown_distributed()                                        # barrier, then destroy it
     free_port() -> int                                            # a loopback port for local ranks
     build_mesh(config, device_type=None) -> RuntimeMesh           # refuses a wrong world size
+    mesh_layout(config) -> tensor [pp, dp, fsdp, cp, tp] of ranks  # in the plan's axis order
     check_world_size(config, world_size)                          # the clear error, alone
 """
 
@@ -147,6 +151,18 @@ class RuntimeMesh:
         return f"mesh {shape} on {self.mesh.device_type}; rank {self.rank} at ({where})"
 
 
+def mesh_layout(config: ParallelConfig) -> torch.Tensor:
+    """The ranks indexed [pp, dp, fsdp, cp, tp]: rank = sum of coordinate x the axis' stride
+    (`ParallelConfig.strides`, from the plan's axis order).
+
+    >>> mesh_layout(ParallelConfig(dp=2, tp=2, axis_order=("dp", "tp", "cp", "fsdp")))[0, :, 0, 0]
+    tensor([0, 1])
+    """
+    outer_to_inner = ("pp", *reversed(config.order))
+    layout = torch.arange(config.world_size).reshape([getattr(config, a) for a in outer_to_inner])
+    return layout.permute([outer_to_inner.index(a) for a in AXES]).contiguous()
+
+
 def build_mesh(config: ParallelConfig, device_type: str | None = None) -> RuntimeMesh:
     """The plan's mesh over the initialised default process group.
 
@@ -163,15 +179,7 @@ def build_mesh(config: ParallelConfig, device_type: str | None = None) -> Runtim
     check_world_size(config, world_size)
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    sizes = {
-        "pp": config.pp,
-        "dp": config.dp,
-        "fsdp": config.fsdp,
-        "cp": config.cp,
-        "tp": config.tp,
-    }
-    layout = torch.arange(world_size).reshape(tuple(sizes[a] for a in AXES))
-    mesh = DeviceMesh(device_type, layout, mesh_dim_names=AXES)
+    mesh = DeviceMesh(device_type, mesh_layout(config), mesh_dim_names=AXES)
     rank = dist.get_rank()
     coords = mesh.get_coordinate()
     assert coords is not None  # every rank is in the mesh: it spans the world

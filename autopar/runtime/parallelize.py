@@ -134,7 +134,8 @@ def _expert_groups(mesh: RuntimeMesh, config: ParallelConfig) -> tuple | None:
     from autopar.runtime.expert_parallel import build_expert_groups  # see _parallelize_part
 
     inner = config.fsdp * config.cp * config.tp
-    return build_expert_groups(dist.get_world_size(), config.dp, inner, config.ep)
+    ranks = mesh.mesh.mesh  # [pp, dp, fsdp, cp, tp], laid out in the plan's axis order
+    return build_expert_groups(dist.get_world_size(), config.dp, inner, config.ep, ranks)
 
 
 def _parallelize_part(

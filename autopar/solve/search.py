@@ -33,8 +33,10 @@ from dataclasses import dataclass, field, replace
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError
 from autopar.estimate import Estimate, Estimator
+from autopar.estimate.mesh import layout_signature
 from autopar.solve.space import (
     SpaceLimits,
+    axis_orders,
     degree_choices,
     inner_choices,
     recompute_layer_choices,
@@ -126,10 +128,15 @@ def search(
         # (config but recompute) whose no-recompute config was slower than the best already:
         # recompute only adds work to every stage, so those are slower too
         bounded: set[tuple] = set()
-        for cfg in inner_choices(limits, degrees):
+        orders = axis_orders(degrees)
+        equivalent = _equivalent_orders(estimator, degrees, orders)
+        for cfg in (c for o in orders for c in inner_choices(limits, degrees, o)):
             layer_choices = recompute_layer_choices(limits, cfg)
             variants = 1 + len(layer_choices)  # cfg (every layer) and its per-layer variants
             num_configs += variants
+            if cfg.axis_order in equivalent:  # an earlier order's groups on the same levels
+                pruned["equivalent axis order (same groups on the levels)"] += variants
+                continue
             key = _without_recompute(cfg)
             if cfg.tp > 1 and not cfg.sequence_parallel and sp_dominates:
                 # same collective volume as with SP, more memory and replicated elementwise work
@@ -219,7 +226,26 @@ def _fewest_layers(
 
 def _without_recompute(cfg: ParallelConfig) -> tuple:
     return (*_degrees(cfg), cfg.zero_stage, cfg.micro_batch_size, cfg.schedule,
-            cfg.virtual_stages, cfg.sequence_parallel)  # fmt: skip
+            cfg.virtual_stages, cfg.sequence_parallel, cfg.axis_order)  # fmt: skip
+
+
+def _equivalent_orders(
+    estimator: Estimator, degrees: tuple[int, ...], orders: list[tuple[str, ...] | None]
+) -> set[tuple[str, ...] | None]:
+    """The orders whose every priced group lies on the cluster's levels as an earlier order's
+    does (`layout_signature`): the same collective times, so the same estimates."""
+    if len(orders) == 1:
+        return set()
+    dp, fsdp, cp, tp, pp, ep = degrees
+    seen: set[tuple] = set()
+    out: set[tuple[str, ...] | None] = set()
+    for order in orders:
+        cfg = ParallelConfig(dp=dp, fsdp=fsdp, cp=cp, tp=tp, pp=pp, ep=ep, axis_order=order)
+        signature = layout_signature(estimator.cluster, cfg)
+        if signature in seen:
+            out.add(order)
+        seen.add(signature)
+    return out
 
 
 class _Bounds:

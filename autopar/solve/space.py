@@ -10,6 +10,10 @@ Per recompute policy (full, selective), `recompute_layer_choices` gives the per-
 the policy on only the first k blocks of each of the pp x v model chunks, k = 1 ..
 ceil(num_blocks / (pp x v)) (`blocks_per_chunk`); `inner_choices` yields the all-layer config
 (recompute_layers=None) and the search expands it, so the space is inner_choices x those.
+Axis orders (`axis_orders`): which non-pipeline axis lies innermost on the ranks (inside the
+NVLink domain, the node) and which across; only the axes of degree > 1 move (a degree-1 axis
+changes no stride), each distinct order of them once, the default relative order first (as
+axis_order=None). The search keeps one order per set of groups on the cluster's levels.
 Divisibility is checked here, so every config that comes out is one the runtime can run.
 """
 
@@ -17,8 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import permutations
 
-from autopar.config import ParallelConfig
+from autopar.config import DEFAULT_AXIS_ORDER, ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -121,10 +126,35 @@ def _expert_degrees(lim: SpaceLimits, non_pipeline: int) -> list[int]:
     return [e for e in divisors(non_pipeline) if lim.num_experts % e == 0]
 
 
+def axis_orders(
+    degrees: tuple[int, int, int, int, int, int],
+) -> list[tuple[str, ...] | None]:
+    """The distinct rank layouts of these degrees, as ``axis_order`` values: the axes of degree
+    > 1 permuted among their slots of the default order, degree-1 axes left in place; None (the
+    default) first, the rest in permutation order.
+
+    >>> axis_orders((2, 1, 1, 4, 1, 1))  # dp=2, tp=4
+    [None, ('dp', 'cp', 'fsdp', 'tp')]
+    """
+    size = dict(zip(("dp", "fsdp", "cp", "tp"), degrees[:4], strict=True))
+    slots = [i for i, axis in enumerate(DEFAULT_AXIS_ORDER) if size[axis] > 1]
+    moving = [DEFAULT_AXIS_ORDER[i] for i in slots]
+    out: list[tuple[str, ...] | None] = []
+    for perm in permutations(moving):
+        order = list(DEFAULT_AXIS_ORDER)
+        for i, axis in zip(slots, perm, strict=True):
+            order[i] = axis
+        out.append(None if tuple(order) == DEFAULT_AXIS_ORDER else tuple(order))
+    return out
+
+
 def inner_choices(
-    lim: SpaceLimits, degrees: tuple[int, int, int, int, int, int]
+    lim: SpaceLimits,
+    degrees: tuple[int, int, int, int, int, int],
+    axis_order: tuple[str, ...] | None = None,
 ) -> Iterator[ParallelConfig]:
-    """Every config with these degrees whose batch and schedule constraints hold."""
+    """Every config with these degrees (laid out in ``axis_order``) whose batch and schedule
+    constraints hold."""
     dp, fsdp, cp, tp, pp, ep = degrees
     zeros = (0,) if fsdp == 1 else (1, 2, 3)
     sps = (False,) if tp == 1 else (True, False)
@@ -150,6 +180,7 @@ def inner_choices(
                             virtual_stages=v,
                             recompute=recompute,  # type: ignore[arg-type]
                             sequence_parallel=sp,
+                            axis_order=axis_order,
                         )
 
 

@@ -13,6 +13,7 @@ from autopar.estimate import Estimator, build_tables
 from autopar.models import zoo
 from autopar.solve.space import (
     SpaceLimits,
+    axis_orders,
     degree_choices,
     inner_choices,
     recompute_layer_choices,
@@ -30,15 +31,18 @@ def gpt():
     return _traced("gpt-tiny", num_layers=4)
 
 
-@pytest.mark.parametrize("profile", ["dgx_h100", "dgx_a100_40g"])
-def test_search_equals_exhaustive_enumeration(gpt, profile):
+@pytest.mark.parametrize(
+    ("profile", "num_nodes"), [("dgx_h100", 1), ("dgx_a100_40g", 1), ("dgx_h100", 2)]
+)
+def test_search_equals_exhaustive_enumeration(gpt, profile, num_nodes):
+    # 2 nodes of 4: axis orders differ in which groups cross the node (one node: all alike)
     model, graph = gpt
-    cluster = Cluster.from_profile(profile, num_devices=8)
+    cluster = Cluster.from_profile(profile, num_nodes, devices_per_node=8 // num_nodes)
     plan = autopar.parallelize(model, cluster, global_batch_size=32, graph=graph)
     estimator = Estimator(build_tables(graph), cluster)
     limits = SpaceLimits(
         world_size=8,
-        devices_per_node=8,
+        devices_per_node=8 // num_nodes,
         num_blocks=4,
         num_heads=attention_heads(graph),
         seq_len=graph.input_shapes[0][-1],
@@ -57,15 +61,21 @@ def test_search_equals_exhaustive_enumeration(gpt, profile):
     assert count > 500
     assert plan.step_time_s == pytest.approx(best.step_time_s, rel=1e-12)
     assert plan.report["num_configs"] == count
+    equivalent = plan.report["pruned"].get("equivalent axis order (same groups on the levels)", 0)
+    reordered = sum(cfg.axis_order is not None for cfg in _every_config(limits))
+    # one node: every order's groups lie inside it; two: some orders put other axes across
+    assert (equivalent == reordered) if num_nodes == 1 else (0 < equivalent < reordered)
 
 
 def _every_config(limits: SpaceLimits):
-    """The whole space: inner_choices and, per recompute policy, every recompute_layers k."""
+    """The whole space: every axis order of inner_choices and, per recompute policy, every
+    recompute_layers k."""
     for degrees in degree_choices(limits):
-        for cfg in inner_choices(limits, degrees):
-            yield cfg
-            for k in recompute_layer_choices(limits, cfg):
-                yield replace(cfg, recompute_layers=k)
+        for order in axis_orders(degrees):
+            for cfg in inner_choices(limits, degrees, order):
+                yield cfg
+                for k in recompute_layer_choices(limits, cfg):
+                    yield replace(cfg, recompute_layers=k)
 
 
 def test_model_that_fits_gets_plain_data_parallelism(gpt):
