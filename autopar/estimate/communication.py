@@ -13,7 +13,8 @@ x = act_scale (training over traced element bytes), c = cp, A an entry of a laye
 training element bytes and g the gradient element bytes:
 
     tp      no SP: all-reduce of A b x / c, twice per micro-batch (Megatron's f and g: once
-            forward, once backward), three times with full recompute of a block;
+            forward, once backward), three times with full recompute of a block (with
+            recompute_layers k: the first k blocks of each chunk, `_recomputed_blocks`);
             SP: all-gather and reduce-scatter of A b x / c, each twice per micro-batch.
             The token embedding's entry is the vocabulary-parallel lookup's all-reduce forward
             and the column-parallel head's input-gradient all-reduce backward (SP: its
@@ -123,6 +124,24 @@ def stage_communication(
     return tuple(out)
 
 
+def _recomputed_blocks(
+    tables: ModelTables, cfg: ParallelConfig, layers: list[LayerTable]
+) -> set[str]:
+    """The stage's blocks that recompute: all, or the first recompute_layers of each of its
+    chunks (a chunk: a run of consecutive blocks of the model; a stage's chunks are apart)."""
+    blocks = [t for t in layers if t.kind == "block"]
+    if cfg.recompute_layers is None:
+        return {t.name for t in blocks}
+    index = {t.name: i for i, t in enumerate(tables.layers)}
+    out, run, last = set(), 0, -2
+    for t in blocks:
+        run = run + 1 if index[t.name] == last + 1 else 1
+        last = index[t.name]
+        if run <= cfg.recompute_layers:
+            out.add(t.name)
+    return out
+
+
 def _tensor_parallel(
     tables: ModelTables, cfg: ParallelConfig, layers: list[LayerTable], m: int, g: int, x: float
 ) -> list[PlannedCollective]:
@@ -131,8 +150,9 @@ def _tensor_parallel(
         return out
     b = cfg.micro_batch_size
     has_blocks = any(t.kind == "block" for t in tables.layers)
+    recomputed = _recomputed_blocks(tables, cfg, layers)
     for t in layers:
-        again = cfg.recompute == "full" and t.kind == "block"
+        again = cfg.recompute == "full" and t.name in recomputed
         for size in t.tp_allreduce_bytes:
             nbytes = size * b * x / cfg.cp
             if cfg.sequence_parallel:

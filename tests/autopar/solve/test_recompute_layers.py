@@ -177,3 +177,27 @@ def test_text_and_plan_json(gpt, tmp_path):
     data = json.loads(old.to_json())
     assert "recompute_layers" not in data["config"]  # unchanged plan.json for unset configs
     assert Plan.from_json(old.to_json()).config.recompute_layers is None
+
+
+def test_plan_communication_counts_the_recompute_of_the_first_k_blocks_only():
+    # TP2 without SP, full recompute: a recomputed block all-reduces 3 times per micro-batch
+    model = zoo.build("gpt-tiny", num_layers=8)
+    cluster = Cluster.from_profile("local_cpu", 1, num_devices=4)
+    cfg = C(tp=2, pp=2, schedule="interleaved_1f1b", virtual_stages=2, recompute="full")
+    thrice = []
+    for k in (None, 1):
+        plan = autopar.evaluate(
+            model,
+            cluster,
+            replace(cfg, recompute_layers=k),
+            zoo.example_inputs("gpt-tiny", model),
+            global_batch_size=4,
+        )
+        thrice.append(
+            [
+                sorted({c["layer"] for c in st if c["part"] == "tp" and c["count"] == 3 * 4})
+                for st in plan.communication
+            ]
+        )
+    every = [[f"blocks.{i}" for i in (0, 1, 4, 5)], [f"blocks.{i}" for i in (2, 3, 6, 7)]]
+    assert thrice == [every, [["blocks.0", "blocks.4"], ["blocks.2", "blocks.6"]]]
