@@ -128,21 +128,24 @@ def search(
         # (config but recompute) whose no-recompute config was slower than the best already:
         # recompute only adds work to every stage, so those are slower too
         bounded: set[tuple] = set()
-        orders = axis_orders(degrees)
-        equivalent = _equivalent_orders(estimator, degrees, orders)
+        # one order per set of groups on the levels; the others are counted, not built
+        orders = _distinct_orders(estimator, degrees)
+        num_equivalent = len(axis_orders(degrees)) - len(orders)
+        first = num_configs
+        # without pp the layout moves no layer between stages: memory is the same in every
+        # order, so what memory decided for one order holds for the next (keys: `_memory_key`)
+        fewest: dict[ParallelConfig, int | None] = {}
+        over_memory: set[ParallelConfig] = set()
         for cfg in (c for o in orders for c in inner_choices(limits, degrees, o)):
             layer_choices = recompute_layer_choices(limits, cfg)
             variants = 1 + len(layer_choices)  # cfg (every layer) and its per-layer variants
             num_configs += variants
-            if cfg.axis_order in equivalent:  # an earlier order's groups on the same levels
-                pruned["equivalent axis order (same groups on the levels)"] += variants
-                continue
             key = _without_recompute(cfg)
             if cfg.tp > 1 and not cfg.sequence_parallel and sp_dominates:
                 # same collective volume as with SP, more memory and replicated elementwise work
                 pruned["dominated (sequence parallel off)"] += variants
                 continue
-            if key in settled:
+            if _without_recompute(_memory_key(cfg)) in settled:
                 pruned["dominated (more recompute than a config that fits)"] += variants
                 continue
             if key in bounded:
@@ -151,7 +154,12 @@ def search(
             if bounds.memory(cfg) > capacity:  # holds for the variants: they keep more
                 pruned["memory (lower bound)"] += variants
                 continue
-            candidate = _fewest_layers(estimator, limits, cfg, layer_choices, capacity, pruned)
+            candidate = _fewest_layers(
+                estimator, limits, cfg, layer_choices, capacity, pruned, fewest
+            )
+            if _memory_key(candidate) in over_memory:
+                pruned["memory (over in another axis order)"] += 1
+                continue
             best_s = feasible_best[0] if feasible_best else None
             est = estimator.evaluate(candidate, limits.global_batch_size, time_bound_s=best_s)
             if est is None:
@@ -162,11 +170,16 @@ def search(
             if est.peak_memory_bytes <= capacity:
                 feasible.append(est)
                 if cfg.recompute == "none":
-                    settled.add(key)
+                    settled.add(_without_recompute(_memory_key(cfg)))
                 if not feasible_best or est.step_time_s < feasible_best[0]:
                     feasible_best[:] = [est.step_time_s]
             else:
                 over.append(est)
+                over_memory.add(_memory_key(candidate))
+        if num_equivalent:  # every order has the same configs (the space's inner choices)
+            same = (num_configs - first) // len(orders) * num_equivalent
+            pruned["equivalent axis order (same groups on the levels)"] += same
+            num_configs += same
     if progress is not None:
         progress(len(degrees_list), len(degrees_list))
     report = SolverReport(
@@ -206,15 +219,22 @@ def _fewest_layers(
     layer_choices: range,
     capacity: float,
     pruned: Counter[str],
+    memo: dict[ParallelConfig, int | None] | None = None,
 ) -> ParallelConfig:
     """Of ``cfg`` (the policy on every layer) and its per-layer variants, the one to price:
     the fewest recomputed layers per chunk that fit, else ``cfg`` itself (the most frugal);
     the others are counted in ``pruned`` (module docstring: why they cannot win)."""
     if not layer_choices:
         return cfg
-    k = estimator.fewest_recomputed_layers(
-        cfg, limits.global_batch_size, capacity, max_layers=layer_choices[-1]
-    )
+    key = _memory_key(cfg)
+    if memo is not None and key in memo:
+        k = memo[key]
+    else:
+        k = estimator.fewest_recomputed_layers(
+            cfg, limits.global_batch_size, capacity, max_layers=layer_choices[-1]
+        )
+        if memo is not None:
+            memo[key] = k
     if k is None:
         pruned["memory (per-layer recompute: no layer count fits)"] += len(layer_choices)
         return cfg
@@ -224,26 +244,34 @@ def _fewest_layers(
     return replace(cfg, recompute_layers=k)
 
 
+def _memory_key(cfg: ParallelConfig) -> ParallelConfig:
+    """``cfg`` as far as its memory goes: without pp the axis order moves no layer between
+    stages (the balanced split weighs layer times, which the order changes), so it is left out."""
+    return replace(cfg, axis_order=None) if cfg.pp == 1 else cfg
+
+
 def _without_recompute(cfg: ParallelConfig) -> tuple:
     return (*_degrees(cfg), cfg.zero_stage, cfg.micro_batch_size, cfg.schedule,
             cfg.virtual_stages, cfg.sequence_parallel, cfg.axis_order)  # fmt: skip
 
 
-def _equivalent_orders(
-    estimator: Estimator, degrees: tuple[int, ...], orders: list[tuple[str, ...] | None]
-) -> set[tuple[str, ...] | None]:
-    """The orders whose every priced group lies on the cluster's levels as an earlier order's
-    does (`layout_signature`): the same collective times, so the same estimates."""
+def _distinct_orders(
+    estimator: Estimator, degrees: tuple[int, ...]
+) -> list[tuple[str, ...] | None]:
+    """The space's axis orders but those whose every priced group lies on the cluster's levels
+    as an earlier order's does (`layout_signature`: the same collective times, so the same
+    estimates); the default order first."""
+    orders = axis_orders(degrees)  # type: ignore[arg-type]
     if len(orders) == 1:
-        return set()
+        return orders
     dp, fsdp, cp, tp, pp, ep = degrees
     seen: set[tuple] = set()
-    out: set[tuple[str, ...] | None] = set()
+    out: list[tuple[str, ...] | None] = []
     for order in orders:
         cfg = ParallelConfig(dp=dp, fsdp=fsdp, cp=cp, tp=tp, pp=pp, ep=ep, axis_order=order)
         signature = layout_signature(estimator.cluster, cfg)
-        if signature in seen:
-            out.add(order)
+        if signature not in seen:
+            out.append(order)
         seen.add(signature)
     return out
 
