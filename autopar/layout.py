@@ -5,8 +5,8 @@ only, so a `Plan` carries it): the axis, its size, the ranks of its group that s
 the outermost topology level those ranks talk over (`Cluster.level_of`), that level's bandwidth
 and how many nodes the group spans.
 
-The groups are the cost model's own (`autopar.estimate.mesh.MeshGroups`: tp innermost, then
-cp, fsdp, dp, pp outermost), so the text says where the priced collectives run; for pp the
+The groups are the cost model's own (`autopar.estimate.mesh.MeshGroups`: the config's axis
+order, by default tp innermost, then cp, fsdp, dp, pp outermost), so the text says where the priced collectives run; for pp the
 group is two neighbouring stages, the pair that exchanges activations.
 """
 

@@ -1,7 +1,8 @@
 """The outer search: price every config of the space, keep the fastest that fits.
 
     for degrees in space.degree_choices (pipeline-free first):   (divisibility built in)
-        for config in space.inner_choices(degrees):               (+ its per-layer variants)
+      for order in space.axis_orders(degrees), one per set of groups on the levels:
+        for config in space.inner_choices(degrees, order):        (+ its per-layer variants)
             skip if dominated, or memory lower bound > capacity   (`_Bounds`, no pricing)
             per-layer recompute: k = the fewest recomputed layers per chunk that fit
                 (Estimator.fewest_recomputed_layers, memory only); price k instead of all
