@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import permutations
 
-from autopar.config import DEFAULT_AXIS_ORDER, ParallelConfig
+from autopar.config import DEFAULT_AXIS_ORDER, SPLIT_BACKWARD, ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,8 @@ def inner_choices(
             for zero in zeros:
                 for sp in sps:
                     for recompute in ("none", "selective", "full"):
+                        if recompute != "none" and pp > 1 and schedule in SPLIT_BACKWARD:
+                            continue  # ParallelConfig.problems: split backward passes
                         yield ParallelConfig(
                             dp=dp,
                             fsdp=fsdp,

@@ -60,3 +60,27 @@ def test_ep_refolds_non_pipeline_ranks(h100x2):
     # ep is not a factor of the world size: 8-way expert parallel inside dp=2 x tp=4 x pp=2.
     cfg = ParallelConfig(dp=2, tp=4, pp=2, ep=8).validate(h100x2)
     assert cfg.world_size == 16
+
+
+def test_recompute_with_a_split_backward_schedule_is_refused():
+    """zero_bubble and DualPipe-V run input and weight gradients as two backward passes:
+    torch's selective checkpoint raises on the second, and full recompute re-runs the forward
+    per pass; the config says so, and the search space leaves these pairs out."""
+    from autopar.config import SPLIT_BACKWARD
+    from autopar.solve.space import SpaceLimits, inner_choices
+
+    for schedule, v in (("zero_bubble", 1), ("dualpipe_v", 2)):
+        for recompute in ("full", "selective"):
+            cfg = ParallelConfig(pp=2, schedule=schedule, virtual_stages=v, recompute=recompute)
+            with pytest.raises(ConfigError, match=f"schedule {schedule} runs the input and"):
+                cfg.validate()
+        ParallelConfig(pp=2, schedule=schedule, virtual_stages=v).validate()
+    ParallelConfig(pp=2, schedule="1f1b", recompute="selective").validate()
+    lim = SpaceLimits(
+        world_size=2, devices_per_node=2, global_batch_size=8, micro_batch_sizes=(1, 2),
+        num_blocks=4, num_heads=4, num_kv_heads=4, num_experts=0, seq_len=64,
+    )  # fmt: skip
+    configs = list(inner_choices(lim, (1, 1, 1, 1, 2, 1)))
+    assert {c.schedule for c in configs} >= set(SPLIT_BACKWARD)
+    assert not [c for c in configs if c.schedule in SPLIT_BACKWARD and c.recompute != "none"]
+    assert all(not c.problems() for c in configs)
