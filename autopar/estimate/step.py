@@ -490,6 +490,10 @@ class Estimator:
             sync = self._overlapped(reduce, grad, st) + gather
         elif cfg.zero_stage == 3 and cfg.dp > 1:
             sync = self._overlapped(mesh.time("all_reduce", grad / cfg.fsdp, "dp"), grad, st)
+        if cfg.cp > 1:  # each cp rank holds its sequence shard's gradient terms: the runtime
+            # sums this rank's (FSDP-sharded) gradients over cp after the backward, one
+            # all-reduce (autopar.runtime.context_parallel.sync_gradients)
+            sync += mesh.time("all_reduce", grad / cfg.fsdp, "cp")
         sharded = params / (cfg.fsdp if cfg.zero_stage >= 1 else 1)
         opt_bytes = sharded * _OPTIMIZER_BYTES[(self.optimizer, self.precision != "fp32")]
         blocks = sum(t.kind == "block" for t in layers)
