@@ -25,7 +25,7 @@ def test_axis_orders_move_only_the_axes_of_degree_above_one():
     assert len(orders) == 24 == len(set(orders)) and orders[0] is None
 
 
-def test_fsdp_inside_the_node_and_tp_across_when_tp_messages_are_small():
+def test_fsdp_inside_the_node_and_tp_across_when_tp_messages_are_small(tmp_path):
     # A 70B-wide model (hidden 8192, 8 layers) on 2 x DGX H100 with short sequences (1024) and
     # 16 sequences a step: ZeRO-3 gathers every layer's 1.6 GB of weights each micro-batch,
     # TP's all-reduces move only 2 x 1024 x 8192 x 2 B = 32 MiB of activations. With tp
@@ -46,6 +46,9 @@ def test_fsdp_inside_the_node_and_tp_across_when_tp_messages_are_small():
     mine = estimator.evaluate(cfg, 16).step_time_s
     default = estimator.evaluate(replace(cfg, axis_order=None), 16).step_time_s
     assert mine < 0.9 * default  # the fsdp gathers on NVLink save more than 10%
+    plan.save(tmp_path)  # plan.json keeps the order; train.py's mesh comment names it
+    assert autopar.Plan.from_json((tmp_path / "plan.json").read_text()).config == cfg
+    assert "axis order fsdp,cp,tp,dp innermost first" in (tmp_path / "train.py").read_text()
 
 
 def test_llama3_8b_on_two_dgx_h100_keeps_the_default_order():
