@@ -210,9 +210,9 @@ class Cluster:
 def _time_shared(profile: HardwareProfile, used: int) -> HardwareProfile:
     """The profile as ``used`` devices per node see it when only ``profile.compute_slots`` of
     them compute at once (ranks on fewer CPU cores): the operating system gives each device
-    slots / used of the time, so its FLOP/s and memory bandwidth scale by that share and its
-    per-op and per-layer runtime overheads by the inverse. Unchanged when the slots suffice
-    (every GPU profile)."""
+    slots / used of the time, so its FLOP/s, memory and collective bandwidths scale by that
+    share and its per-op, per-layer and collective latencies by the inverse. Unchanged when
+    the slots suffice (every GPU profile)."""
     slots = profile.compute_slots
     if not slots or used <= slots:
         return profile
@@ -227,7 +227,25 @@ def _time_shared(profile: HardwareProfile, used: int) -> HardwareProfile:
     )
     layer = {k: v / share for k, v in profile.runtime_overhead_s.items()}
     step = {k: v / share for k, v in profile.optimizer_overhead_s.items()}
-    return replace(profile, device=device, runtime_overhead_s=layer, optimizer_overhead_s=step)
+    # the collectives run on the same cores (gloo copies, reduces and moves loopback bytes
+    # through the kernel on the ranks' own threads): their rate scales by the share too, and
+    # each step's latency (a peer's wake-up) by its inverse
+    levels = tuple(
+        replace(
+            lv,
+            bandwidth_bytes_per_s=lv.bandwidth_bytes_per_s * share,
+            latency_s=lv.latency_s / share,
+            collective_latency_s=tuple((k, v / share) for k, v in lv.collective_latency_s),
+        )
+        for lv in profile.levels
+    )
+    return replace(
+        profile,
+        device=device,
+        levels=levels,
+        runtime_overhead_s=layer,
+        optimizer_overhead_s=step,
+    )
 
 
 def _split_devices(profile: HardwareProfile, num_devices: int) -> tuple[int, int]:

@@ -24,8 +24,9 @@ from cost_models.compute import DTYPES, DeviceSpec, EfficiencyCurve
 
 SCHEMA_VERSION = 1
 # [runtime] layer_overhead_s keys: plain tensors, TP, TP with sequence parallelism, FSDP2
-# with ZeRO-1/2 and with ZeRO-3 (autopar.estimate.layer_cost.runtime_overhead_s combines them)
-RUNTIME_STYLES = ("plain", "tp", "tp_sp", "fsdp", "fsdp3")
+# with ZeRO-1/2 and with ZeRO-3, selective and full recompute of plain layers
+# (autopar.estimate.layer_cost.runtime_overhead_s combines them)
+RUNTIME_STYLES = ("plain", "tp", "tp_sp", "fsdp", "fsdp3", "selective", "full")
 Kind = Literal["gpu", "tpu", "cpu"]
 
 

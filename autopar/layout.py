@@ -6,8 +6,9 @@ the outermost topology level those ranks talk over (`Cluster.level_of`), that le
 and how many nodes the group spans.
 
 The groups are the cost model's own (`autopar.estimate.mesh.MeshGroups`: the config's axis
-order, by default tp innermost, then cp, fsdp, dp, pp outermost), so the text says where the priced collectives run; for pp the
-group is two neighbouring stages, the pair that exchanges activations.
+order, by default tp innermost, then cp, fsdp, dp, pp outermost), so the text says where the
+priced collectives run; for pp the group is two neighbouring stages, the pair that exchanges
+activations.
 """
 
 from __future__ import annotations

@@ -22,7 +22,9 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
         per micro-batch, one third in the forward and two thirds in the backward (the
         backward runs two ops per forward op); full recompute pays the forward third again.
         o = o[tp_sp | tp | plain] + (o[fsdp3 | fsdp] - o[plain] when fsdp > 1): the
-        parallel styles' extra host work (DTensor dispatch, FSDP2 hooks and copies) adds up.
+        parallel styles' extra host work (DTensor dispatch, FSDP2 hooks and copies) adds up;
+        a recomputed layer adds o[policy] - o[plain] (full: less the 1/3 o[plain] its re-run
+        forward already pays) to its recompute time.
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ def layer_time(
         recompute = fwd + tp_f + cp_f + ep
     elif cfg.recompute == "selective":
         recompute = mem
+    if cfg.recompute != "none" and table.kind == "block":
+        recompute += recompute_overhead_s(overheads, cfg.recompute)
     else:
         recompute = 0.0
     return LayerTime(fwd, bwd, wgrad, recompute, tp_f, tp_f, cp_f, cp_b, ep, ep)
@@ -127,6 +131,17 @@ def runtime_overhead_s(overheads: Mapping[str, float] | None, cfg: ParallelConfi
     if cfg.fsdp > 1:
         total += overheads.get("fsdp3" if cfg.zero_stage == 3 else "fsdp", plain) - plain
     return max(0.0, total)
+
+
+def recompute_overhead_s(overheads: Mapping[str, float] | None, policy: str) -> float:
+    """What a layer recomputed under ``policy`` costs the host beyond what the re-run forward
+    pays (full: a third of the plain overhead again; selective: nothing is priced): the
+    measured style's overhead less those, at least 0 (torch's selective checkpoint runs a
+    Python dispatch mode over every op, forward and re-run)."""
+    if not overheads or policy not in overheads:
+        return 0.0
+    plain = overheads.get("plain", 0.0)
+    return max(0.0, overheads[policy] - plain * (4 / 3 if policy == "full" else 1))
 
 
 def _memory_ops_time(

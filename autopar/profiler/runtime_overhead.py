@@ -24,7 +24,7 @@ model's optimizer and grad_clip terms (a per-parameter loop: every op of it pays
 Each timed micro-batch starts after a barrier and the slowest rank's median counts (a step
 goes at the pace of its slowest rank); the two depths alternate step by step. The style's
 config uses all the ranks: plain = dp, tp and tp_sp = tp 2 x dp, fsdp and fsdp3 = fsdp
-(ZeRO-2, ZeRO-3).
+(ZeRO-2, ZeRO-3), selective and full = dp with that recompute policy on every layer.
 
 Public functions:
     measure_runtime(world_size, quick, progress) -> list[RuntimeMeasurement]   (every rank)
@@ -71,6 +71,8 @@ def style_config(style: str, world_size: int) -> ParallelConfig:
         return ParallelConfig(dp=world_size // 2, tp=2, sequence_parallel=style == "tp_sp")
     if style in ("fsdp", "fsdp3"):
         return ParallelConfig(fsdp=world_size, zero_stage=3 if style == "fsdp3" else 2)
+    if style in ("selective", "full"):
+        return ParallelConfig(dp=world_size, recompute=style)
     raise ValueError(f"unknown runtime style {style!r}")
 
 
@@ -223,7 +225,7 @@ def predicted_s(
     b = plan.breakdown
     if part == "optimizer_s":
         return b["optimizer"] + b["grad_clip"]
-    keys = ["compute_forward", "compute_backward", "tp_comm", "fsdp_comm"]
+    keys = ["compute_forward", "compute_backward", "recompute", "tp_comm", "fsdp_comm"]
     if style in ("fsdp", "fsdp3"):
         keys.append("dp_comm")
     return sum(b[k] for k in keys)

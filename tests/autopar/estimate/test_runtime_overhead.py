@@ -4,6 +4,7 @@ and recovered by the profiler's arithmetic from synthetic measurements."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,7 @@ from autopar.models import zoo
 from autopar.profiler import runtime_overhead as ro
 
 OVERHEADS = {"plain": 1e-3, "tp": 3e-3, "tp_sp": 5e-3, "fsdp": 2e-3, "fsdp3": 4e-3}
+RECOMPUTE = {**OVERHEADS, "selective": 3e-3, "full": 2e-3}
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +76,23 @@ def test_each_layer_and_micro_batch_pays_the_overhead(llama, cfg):
     assert fwd == pytest.approx(layers * m * o / 3, rel=1e-6)
 
 
+@pytest.mark.parametrize("policy, extra", [("selective", 3e-3 - 1e-3), ("full", 2e-3 - 4e-3 / 3)])
+def test_a_recomputed_layer_pays_its_policys_extra(llama, policy, extra):
+    """o[policy] - o[plain] on top (full: less the third of o[plain] its re-run forward pays),
+    only on the recomputed layers."""
+    _, _, tables = llama
+    bare = Cluster.from_profile("local_cpu", num_devices=4)
+    plain = Estimator(tables, with_overheads(bare, OVERHEADS), precision="fp32")
+    rc = Estimator(tables, with_overheads(bare, RECOMPUTE), precision="fp32")
+    layers = sum(t.kind == "block" for t in tables.layers)
+    for k in (None, 1):
+        cfg = ParallelConfig(dp=4, micro_batch_size=1, recompute=policy, recompute_layers=k)
+        a, b = plain.evaluate(cfg, 8), rc.evaluate(cfg, 8)
+        n = layers if k is None else k
+        extra_s = b.breakdown["recompute"] - a.breakdown["recompute"]
+        assert extra_s == pytest.approx(n * b.num_microbatches * extra, rel=1e-6)
+
+
 def test_optimizer_overhead_is_paid_per_layer_per_step(llama):
     _, _, tables = llama
     bare = Cluster.from_profile("local_cpu", num_devices=4)
@@ -106,7 +125,10 @@ def test_profiler_recovers_known_overheads():
     (and a fixed cost for embedding, head and loss): `overheads` gives the overhead back."""
     profile = autopar.load_profile("local_cpu")
     bare = dataclasses.replace(profile, runtime_overhead_s={})
-    truth = {"plain": 2e-3, "tp": 0.0, "tp_sp": 7e-3, "fsdp": 1e-3, "fsdp3": 4e-3}
+    truth = {
+        "plain": 2e-3, "tp": 0.0, "tp_sp": 7e-3, "fsdp": 1e-3, "fsdp3": 4e-3,
+        "selective": 5e-3, "full": 3e-3,
+    }  # fmt: skip
     step_truth = {k: v / 2 for k, v in truth.items()}
     fake = []
     for style, o in truth.items():
@@ -126,15 +148,15 @@ def test_profiler_recovers_known_overheads():
 
 
 def test_style_configs_use_every_rank_and_refuse_odd_groups():
-    for style in ("plain", "tp", "tp_sp", "fsdp", "fsdp3"):
+    for style in ("plain", "tp", "tp_sp", "fsdp", "fsdp3", "selective", "full"):
         assert ro.style_config(style, 4).world_size == 4
     with pytest.raises(ValueError, match="even number of ranks, got 3"):
         ro.style_config("tp", 3)
 
 
 def test_bad_runtime_tables_are_refused():
-    text = autopar.load_profile("local_cpu").path
-    base = open(text).read().split("\n[runtime]")[0].split("\n# host time per")[0]
+    text = Path(autopar.load_profile("local_cpu").path).read_text()
+    base = text.split("\n[runtime]")[0].split("\n# host time per")[0]
     base = base.split("\n# The raw measurements")[0]
     good = '\n[runtime]\nlayer_overhead_s = { plain = 1e-3 }\nsource = "test"\n'
     assert profile_from_text(base + good).runtime_overhead_s == {"plain": 1e-3}
