@@ -99,11 +99,15 @@ def search(
     max_alternatives: int = 5,
     progress: Callable[[int, int], None] | None = None,
     time_limit_s: float | None = None,
+    incumbent_s: float | None = None,
 ) -> SearchResult:
     """Price the whole space; raise InfeasibleError when nothing fits.
 
     With ``time_limit_s``, degree choices not reached by then are left unpriced once a config
-    fits; the report says how many and bounds the optimality gap.
+    fits; the report says how many and bounds the optimality gap. ``incumbent_s``: the step
+    time of a config known to fit (what-ifs: the chosen plan on the changed cluster); configs
+    that cannot beat it are pruned from the start, so only faster ones are returned
+    (InfeasibleError when there are none).
     """
     start = time.perf_counter()
     deadline = None if time_limit_s is None else start + time_limit_s
@@ -161,7 +165,7 @@ def search(
             if _memory_key(candidate) in over_memory:
                 pruned["memory (over in another axis order)"] += 1
                 continue
-            best_s = feasible_best[0] if feasible_best else None
+            best_s = min(feasible_best[:1] + ([incumbent_s] if incumbent_s else []), default=None)
             est = estimator.evaluate(candidate, limits.global_batch_size, time_bound_s=best_s)
             if est is None:
                 pruned["slower than the best so far (bound)"] += 1
