@@ -111,10 +111,10 @@ def layer_time(
         recompute = fwd + tp_f + cp_f + ep
     elif cfg.recompute == "selective":
         recompute = mem
-    if cfg.recompute != "none" and table.kind == "block":
-        recompute += recompute_overhead_s(overheads, cfg.recompute)
     else:
         recompute = 0.0
+    if cfg.recompute != "none" and table.kind == "block":
+        recompute += recompute_overhead_s(overheads, cfg.recompute)
     return LayerTime(fwd, bwd, wgrad, recompute, tp_f, tp_f, cp_f, cp_b, ep, ep)
 
 

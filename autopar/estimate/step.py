@@ -137,6 +137,8 @@ class Estimator:
         self._pipeline_timer = PipelineTimer()
         self._partition_cache: dict[tuple, list[int]] = {}
         self._mesh_cache: dict[tuple, MeshGroups] = {}
+        self._times_cache: dict[ParallelConfig, dict[str, LayerTime]] = {}
+        self._chunks_cache: dict[tuple, list[list[LayerTable]]] = {}
         self._activation_cache: dict[tuple, float] = {}
 
     # ------------------------------------------------------------------ public
@@ -263,7 +265,21 @@ class Estimator:
             self._mesh_cache[key] = MeshGroups(self.cluster, cfg)
         return self._mesh_cache[key]
 
+    @staticmethod
+    def _times_key(cfg: ParallelConfig) -> ParallelConfig:
+        """``cfg`` less what layer times do not depend on (ZeRO stage, schedule, per-layer
+        recompute): configs with one key share their layer times and stage split."""
+        return replace(cfg, zero_stage=0, schedule="1f1b", virtual_stages=1, recompute_layers=None)
+
     def _layer_times(self, cfg: ParallelConfig, mesh: MeshGroups) -> dict[str, LayerTime]:
+        """Per layer name, its time under ``cfg`` (cached per `_times_key`; do not mutate)."""
+        key = self._times_key(cfg)
+        cached = self._times_cache.get(key)
+        if cached is None:
+            cached = self._times_cache[key] = self._price_layers(cfg, mesh)
+        return cached
+
+    def _price_layers(self, cfg: ParallelConfig, mesh: MeshGroups) -> dict[str, LayerTime]:
         by_class: dict[str, LayerTime] = {}
         out = {}
         for table in self.tables.layers:
@@ -282,6 +298,16 @@ class Estimator:
         return out
 
     def _chunks(self, cfg: ParallelConfig, times: dict[str, LayerTime]) -> list[list[LayerTable]]:
+        # the split depends on the times only: cached when they are this estimator's own
+        key = self._times_key(cfg)
+        if self._times_cache.get(key) is not times:
+            return self._split(cfg, times)
+        key = (key, cfg.pp, cfg.virtual_stages)
+        if key not in self._chunks_cache:
+            self._chunks_cache[key] = self._split(cfg, times)
+        return self._chunks_cache[key]
+
+    def _split(self, cfg: ParallelConfig, times: dict[str, LayerTime]) -> list[list[LayerTable]]:
         layers = self.tables.layers
         blocks = [i for i, t in enumerate(layers) if t.kind == "block"]
         n_chunks = cfg.pp * cfg.virtual_stages

@@ -28,10 +28,14 @@ def llama():
     return model, graph, build_tables(graph)
 
 
-def with_overheads(cluster: Cluster, overheads: dict[str, float]) -> Cluster:
-    return dataclasses.replace(
-        cluster, profile=dataclasses.replace(cluster.profile, runtime_overhead_s=overheads)
+def with_overheads(
+    cluster: Cluster, overheads: dict[str, float], optimizer: dict[str, float] | None = None
+) -> Cluster:
+    """``cluster`` with these layer overheads and optimizer ones (none by default)."""
+    profile = dataclasses.replace(
+        cluster.profile, runtime_overhead_s=overheads, optimizer_overhead_s=optimizer or {}
     )
+    return dataclasses.replace(cluster, profile=profile)
 
 
 @pytest.mark.parametrize(
@@ -64,7 +68,7 @@ def test_each_layer_and_micro_batch_pays_the_overhead(llama, cfg):
     """The step grows by layers x micro-batches x overhead (and a third more with full
     recompute, which re-runs the forward); forward gets a third, backward two thirds."""
     _, _, tables = llama
-    bare = Cluster.from_profile("local_cpu", num_devices=4)
+    bare = with_overheads(Cluster.from_profile("local_cpu", num_devices=4), {})
     base = Estimator(tables, bare, precision="fp32").evaluate(cfg, 8)
     est = Estimator(tables, with_overheads(bare, OVERHEADS), precision="fp32").evaluate(cfg, 8)
     layers = sum(t.kind == "block" for t in tables.layers)
@@ -81,7 +85,7 @@ def test_a_recomputed_layer_pays_its_policys_extra(llama, policy, extra):
     """o[policy] - o[plain] on top (full: less the third of o[plain] its re-run forward pays),
     only on the recomputed layers."""
     _, _, tables = llama
-    bare = Cluster.from_profile("local_cpu", num_devices=4)
+    bare = with_overheads(Cluster.from_profile("local_cpu", num_devices=4), {})
     plain = Estimator(tables, with_overheads(bare, OVERHEADS), precision="fp32")
     rc = Estimator(tables, with_overheads(bare, RECOMPUTE), precision="fp32")
     layers = sum(t.kind == "block" for t in tables.layers)
@@ -95,9 +99,8 @@ def test_a_recomputed_layer_pays_its_policys_extra(llama, policy, extra):
 
 def test_optimizer_overhead_is_paid_per_layer_per_step(llama):
     _, _, tables = llama
-    bare = Cluster.from_profile("local_cpu", num_devices=4)
-    profile = dataclasses.replace(bare.profile, optimizer_overhead_s=OVERHEADS)
-    cluster = dataclasses.replace(bare, profile=profile)
+    bare = with_overheads(Cluster.from_profile("local_cpu", num_devices=4), {})
+    cluster = with_overheads(bare, {}, OVERHEADS)
     layers = sum(t.kind == "block" for t in tables.layers)
     for cfg in (ParallelConfig(dp=4), ParallelConfig(fsdp=2, tp=2, zero_stage=3)):
         cfg = dataclasses.replace(cfg, micro_batch_size=1)
