@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from autopar.runtime.mesh import free_port
+from autopar.runtime.mesh import free_port, rank_environment
 
 _STEP_LINE = re.compile(r"^step (\d+)/(\d+) .*?time ([0-9.eE+-]+) s", re.MULTILINE)
 
@@ -191,14 +191,7 @@ def _rank_main(
     timeout_s: float,
     log: str,
 ) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        OMP_NUM_THREADS=str(threads),
-    )
+    os.environ.update(rank_environment(rank, world_size, port), OMP_NUM_THREADS=str(threads))
     import torch
     import torch.distributed as dist
 

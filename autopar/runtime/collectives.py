@@ -13,6 +13,9 @@ loss on every rank differentiates to the gradients of the sum of the ranks' loss
     ring_attention(q, k, v, group, pos_q, pos_blocks, is_causal, scale)
                                        online-softmax attention over K/V blocks passed
                                        round the ring (see `autopar.runtime.context_parallel`)
+    all_reduce_flat(tensors, group, divide_by=1)
+                                       in place, no autograd: one flat all-reduce per dtype
+                                       (gradient syncs of data, context and expert parallelism)
 
 Why by hand: torch.distributed.nn.functional has all_gather/all_to_all but no sequence-dim
 gather with a reduce-scatter backward and no ring step, and torch's ring attention
@@ -166,3 +169,24 @@ def ring_attention(
             l_sum, acc = l_sum * rescale + l_b, acc * rescale + a_b
         m = m_new
     return acc / l_sum
+
+
+def all_reduce_flat(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, divide_by: int = 1
+) -> None:
+    """Sum ``tensors`` over ``group`` in place with one all-reduce per dtype (None: no
+    collective), then divide by ``divide_by`` (gloo has no AVG). Why by hand: torch's
+    coalesced all-reduce is deprecated and its bucketing lives inside DDP."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        if group is not None:
+            dist.all_reduce(flat, group=group)
+        if divide_by != 1:
+            flat.div_(divide_by)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()

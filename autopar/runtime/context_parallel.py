@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.runtime import parts as model_parts
-from autopar.runtime.collectives import all_gather_seq, ring_attention
+from autopar.runtime.collectives import all_gather_seq, all_reduce_flat, ring_attention
 
 IGNORE = -100  # F.cross_entropy's default ignore_index
 HF_ATTENTION = "autopar_cp"  # the name registered in transformers' AttentionInterface
@@ -256,16 +256,7 @@ class ContextParallel:
         """Sum every gradient over cp (each rank's holds its shard's terms), one flat
         all-reduce per dtype; call after backward, before the data-parallel average."""
         grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for same in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in same])
-            dist.all_reduce(flat, group=self.group)
-            offset = 0
-            for g in same:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        all_reduce_flat(grads, self.group)
 
     def as_text(self) -> str:
         return (

@@ -41,6 +41,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from autopar.config import ParallelConfig
+from autopar.runtime.collectives import all_reduce_flat
 from autopar.runtime.mesh import RuntimeMesh
 
 
@@ -73,17 +74,7 @@ class DataParallel:
             for name, p in self.model.named_parameters()
             if p.grad is not None and name not in self.skip
         ]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for same in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in same])
-            dist.all_reduce(flat, group=self.group)  # gloo has no AVG: sum, then divide
-            flat.div_(self.size)
-            offset = 0
-            for g in same:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        all_reduce_flat(grads, self.group, divide_by=self.size)
 
     def as_text(self) -> str:
         if self.kind == "replicate":

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.runtime.collectives import all_to_all
+from autopar.runtime.collectives import all_reduce_flat, all_to_all
 
 
 def expert_owner(expert: int, num_experts: int, ep: int) -> int:
@@ -105,14 +105,7 @@ class ExpertParallel:
         grads = [p.grad for p in self.expert_parameters(model) if p.grad is not None]
         if not grads:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.expert_data_group is not None:
-            dist.all_reduce(flat, group=self.expert_data_group)
-        flat.div_(self.num_data_ranks)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        all_reduce_flat(grads, self.expert_data_group, divide_by=self.num_data_ranks)
 
     def as_text(self) -> str:
         return (

@@ -16,6 +16,7 @@ Public functions:
     init_distributed(device=None) -> (rank, world_size, device)   # process group from torchrun
     shutdown_distributed()                                        # barrier, then destroy it
     free_port() -> int                                            # a loopback port for local ranks
+    rank_environment(rank, world_size, port) -> dict              # torchrun's variables, by hand
     build_mesh(config, device_type=None) -> RuntimeMesh           # refuses a wrong world size
     mesh_layout(config) -> tensor [pp, dp, fsdp, cp, tp] of ranks  # in the plan's axis order
     check_world_size(config, world_size)                          # the clear error, alone
@@ -58,6 +59,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun sets for a rank of one local node, for ranks started another
+    way (torch.multiprocessing spawn): `init_distributed` then reads them as under torchrun."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+    }
 
 
 def shutdown_distributed() -> None:

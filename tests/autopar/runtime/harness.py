@@ -23,7 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 from autopar.config import ParallelConfig
-from autopar.runtime.mesh import free_port
+from autopar.runtime.mesh import free_port, rank_environment
 from autopar.runtime.task import HF_FACTORY, ZOO_FACTORY, task_from_source
 from autopar.runtime.trainer import TrainOptions, reference_run, train
 
@@ -59,13 +59,7 @@ def task_of(case: Case):
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Any, args: tuple, out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-    )
+    os.environ.update(rank_environment(rank, world_size, port))
     torch.set_num_threads(1)
     import torch.distributed as dist
 
