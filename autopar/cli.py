@@ -96,11 +96,14 @@ def _add_planning_verbs(verbs: argparse._SubParsersAction) -> None:
         "compare",
         help="a saved plan beside a config you give, on the same model, cluster and batch",
         epilog="example: autopar compare out/plan.json --config "
-        "tp=8,pp=2,schedule=interleaved_1f1b,v=2,sp=1  (keys: dp fsdp tp pp cp ep zero mbs "
-        "schedule v recompute sp)",
+        "tp=8,pp=2,schedule=interleaved_1f1b,v=2,sp=1,recompute=full:3  (keys: dp fsdp tp pp "
+        "cp ep zero mbs schedule v recompute[=policy:k] recompute_layers sp order=tp,cp,fsdp,dp; "
+        "a config as plan summaries print it is read too)",
     )
     compare.add_argument("plan", help="a plan.json")
-    compare.add_argument("--config", required=True, help="key=value,... (ParallelConfig fields)")
+    compare.add_argument(
+        "--config", required=True, help="key=value,... (ParallelConfig fields) or a config's text"
+    )
     compare.add_argument("--profile", help="profile .toml path when the plan's is not shipped")
     compare.add_argument("--json", action="store_true", help="print both plans' JSON")
 

@@ -2,54 +2,22 @@
 gives, priced by `evaluate` on the same model, cluster, batch, precision and cost options.
 
 In: the plan file and a ``key=value`` list (ParallelConfig fields, with the short names the
-config text prints: zero, mbs, v, sp). Out: a table, plan and user config side by side, every
-breakdown term and the change; ``--json`` gives both plans' JSON.
+config text prints: zero, mbs, v, sp, order), or a config's text as the tool prints it
+(`autopar.commands.config_text.parse_config` reads both). Out: a table, plan and user config
+side by side, every breakdown term and the change; ``--json`` gives both plans' JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import fields
 from typing import Any
 
-from autopar.config import ParallelConfig
-from autopar.errors import AutoparError
+from autopar.commands.config_text import parse_config
 
-ALIASES = {"zero": "zero_stage", "mbs": "micro_batch_size", "v": "virtual_stages",
-           "sp": "sequence_parallel"}  # fmt: skip
+__all__ = ["compare_text", "parse_config", "run_compare"]  # parse_config: elastic.py imports it
+
 GiB = 2**30
-
-
-def parse_config(text: str) -> ParallelConfig:
-    """``"tp=8,pp=4,schedule=interleaved_1f1b,v=2,sp=1"`` -> ParallelConfig (then validated).
-
-    Raises:
-        AutoparError: an unknown key (the message lists the keys) or a value of the wrong type.
-    """
-    types = {f.name: f.type for f in fields(ParallelConfig)}
-    values: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, raw = item.partition("=")
-        key = ALIASES.get(key.strip(), key.strip())
-        if not sep or key not in types:
-            known = ", ".join([*types, *ALIASES])
-            raise AutoparError(f"--config: {item!r} is not key=value with a key of: {known}")
-        raw = raw.strip()
-        if key == "sequence_parallel":
-            if raw.lower() not in ("1", "0", "true", "false", "on", "off", "yes", "no"):
-                raise AutoparError(f"--config: sequence_parallel wants true or false, got {raw!r}")
-            values[key] = raw.lower() in ("1", "true", "on", "yes")
-        elif key in ("schedule", "recompute"):
-            values[key] = raw
-        else:
-            try:
-                values[key] = int(raw)
-            except ValueError:
-                raise AutoparError(f"--config: {key} wants an integer, got {raw!r}") from None
-    if not values:
-        raise AutoparError("--config is empty: give e.g. tp=8,pp=2")
-    return ParallelConfig(**values)
 
 
 def run_compare(args: argparse.Namespace) -> str:

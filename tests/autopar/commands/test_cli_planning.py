@@ -72,6 +72,18 @@ def test_compare_json_and_same_config_gives_same_time(plan_dir: Path, capsys) ->
     assert both["yours"]["step_time_s"] == pytest.approx(plan["step_time_s"], rel=1e-9)
 
 
+def test_compare_reads_printed_configs(plan_dir: Path, capsys) -> None:
+    """The config text the summary and the alternatives print is a valid --config."""
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    text = _config_text(plan["config"])
+    assert main(["compare", str(plan_dir / "plan.json"), "--config", text, "--json"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert both["yours"]["config"] == plan["config"]
+    assert both["yours"]["step_time_s"] == pytest.approx(plan["step_time_s"], rel=1e-9)
+    printed = [alt["config"] for alt in plan["alternatives"]]
+    assert printed and all(parse_config(t).as_text() == t for t in printed)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
