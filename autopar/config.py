@@ -3,7 +3,9 @@
 Degrees (DESIGN.md): world size = dp * fsdp * cp * tp * pp. ``dp`` replicates (gradients
 all-reduced), ``fsdp`` shards data-parallel state with ``zero_stage`` 1-3 saying what is sharded
 (dp > 1 and fsdp > 1 together is HSDP); ``ep`` is not a further factor: expert layers re-fold
-the non-pipeline ranks of a stage, so ep divides dp * fsdp * cp * tp. ``micro_batch_size`` is
+the replicated data-parallel ranks of a stage, so ep divides dp and needs fsdp = 1 (what
+`autopar.runtime.expert_parallel` runs; Megatron-Core's wider fold over dp * fsdp * cp * tp is
+not supported). ``micro_batch_size`` is
 per rank; global batch = micro_batch_size * num_microbatches * dp * fsdp. ``recompute`` is
 the policy; ``recompute_layers`` k applies it to only the first k repeated layers (blocks) of
 each model chunk (the whole model when pp = 1; one of the pp x virtual_stages chunks otherwise),
@@ -148,11 +150,15 @@ class ParallelConfig:
             )
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence_parallel needs tp > 1, got tp=1")
-        non_pipeline = self.dp * self.fsdp * self.cp * self.tp
-        if non_pipeline % self.ep:
+        if self.ep > 1 and (self.fsdp > 1 or self.dp % self.ep):
+            # the runtime folds ep over the replicated data-parallel ranks only
+            # (autopar.runtime.expert_parallel.build_expert_groups; FSDP2 would shard the
+            # experts too, and a fold over cp or tp ranks would split tokens the experts need)
+            why = f"fsdp={self.fsdp} would shard the experts as well" if self.fsdp > 1 else ""
+            why = why or f"ep={self.ep} does not divide dp={self.dp}"
             out.append(
-                f"ep={self.ep} must divide dp*fsdp*cp*tp = {self.dp}*{self.fsdp}*{self.cp}*"
-                f"{self.tp} = {non_pipeline}"
+                f"ep={self.ep} must divide dp with fsdp=1 (expert parallelism folds over the "
+                f"replicated data-parallel ranks): got dp={self.dp}, fsdp={self.fsdp}; {why}"
             )
         if cluster is not None and self.world_size != cluster.world_size:
             out.append(

@@ -4,7 +4,8 @@ Degrees: tp divides the devices of a node (tensor parallelism stays inside the f
 the attention heads; pp divides the world and is at most the number of repeated layers; cp
 divides the world and splits the sequence into 2*cp load-balanced chunks; the remaining data-
 parallel ranks split into dp x fsdp (fsdp > 1 with ZeRO 1, 2 or 3; both > 1 is HSDP); ep divides
-the non-pipeline ranks and the number of experts. Per degree choice: sequence parallelism on or
+dp, with fsdp = 1 (the runtime folds it over the replicated data-parallel ranks), and the
+number of experts. Per degree choice: sequence parallelism on or
 off with tp, micro-batch size, schedule (and virtual stages) with pp, recompute policy.
 Per recompute policy (full, selective), `recompute_layer_choices` gives the per-layer variants:
 the policy on only the first k blocks of each of the pp x v model chunks, k = 1 ..
@@ -116,14 +117,16 @@ def degree_choices(lim: SpaceLimits) -> Iterator[tuple[int, int, int, int, int, 
                 data = world // (tp * pp * cp)
                 for fsdp in divisors(data):
                     dp = data // fsdp
-                    for ep in _expert_degrees(lim, dp * fsdp * cp * tp):
+                    for ep in _expert_degrees(lim, dp, fsdp):
                         yield dp, fsdp, cp, tp, pp, ep
 
 
-def _expert_degrees(lim: SpaceLimits, non_pipeline: int) -> list[int]:
-    if not lim.num_experts:
+def _expert_degrees(lim: SpaceLimits, dp: int, fsdp: int) -> list[int]:
+    """ep over the replicated data-parallel ranks, as the runtime folds it (fsdp = 1, ep
+    divides dp; `ParallelConfig.problems`), dividing the experts."""
+    if not lim.num_experts or fsdp > 1:
         return [1]
-    return [e for e in divisors(non_pipeline) if lim.num_experts % e == 0]
+    return [e for e in divisors(dp) if lim.num_experts % e == 0]
 
 
 def axis_orders(

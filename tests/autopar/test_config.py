@@ -36,7 +36,7 @@ def test_every_problem_is_reported_at_once():
     assert "zero_stage=2 needs fsdp > 1" in text
     assert "needs at least 2 virtual_stages, got 1" in text
     assert "sequence_parallel needs tp > 1" in text
-    assert "ep=2 must divide dp*fsdp*cp*tp = 3*1*1*1 = 3" in text
+    assert "ep=2 must divide dp with fsdp=1" in text and "ep=2 does not divide dp=3" in text
 
 
 @pytest.mark.parametrize(
@@ -56,10 +56,13 @@ def test_single_rule_violations(kwargs, fragment):
         ParallelConfig(**kwargs).validate()
 
 
-def test_ep_refolds_non_pipeline_ranks(h100x2):
-    # ep is not a factor of the world size: 8-way expert parallel inside dp=2 x tp=4 x pp=2.
-    cfg = ParallelConfig(dp=2, tp=4, pp=2, ep=8).validate(h100x2)
+def test_ep_refolds_the_replicated_data_parallel_ranks(h100x2):
+    # ep is not a factor of the world size: 4-way expert parallel inside dp=4 x tp=2 x pp=2.
+    cfg = ParallelConfig(dp=4, tp=2, pp=2, ep=4).validate(h100x2)
     assert cfg.world_size == 16
+    # the runtime folds ep over dp only (Megatron-Core's fold over tp too is not run)
+    with pytest.raises(ConfigError, match="ep=8 must divide dp with fsdp=1"):
+        ParallelConfig(dp=2, tp=4, pp=2, ep=8).validate(h100x2)
 
 
 def test_recompute_with_a_split_backward_schedule_is_refused():

@@ -1,0 +1,99 @@
+"""Expert parallelism in the search space is what the runtime runs.
+
+The runtime folds ep over the replicated data-parallel ranks (fsdp = 1, ep divides dp;
+`autopar.runtime.parallelize._expert_groups`, `expert_parallel.build_expert_groups`). Every
+config the space yields for an MoE model, in every axis order, is handed to the runtime's own
+group construction under torch's fake process group (no ranks spawned): none is refused. A
+config outside that fold is refused by `ParallelConfig.validate` with the numbers, and the
+plan `parallelize` returns for an MoE model on 8 ranks (and its alternatives) validates.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import autopar
+from autopar import ConfigError, ParallelConfig
+from autopar.api import space_limits
+from autopar.models import zoo
+from autopar.runtime.mesh import build_mesh
+from autopar.runtime.parallelize import _expert_groups
+from autopar.solve.space import axis_orders, degree_choices
+
+
+@pytest.fixture(scope="module")
+def moe():
+    model = zoo.build("moe-tiny", device="meta", num_experts=8)
+    return model, autopar.trace(model, zoo.example_inputs("moe-tiny", model))
+
+
+@pytest.mark.parametrize(("num_nodes", "per_node"), [(1, 8), (2, 8)])
+def test_every_expert_config_of_the_space_builds_its_runtime_groups(moe, num_nodes, per_node):
+    model, graph = moe
+    cluster = autopar.Cluster.from_profile("dgx_h100", num_nodes, devices_per_node=per_node)
+    lim = space_limits(model, graph, cluster, global_batch_size=64)
+    expert = [d for d in degree_choices(lim) if d[5] > 1]
+    assert expert, "the space holds no expert-parallel degrees"
+    assert {d[5] for d in expert} >= {2, 4, 8}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cluster.world_size)
+    try:
+        built = 0
+        for dp, fsdp, cp, tp, pp, ep in expert:
+            for order in axis_orders((dp, fsdp, cp, tp, pp, ep)):
+                cfg = ParallelConfig(
+                    dp=dp, fsdp=fsdp, cp=cp, tp=tp, pp=pp, ep=ep, axis_order=order,
+                    zero_stage=1 if fsdp > 1 else 0,
+                )  # fmt: skip
+                cfg.validate(cluster)
+                groups = _expert_groups(build_mesh(cfg, "cpu"), cfg)  # raises if refused
+                assert groups is not None and dist.get_world_size(groups[0]) == ep
+                built += 1
+        assert built >= len(expert)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("degrees", "fragments"),
+    [
+        (
+            {"fsdp": 16, "zero_stage": 3, "ep": 4},
+            ["ep=4 must divide dp with fsdp=1", "dp=1, fsdp=16", "fsdp=16 would shard"],
+        ),
+        (
+            {"dp": 2, "tp": 8, "ep": 4},
+            ["ep=4 must divide dp with fsdp=1", "got dp=2, fsdp=1", "ep=4 does not divide dp=2"],
+        ),
+        ({"dp": 2, "fsdp": 8, "zero_stage": 1, "ep": 2}, ["fsdp=8 would shard the experts"]),
+    ],
+)
+def test_expert_degrees_the_runtime_cannot_fold_are_refused(degrees, fragments):
+    cluster = autopar.Cluster.from_profile("dgx_h100", num_nodes=2)
+    with pytest.raises(ConfigError) as err:
+        ParallelConfig(**degrees).validate(cluster)
+    for fragment in fragments:
+        assert fragment in str(err.value)
+
+
+def test_runtime_refuses_what_validate_refuses():
+    """The runtime's own check, for the config the first refusal names."""
+    cfg = ParallelConfig(fsdp=2, zero_stage=3, ep=2)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with pytest.raises(ValueError, match="fsdp=2 would shard the experts as well"):
+            _expert_groups(build_mesh(cfg, "cpu"), cfg)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_moe_plan_and_its_alternatives_run_on_the_runtime(moe):
+    model, graph = moe
+    cluster = autopar.Cluster.from_profile("dgx_h100", 2, devices_per_node=8)
+    plan = autopar.parallelize(model, cluster, global_batch_size=64, graph=graph)
+    plan.config.validate(cluster)
+    texts = [plan.config.as_text()] + [a["config"] for a in plan.alternatives]
+    for text in texts:  # "dp=8 fsdp=1 cp=1 tp=1 pp=2 ep=1 | ..."
+        d = {k: int(v) for k, v in (kv.split("=") for kv in text.split("|")[0].split())}
+        assert d["ep"] == 1 or (d["fsdp"] == 1 and d["dp"] % d["ep"] == 0), text
