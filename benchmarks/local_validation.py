@@ -3,6 +3,7 @@
     python3 benchmarks/local_validation.py                 # 2 and 4 ranks, ~8 minutes
     python3 benchmarks/local_validation.py --quick         # plain DP/FSDP/TP/PP + the plan
     python3 benchmarks/local_validation.py --all --world-sizes 2 --json out.json
+    python3 benchmarks/local_validation.py --world-sizes 4 --config "dp=2 pp=2 | mbs=1 1f1b"
 
 In: a Llama-style zoo model (`llama-tiny` with `OVERRIDES`: 4 blocks, hidden 256, GQA 8/4
 heads, sequence 128, vocabulary 2048; fp32, AdamW), a global batch of 8 sequences, the
@@ -13,7 +14,9 @@ Per world size:
      candidates. The default selection runs the 10 fastest predicted, the fastest of every
      (degrees, ZeRO stage), plain DP, FSDP (ZeRO-3), TP+SP and PP at the smallest and largest
      micro-batch, and the planner's choice (`autopar.parallelize` on the same model, cluster
-     and batch); `--all` runs every candidate, `--quick` plain DP, FSDP, TP, PP and the plan.
+     and batch); `--all` runs every candidate, `--quick` plain DP, FSDP, TP, PP and the plan,
+     `--config TEXT` (repeatable, `ParallelConfig.as_text()` or the CLI's short form) the
+     given configs and the plan.
   2. each config's program is written by `plan.save` and run for WARMUP + STEPS steps,
      REPEATS times (`local_runner`: rounds over all configs, so a change in machine load
      falls on every config alike); measured = median over repeats of the median post-warm-up
@@ -59,7 +62,8 @@ PROFILE = "local_cpu"
 @dataclass(frozen=True)
 class Settings:
     world_sizes: tuple[int, ...] = (2, 4)
-    selection: str = "default"  # "default", "all", "quick"
+    selection: str = "default"  # "default", "all", "quick", "asked" (the plan and `configs`)
+    configs: tuple[str, ...] = ()
     top: int = 10
     warmup: int = 2
     steps: int = 3
@@ -150,7 +154,25 @@ def candidates(world_size: int, settings: Settings, graph, model) -> tuple[list,
     return plans, chosen
 
 
-def select(plans: list, chosen, settings: Settings) -> list[tuple[object, str]]:
+def priced(world_size: int, settings: Settings, graph, model) -> list:
+    """The Plans of the configs given with --config (`autopar.evaluate`, the planner's cost
+    options), in the order given."""
+    import autopar
+    from autopar.api import PlanOptions
+    from autopar.commands.config_text import parse_config
+
+    cluster = autopar.Cluster.from_profile(settings.profile, num_devices=world_size)
+    options = PlanOptions(sensitivity=False).cost
+    return [
+        autopar.evaluate(
+            model, cluster, parse_config(text), graph=graph, global_batch_size=GLOBAL_BATCH,
+            precision="fp32", options=options,
+        )
+        for text in settings.configs
+    ]  # fmt: skip
+
+
+def select(plans: list, chosen, settings: Settings, asked: list = ()) -> list[tuple[object, str]]:
     """(plan, why) pairs to run, each config once (module docstring, step 1)."""
     picked: dict[str, tuple[object, str]] = {}
 
@@ -163,6 +185,10 @@ def select(plans: list, chosen, settings: Settings) -> list[tuple[object, str]]:
 
     by_text = {p.config.as_text(): p for p in plans}
     add(by_text.get(chosen.config.as_text(), chosen), "plan")
+    if settings.selection == "asked":
+        for plan in asked:
+            add(plan, "asked")
+        return list(picked.values())
     for plan in _plain(plans, smallest_and_largest=settings.selection != "quick"):
         add(plan, "plain")
     if settings.selection == "quick":
@@ -231,7 +257,7 @@ def run(settings: Settings, out_json: str | None = None) -> list[Row]:
             t0 = time.perf_counter()
             plans, chosen = candidates(world, settings, graph, model)
             chosen_by_world[world] = chosen.config.as_text()
-            picked = select(plans, chosen, settings)
+            picked = select(plans, chosen, settings, priced(world, settings, graph, model))
             programs = []
             for i, (plan, _why) in enumerate(picked):
                 directory = Path(tmp, f"w{world}_{i:03d}")
@@ -394,6 +420,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world-sizes", default="2,4", help="comma-separated rank counts")
     p.add_argument("--quick", action="store_true", help="plain DP/FSDP/TP/PP and the plan")
     p.add_argument("--all", action="store_true", help="every config that fits")
+    p.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        help="run this config (and the plan) only; repeatable",
+    )
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up")
@@ -412,7 +444,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     settings = Settings(
         world_sizes=tuple(int(x) for x in args.world_sizes.split(",")),
-        selection="quick" if args.quick else "all" if args.all else "default",
+        selection="asked"
+        if args.config
+        else "quick"
+        if args.quick
+        else "all"
+        if args.all
+        else "default",
+        configs=tuple(args.config),
         top=args.top,
         warmup=args.warmup,
         steps=args.steps,
