@@ -22,7 +22,8 @@ with foreach=False, as `autopar.runtime.trainer`): per layer per step against th
 model's optimizer and grad_clip terms (a per-parameter loop: every op of it pays dispatch).
 
 Each timed micro-batch starts after a barrier and the slowest rank's median counts (a step
-goes at the pace of its slowest rank); the two depths alternate step by step. The style's
+goes at the pace of its slowest rank); the two depths alternate step by step, and the styles
+take turns over ROUNDS rounds of 5 steps each (the median over all of a style's steps). The style's
 config uses all the ranks: plain = dp, tp and tp_sp = tp 2 x dp, fsdp and fsdp3 = fsdp
 (ZeRO-2, ZeRO-3), selective and full = dp with that recompute policy on every layer.
 
@@ -51,6 +52,7 @@ MODEL_OVERRIDES = dict(
     vocab_size=2048, seq_len=128, hidden=256, ffn_hidden=688, num_heads=8, num_kv_heads=4
 )  # fmt: skip
 LAYERS = (1, 3)
+ROUNDS = 3  # the styles take turns this many times (measure_runtime)
 
 
 @dataclass(frozen=True)
@@ -79,15 +81,28 @@ def style_config(style: str, world_size: int) -> ParallelConfig:
 def measure_runtime(
     world_size: int, *, quick: bool, progress: Progress
 ) -> list[RuntimeMeasurement]:
-    """Time every style at 1 and 3 layers on this group's ranks (all ranks call this)."""
+    """Time every style at 1 and 3 layers on this group's ranks (all ranks call this).
+
+    The styles take turns over ROUNDS rounds (one in a quick run), each with fresh models, and
+    a style's figure is the median over all its rounds' steps: a change in the machine's load
+    (another process, a frequency step) falls on every style alike instead of on one."""
     from autopar.hardware import RUNTIME_STYLES
 
-    iterations = 4 if quick else 15
+    rounds, iterations = (1, 4) if quick else (ROUNDS, 5)
+    steps: dict[str, list[list[tuple[float, float]]]] = {
+        style: [[] for _ in LAYERS] for style in RUNTIME_STYLES
+    }
+    for r in range(rounds):
+        for style in RUNTIME_STYLES:
+            for mine, got in zip(
+                steps[style], _time_style(style_config(style, world_size), iterations), strict=True
+            ):
+                mine.extend(got)
+        progress(f"runtime: round {r + 1}/{rounds} of {len(RUNTIME_STYLES)} styles")
     out = []
     for style in RUNTIME_STYLES:
-        cfg = style_config(style, world_size)
         for layers, (seconds, optimizer_s) in zip(
-            LAYERS, _time_style(cfg, iterations), strict=True
+            LAYERS, _slowest_medians(steps[style]), strict=True
         ):
             out.append(RuntimeMeasurement(style, layers, seconds, optimizer_s))
         per_layer = (out[-1].time_s - out[-2].time_s) / (LAYERS[1] - LAYERS[0])
@@ -151,9 +166,10 @@ class _Runner:
         return time.perf_counter() - start
 
 
-def _time_style(cfg: ParallelConfig, iterations: int) -> list[tuple[float, float]]:
-    """Per depth of LAYERS: (micro-batch, optimizer step) medians, the slowest rank's. The
-    depths alternate step by step, so a change in the machine's load falls on both alike."""
+def _time_style(cfg: ParallelConfig, iterations: int) -> list[list[tuple[float, float]]]:
+    """Per depth of LAYERS: this rank's (micro-batch, optimizer step) times after two warm-up
+    steps. The depths alternate step by step, so a change in the machine's load falls on
+    both alike."""
     runners = [_Runner(cfg, layers) for layers in LAYERS]
     times: list[list[tuple[float, float]]] = [[] for _ in runners]
     for i in range(iterations + 2):  # two warm-up steps each
@@ -161,6 +177,12 @@ def _time_style(cfg: ParallelConfig, iterations: int) -> list[tuple[float, float
             step = (runner.micro_batch(), runner.optimizer_step())
             if i >= 2:
                 mine.append(step)
+    return times
+
+
+def _slowest_medians(times: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """Per depth, the (micro-batch, optimizer step) medians of the slowest rank: a step goes
+    at the pace of its slowest rank (every rank calls this)."""
     medians = [
         (statistics.median(t for t, _ in mine), statistics.median(o for _, o in mine))
         for mine in times
