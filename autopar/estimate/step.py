@@ -19,6 +19,8 @@ Data parallel, per stage, gradients G bytes (params on the rank x grad bytes):
     hides behind the last micro-batch's backward except the last bucket; FSDP gathers are
     prefetched behind the previous layer's compute (exposed: what the stage's compute cannot
     cover, plus the first gather).
+Expert layers: with ep > 1 their experts run the top-k routed rows (`tables.routed_layer`: a
+dense-dispatch MoE's traced expert work times top_k / num_experts), without it as traced.
 Optimizer: memory bound, bytes per parameter by optimizer and precision (`_OPTIMIZER_BYTES`).
 Memory per stage: model state (cost_models.memory.model_state_bytes), activations of the
 in-flight micro-batches, one layer's recompute transient, logits on the last stage,
@@ -48,7 +50,7 @@ from autopar.estimate.layer_cost import LayerTime, layer_time, runtime_overhead_
 from autopar.estimate.mesh import MeshGroups
 from autopar.estimate.options import CostOptions
 from autopar.estimate.pipeline_timer import PipelineTimer
-from autopar.estimate.tables import LayerTable, ModelTables
+from autopar.estimate.tables import LayerTable, ModelTables, routed_layer
 from cost_models.compute import list_collective_time_s, op_time_s
 from cost_models.memory import (
     PeakMemory,
@@ -285,7 +287,7 @@ class Estimator:
         for table in self.tables.layers:
             if table.class_id not in by_class:
                 by_class[table.class_id] = layer_time(
-                    table,
+                    _dispatched(cfg, table),
                     cfg,
                     self.device,
                     self.precision,
@@ -607,16 +609,24 @@ class Estimator:
         """One micro-batch's activations ``table`` keeps under ``policy`` on one rank: per
         shard class, divided by t*c (sharded) or c (x t with SP, replicated); cached."""
         b, t, c, sp = cfg.micro_batch_size, cfg.tp, cfg.cp, cfg.sequence_parallel
-        key = (table.name, policy, b, t, c, sp)
+        key = (table.name, policy, b, t, c, sp, cfg.ep > 1)
         if key not in self._activation_cache:
             div = {"tp": t * c, "rep": c * (t if sp else 1), "expert": t * c}
-            kept = sum(v * b / div[k] for k, v in table.activations.get(policy, {}).items())
+            split = _dispatched(cfg, table).activations.get(policy, {})
+            kept = sum(v * b / div[k] for k, v in split.items())
             if c > 1 and policy == "none":
                 # context parallelism all-gathers K and V: the backward keeps the whole
                 # sequence's, not the 1/c shard counted above (autopar.runtime.context_parallel)
                 kept += sum(op.kv_bytes for op in table.attention) * b / t * (1 - 1 / c)
             self._activation_cache[key] = self.act_scale * kept
         return self._activation_cache[key]
+
+
+def _dispatched(cfg: ParallelConfig, table: LayerTable) -> LayerTable:
+    """The layer as the runtime runs it under ``cfg``: with ep > 1 the all-to-all dispatch
+    runs each token on its top k experts only (`tables.routed_layer`); without, a
+    dense-dispatch MoE runs every expert on every token, as traced."""
+    return routed_layer(table) if cfg.ep > 1 else table
 
 
 def linear_partition(weights: list[float], parts: int) -> list[int]:

@@ -10,12 +10,17 @@ sharded activation is row-parallel, makes a replicated value and costs one all-r
 output (Megatron's f/g pair: one all-reduce forward, one backward); a vocab-parallel embedding
 also costs one; any other op is sharded when one of its inputs is. Ops inside experts are
 "expert" (sharded by expert parallelism); the router stays replicated.
+
+Experts of a dense-dispatch MoE (`autopar.models.moe`: every expert on every token, so the
+graph is exportable) are tabled as traced, which is what the runtime runs without expert
+parallelism; `routed_layer` gives the same layer at the top-k routed rows (the work times
+top_k / num_experts), which is what the all-to-all dispatch of expert parallelism runs.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autopar.tracing.graph import LayerInfo, ModelGraph, NodeInfo
 
@@ -61,6 +66,9 @@ class LayerTable:
     moe_top_k: int = 0
     moe_dispatch_bytes: float = 0.0  # one all-to-all's payload, per sample (tokens*k*h)
     vocab_logits_bytes: float = 0.0  # the head's logits per sample (the loss keeps them)
+    # routed / traced expert work: top_k / num_experts for a dense-dispatch MoE (the graph runs
+    # every expert on every token), 1 when the graph already routes; `routed_layer` applies it
+    moe_routed_fraction: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -229,6 +237,56 @@ def _layer_table(
         moe_top_k=layer.moe.top_k if layer.moe else 0,
         moe_dispatch_bytes=_dispatch_bytes(layer, nodes) if layer.moe else 0.0,
         vocab_logits_bytes=_logits_bytes(layer, nodes),
+        moe_routed_fraction=(
+            layer.moe.top_k / layer.moe.num_experts
+            if layer.moe and layer.moe.dense_dispatch
+            else 1.0
+        ),
+    )
+
+
+def routed_layer(table: LayerTable) -> LayerTable:
+    """``table`` with its expert work at the routed rows: what a dispatching runtime runs.
+
+    A dense-dispatch MoE's graph (`autopar.models.moe`) runs all E experts on all T tokens;
+    dispatched, the experts run k T rows in all (each token on its top k). Every expert-class
+    term -- matmul FLOPs and activation bytes, memory-bound bytes, saved activations -- scales
+    by f = k / E; weights, the router and the combine's replicated work do not. The dispatch
+    itself keeps two more copies of the routed rows without recompute (D = moe_dispatch_bytes,
+    k T H per sample): each expert's gathered input rows (the dense graph's experts share the
+    block's x) and the weighted rows `index_add` keeps (`autopar.runtime.expert_parallel`;
+    measured on moe-tiny EP2: rows of 64 x 64 fp32, two per layer beyond the experts'). The
+    table itself when f = 1 (a graph that routes already, or no MoE)."""
+    f = table.moe_routed_fraction
+    if f == 1.0:
+        return table
+    extra = {"none": 2 * table.moe_dispatch_bytes}
+
+    def matmul(op: MatmulOp) -> MatmulOp:
+        if op.shard != "expert":
+            return op
+        return replace(
+            op,
+            flops=op.flops * f,
+            backward_flops=op.backward_flops * f,
+            weight_grad_flops=op.weight_grad_flops * f,
+            activation_bytes=op.activation_bytes * f,
+        )
+
+    return replace(
+        table,
+        matmuls=tuple(matmul(op) for op in table.matmuls),
+        memory_ops=tuple(
+            (shard, nbytes * f if shard == "expert" else nbytes, count)
+            for shard, nbytes, count in table.memory_ops
+        ),
+        activations={
+            policy: {
+                k: v * f + extra.get(policy, 0.0) if k == "expert" else v for k, v in split.items()
+            }
+            for policy, split in table.activations.items()
+        },
+        moe_routed_fraction=1.0,
     )
 
 

@@ -52,6 +52,9 @@ class MoEInfo:
     expert_params: int  # parameters of ONE expert
     expert_param_bytes: int
     router: str  # module path of the router
+    # True: the graph runs every expert on every token (`autopar.models.moe.MoEBlock`); its
+    # expert nodes hold num_experts / top_k times the routed FLOPs and activations
+    dense_dispatch: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ While L's backward recomputes, the values that policy dropped are alive again: t
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 from torch import nn
@@ -61,6 +62,7 @@ def summarize_layers(
         moe_block = modules.get(moe.router.rsplit(".", 1)[0]) if moe else None
         if moe is not None and getattr(moe_block, "dense_dispatch", False):
             flops, backward = _routed_flops(layer_nodes, moe, flops, backward)
+            moe = dataclasses.replace(moe, dense_dispatch=True)
         layers.append(
             LayerInfo(
                 name=name,

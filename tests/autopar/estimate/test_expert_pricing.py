@@ -1,0 +1,84 @@
+"""Expert layers priced as the runtime runs them.
+
+With ep > 1 the all-to-all dispatch runs each token on its top-k experts: a dense-dispatch
+MoE's (`autopar.models.moe`) expert FLOPs and activations are the traced ones times
+top_k / num_experts, plus the dispatch's two copies of the routed rows; with ep = 1 the dense
+block runs every expert on every token, as traced. On round.toml: full efficiency, no latency.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar import Cluster, ParallelConfig
+from autopar.estimate import CostOptions, Estimator, build_tables
+from autopar.estimate.tables import routed_layer
+from autopar.models import zoo
+
+ROUND = Path(__file__).with_name("round.toml")
+
+
+@pytest.fixture(scope="module")
+def moe():
+    model = zoo.build("moe-tiny")
+    tables = build_tables(autopar.trace(model, zoo.example_inputs("moe-tiny", model)))
+    return zoo.config("moe-tiny"), tables
+
+
+def _estimator(tables, n: int) -> Estimator:
+    options = CostOptions(overlap_grad_reduce=False)
+    return Estimator(tables, Cluster.from_profile(ROUND, num_devices=n), options=options)
+
+
+def test_routed_layer_scales_the_expert_work_by_top_k_over_experts(moe):
+    cfg, tables = moe
+    f = cfg.top_k / cfg.num_experts
+    layers = [t for t in tables.layers if t.moe_num_experts]
+    assert layers and all(t.moe_routed_fraction == f for t in layers)
+    for dense in layers:
+        routed = routed_layer(dense)
+        for a, b in zip(dense.matmuls, routed.matmuls, strict=True):
+            scale = f if a.shard == "expert" else 1.0
+            assert b.flops == pytest.approx(a.flops * scale)
+            assert b.backward_flops == pytest.approx(a.backward_flops * scale)
+            assert b.weight_bytes == a.weight_bytes
+        assert any(op.shard == "expert" for op in dense.matmuls)
+        for policy, split in dense.activations.items():
+            extra = 2 * dense.moe_dispatch_bytes if policy == "none" else 0.0
+            assert routed.activations[policy]["expert"] == pytest.approx(
+                split["expert"] * f + extra
+            )
+            assert routed.activations[policy]["rep"] == split["rep"]
+        # tokens x top_k x hidden x fp32: what one all-to-all moves, per sample
+        assert dense.moe_dispatch_bytes == cfg.seq_len * cfg.top_k * cfg.hidden * 4
+        assert routed_layer(routed) is routed
+    dense_layers = [t for t in tables.layers if not t.moe_num_experts]
+    assert all(routed_layer(t) is t for t in dense_layers)
+
+
+def test_expert_parallel_prices_routed_compute_and_activations(moe):
+    cfg, tables = moe
+    e = _estimator(tables, 2)
+    dense_cfg, ep_cfg = ParallelConfig(dp=2), ParallelConfig(dp=2, ep=2)
+    dense = e._layer_times(dense_cfg, e._mesh(dense_cfg))
+    routed = e._layer_times(ep_cfg, e._mesh(ep_cfg))
+    f = cfg.top_k / cfg.num_experts
+    for t in tables.layers:
+        expert_flops = sum(op.flops for op in t.matmuls if op.shard == "expert")
+        if not expert_flops:
+            assert routed[t.name].compute_forward_s == dense[t.name].compute_forward_s
+            continue
+        # the time falls, by at most the expert FLOPs routing skips at peak (round.toml)
+        cut = dense[t.name].compute_forward_s - routed[t.name].compute_forward_s
+        assert cut > 0
+        assert routed[t.name].compute_forward_s >= expert_flops * f / 100e12
+        per_rank = e._activation_bytes(ep_cfg, t, "none") / e.act_scale
+        want = sum(routed_layer(t).activations["none"].values())
+        assert per_rank == pytest.approx(want)
+        assert per_rank < sum(t.activations["none"].values())
+    # the MFU numerator counts routed FLOPs whatever the config
+    a, b = e.evaluate(dense_cfg, 2), e.evaluate(ep_cfg, 2)
+    assert a.model_flops == b.model_flops
