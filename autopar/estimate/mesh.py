@@ -27,14 +27,24 @@ from cost_models.comm import collective_time
 
 
 def axis_ranks(cfg: ParallelConfig) -> dict[str, tuple[int, ...]]:
-    """Per axis (dp, fsdp, cp, tp, pp, ep), the ranks of its group that holds rank 0."""
+    """Per axis (dp, fsdp, cp, tp, pp, ep, expert_dp), the ranks of its group that holds
+    rank 0."""
     strides = cfg.strides
     out = {
         axis: tuple(i * strides[axis] for i in range(getattr(cfg, axis)))
         for axis in ("tp", "cp", "fsdp", "dp", "pp")
     }
     out["ep"] = expert_ranks(cfg)
+    out["expert_dp"] = expert_data_ranks(cfg)
     return out
+
+
+def expert_data_ranks(cfg: ParallelConfig) -> tuple[int, ...]:
+    """The ranks holding rank 0's experts (dp / ep of them along dp, every ep-th: the expert
+    data group `build_expert_groups` builds), where the experts' gradients are summed."""
+    if cfg.ep == 1 or cfg.fsdp > 1 or cfg.dp % cfg.ep:
+        return (0,)
+    return tuple(j * cfg.ep * cfg.strides["dp"] for j in range(cfg.dp // cfg.ep))
 
 
 def expert_ranks(cfg: ParallelConfig) -> tuple[int, ...]:

@@ -10,11 +10,14 @@ the sum of its layers' `layer_time` forward (compute + exposed TP/CP/EP) plus ex
 gathers; its backward likewise. The pipeline comes from `cost_models.pipeline`'s simulation.
 
 Data parallel, per stage, gradients G bytes (params on the rank x grad bytes):
-    ZeRO-0   all-reduce G over dp; ZeRO-1/2 reduce-scatter G over fsdp (+ all-reduce G/fsdp over
-    dp for HSDP) then all-gather the bf16 params; ZeRO-3 all-gathers each layer forward and
-    backward and reduce-scatters its gradients, every micro-batch (one call per layer, or per
-    parameter tensor with `fsdp_per_tensor`; with `fsdp_list_copies` each call also copies to or
-    from its n per-rank views, `cost_models.compute.list_collective_time_s`).
+    ZeRO-0   all-reduce G over dp; with ep > 1 the experts' G_e are left out of it and summed
+    over the dp / ep ranks holding the same experts after the backward (exposed; none when
+    dp = ep), as `autopar.runtime.expert_parallel` does; ZeRO-1/2 reduce-scatter G over fsdp
+    (+ all-reduce G/fsdp over dp for HSDP) then all-gather the bf16 params; ZeRO-3
+    all-gathers each layer forward and backward and reduce-scatters its gradients, every
+    micro-batch (one call per layer, or per parameter tensor with `fsdp_per_tensor`; with
+    `fsdp_list_copies` each call also copies to or from its n per-rank views,
+    `cost_models.compute.list_collective_time_s`).
     Overlap (none on a CPU profile: gloo runs on the compute cores): gradient reduction
     hides behind the last micro-batch's backward except the last bucket; FSDP gathers are
     prefetched behind the previous layer's compute (exposed: what the stage's compute cannot
@@ -421,10 +424,14 @@ class Estimator:
         return out
 
     def params_on_rank(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
-        expert_div = max(cfg.ep, cfg.tp)
-        return sum(
-            t.params_tp / cfg.tp + t.params_rep + t.params_expert / expert_div for t in layers
+        return sum(t.params_tp / cfg.tp + t.params_rep for t in layers) + (
+            self.expert_params_on_rank(cfg, layers)
         )
+
+    @staticmethod
+    def expert_params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
+        """The expert parameters of ``layers`` on a rank (split over max(ep, tp))."""
+        return sum(t.params_expert / max(cfg.ep, cfg.tp) for t in layers)
 
     def _fsdp_exposed(
         self,
@@ -506,7 +513,15 @@ class Estimator:
         grad = params * self.options.grad_bytes
         pbytes = params * _PRECISION_BYTES[self.precision]
         sync = 0.0
-        if cfg.zero_stage == 0 and cfg.dp > 1:
+        if cfg.zero_stage == 0 and cfg.dp > 1 and cfg.ep > 1:
+            # the experts are left out of the dp all-reduce and summed over the ranks holding
+            # the same experts after the backward (ExpertParallel.sync_gradients): exposed
+            experts = self.expert_params_on_rank(cfg, layers) * self.options.grad_bytes
+            dense = grad - experts
+            sync = self._overlapped(mesh.time("all_reduce", dense, "dp"), dense, st)
+            if cfg.dp > cfg.ep and experts:
+                sync += mesh.time("all_reduce", experts, "expert_dp")
+        elif cfg.zero_stage == 0 and cfg.dp > 1:
             sync = self._overlapped(mesh.time("all_reduce", grad, "dp"), grad, st)
         elif cfg.zero_stage in (1, 2):
             reduce = mesh.time("reduce_scatter", grad, "fsdp") + mesh.time(

@@ -3,7 +3,9 @@
 With ep > 1 the all-to-all dispatch runs each token on its top-k experts: a dense-dispatch
 MoE's (`autopar.models.moe`) expert FLOPs and activations are the traced ones times
 top_k / num_experts, plus the dispatch's two copies of the routed rows; with ep = 1 the dense
-block runs every expert on every token, as traced. On round.toml: full efficiency, no latency.
+block runs every expert on every token, as traced. The experts' gradients stay out of the dp
+all-reduce and are summed over the dp / ep ranks holding the same experts. On round.toml:
+ring collectives at FAST bytes/s inside a node, no latency, full efficiency.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from autopar.estimate.tables import routed_layer
 from autopar.models import zoo
 
 ROUND = Path(__file__).with_name("round.toml")
+FAST = 100e9
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +85,21 @@ def test_expert_parallel_prices_routed_compute_and_activations(moe):
     # the MFU numerator counts routed FLOPs whatever the config
     a, b = e.evaluate(dense_cfg, 2), e.evaluate(ep_cfg, 2)
     assert a.model_flops == b.model_flops
+
+
+@pytest.mark.parametrize(("dp", "ep"), [(4, 2), (2, 2)])
+def test_expert_gradients_leave_the_dp_all_reduce_for_their_replicas(moe, dp, ep):
+    _, tables = moe
+    e = _estimator(tables, dp)
+    cfg = ParallelConfig(dp=dp, ep=ep)
+    est = e.evaluate(cfg, dp)
+    layers = list(tables.layers)
+    experts = sum(t.params_expert for t in layers) / ep * 4  # fp32 gradients of this rank's
+    dense = sum(t.params_tp + t.params_rep for t in layers) * 4
+    ring = 2 * (dp - 1) / dp * dense / FAST
+    replicas = dp // ep  # ranks holding the same experts
+    expert_sync = 2 * (replicas - 1) / replicas * experts / FAST
+    assert est.breakdown["dp_comm"] == pytest.approx(ring + expert_sync)
+    # the old price: every gradient, experts included, all-reduced over dp
+    everything = 2 * (dp - 1) / dp * (dense + experts) / FAST
+    assert est.breakdown["dp_comm"] < everything
