@@ -51,13 +51,26 @@ training element bytes and g the gradient element bytes:
             Expert gradients are summed over the ranks holding the same experts (dp / ep of
             them, axis "expert_dp") when there are more than one: P_expert g.
     clip    the global gradient norm and the loss: one all-reduce of 16 bytes over the world.
-
-Not yet here: pipeline (send/recv) parallelism, whose runtime is checked by its numerics tests.
+    pp      pipeline parallelism (`autopar.runtime.pipeline`, torch.distributed.pipelining):
+            the model chunks are the runs of consecutive layers of a stage (`_chunk_runs`;
+            a V schedule's two middle chunks on the last stage are one run, torch hands their
+            activations over in memory). Across each cut between runs on different stages,
+            per micro-batch the forward activation (the hidden states, b S H w_a / (c t_sp),
+            w_a = traced float bytes x act_scale, t_sp = t with SP, else 1, the estimator's
+            `_pipeline` divisor) goes downstream and its gradient (same bytes) upstream: the
+            earlier stage sends m and receives m, the later one receives m and sends m; one
+            isend or irecv per tensor (gloo does not coalesce batch_isend_irecv). Each step
+            the last chunk's loss (one fp32) is broadcast over pp, and a tied embedding whose
+            first and last chunks lie on different stages has its gradient all-reduced
+            between the two (T g / t, T the tied elements, divided by fsdp where FSDP shards
+            the gradients). Not counted: the shape-inference messages the first step sends
+            (pickled metadata by send_object_list, once per run, not per step).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from itertools import pairwise
 
 from autopar.config import ParallelConfig
 from autopar.estimate.tables import LayerTable, ModelTables
@@ -70,8 +83,9 @@ _PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 class PlannedCollective:
     """``count`` calls of ``kind`` over mesh ``axis`` per step, ``bytes`` each."""
 
-    part: str  # "tp", "loss", "sp", "fsdp", "dp", "cp", "ep", "clip"
-    kind: str  # "all_reduce", "all_gather", "reduce_scatter", "all_to_all"
+    part: str  # "tp", "loss", "sp", "fsdp", "dp", "cp", "ep", "clip", "pp"
+    kind: str  # "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
+    # "send", "recv" (pipeline point-to-point: count sends or receives of one rank)
     axis: str  # "tp", "fsdp", "dp", "cp", "ep", "expert_dp", "world"
     count: int
     bytes: float
@@ -118,10 +132,74 @@ def stage_communication(
         stage += _context_parallel(cfg, layers, m, g, x, holds_loss=last in names)
         stage += _expert_parallel(cfg, layers, m, x)
         stage += _data_parallel(cfg, layers, m, weight_bytes, g)
+        stage += _pipeline(tables, cfg, stage_layers, len(out), m, g, x)
         if cfg.world_size > 1:
             stage.append(PlannedCollective("clip", "all_reduce", "world", 1, 16.0, "norm and loss"))
         out.append(tuple(stage))
     return tuple(out)
+
+
+def _chunk_runs(tables: ModelTables, stage_layers: list[tuple[str, ...]]) -> list[tuple[int, int]]:
+    """(stage, index of its last layer) of each run of consecutive layers on one stage, in
+    model order: the model chunks as the runtime cuts them, a V's two chunks on the last
+    stage merged (torch passes their activation in memory)."""
+    stage_of = {name: s for s, names in enumerate(stage_layers) for name in names}
+    runs: list[tuple[int, int]] = []
+    for i, t in enumerate(tables.layers):
+        s = stage_of.get(t.name)
+        if s is None:
+            continue
+        if runs and runs[-1][0] == s:
+            runs[-1] = (s, i)
+        else:
+            runs.append((s, i))
+    return runs
+
+
+def _tied_elements(tables: ModelTables) -> float:
+    """Elements of the head's weight that another layer (the embedding) holds: the head's
+    matmul weights beyond its own parameters (the tracer counts a tied weight once, on the
+    first layer that reads it)."""
+    heads = [t for t in tables.layers if t.vocab_logits_bytes]
+    if not heads or not tables.traced_float_bytes:
+        return 0.0
+    head = heads[-1]
+    weights = sum(mm.weight_bytes for mm in head.matmuls) / tables.traced_float_bytes
+    return max(0.0, weights - head.params_tp - head.params_rep)
+
+
+def _pipeline(
+    tables: ModelTables,
+    cfg: ParallelConfig,
+    stage_layers: list[tuple[str, ...]],
+    here: int,
+    m: int,
+    g: int,
+    x: float,
+) -> list[PlannedCollective]:
+    out: list[PlannedCollective] = []
+    if cfg.pp == 1:
+        return out
+    runs = _chunk_runs(tables, stage_layers)
+    div = cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)
+    hidden = tables.seq_len * tables.hidden * tables.traced_float_bytes
+    nbytes = hidden * cfg.micro_batch_size * x / div
+    for (a, i), (b, _) in pairwise(runs):
+        cut = f"after {tables.layers[i].name}"
+        if here == a:  # activations down, their gradients back
+            out.append(PlannedCollective("pp", "send", "pp", m, nbytes, cut))
+            out.append(PlannedCollective("pp", "recv", "pp", m, nbytes, cut))
+        if here == b:
+            out.append(PlannedCollective("pp", "recv", "pp", m, nbytes, cut))
+            out.append(PlannedCollective("pp", "send", "pp", m, nbytes, cut))
+    out.append(PlannedCollective("pp", "broadcast", "pp", 1, 4.0, "loss"))
+    first, last = runs[0][0], runs[-1][0]
+    tied = _tied_elements(tables)
+    if tied and first != last and here in (first, last):
+        sharded = cfg.fsdp if cfg.fsdp > 1 and cfg.zero_stage >= 1 else 1
+        grads = tied / cfg.tp * g / sharded
+        out.append(PlannedCollective("pp", "all_reduce", "pp", 1, grads, "tied embedding"))
+    return out
 
 
 def _recomputed_blocks(

@@ -51,6 +51,10 @@ _OPS = {
     "all_to_all_single": ("all_to_all", 0, False),
     "alltoall_base_": ("all_to_all", 1, False),
     "broadcast_": ("broadcast", 0, False),
+    # pipeline p2p: torch.distributed.pipelining's batch_isend_irecv runs one isend / irecv
+    # per tensor on gloo (no coalescing), each a c10d::send / recv_ op
+    "send": ("send", 0, False),
+    "recv_": ("recv", 0, False),
 }
 
 
@@ -134,6 +138,11 @@ def measure(cases: list[Case]) -> list[dict[str, Any]]:
         two, memory = _comm_of_steps(case, 2)
         step = Counter({k: two[k] - one.get(k, 0) for k in two if two[k] - one.get(k, 0)})
         out.append(
-            {"comm": dict(step), "memory": memory, "activations": saved_activation_bytes(case)}
+            {
+                "comm": dict(step),
+                "memory": memory,
+                # pp > 1: a chunk's saved bytes need the schedule; not measured here
+                "activations": saved_activation_bytes(case) if case.config.pp == 1 else None,
+            }
         )
     return out
