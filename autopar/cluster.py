@@ -120,6 +120,25 @@ class Cluster:
         self._check_rank(rank)
         return rank // self.devices_per_node
 
+    @property
+    def compute_share(self) -> float:
+        """The share of a compute slot each device gets when all of a node's devices compute
+        at once (`_time_shared` priced the profile at it): 1 unless ranks outnumber slots."""
+        slots = self.profile.compute_slots
+        if self.slice_shape is not None or not slots or self.devices_per_node <= slots:
+            return 1.0
+        return slots / self.devices_per_node
+
+    def pipeline_placement(self, pp: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """Per pipeline rank (pp is the outermost axis): the node it sits on and the devices it
+        stands for there. A stage that spans nodes stands for a whole node of its own."""
+        per_stage = self.world_size // pp
+        if per_stage <= self.devices_per_node:
+            return tuple(s * per_stage // self.devices_per_node for s in range(pp)), (
+                float(per_stage),
+            ) * pp
+        return tuple(range(pp)), (float(self.devices_per_node),) * pp
+
     def torus_coords(self, rank: int) -> tuple[int, ...]:
         self._check_rank(rank)
         assert self.slice_shape is not None, "torus_coords is for TPU slices"

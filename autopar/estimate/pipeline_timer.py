@@ -10,6 +10,7 @@ tests/autopar/estimate/test_pipeline_timer.py.
 from __future__ import annotations
 
 from cost_models.pipeline import simulate_pipeline
+from cost_models.pipeline_shared import simulate_pipeline_shared
 
 
 class PipelineTimer:
@@ -17,6 +18,7 @@ class PipelineTimer:
 
     def __init__(self) -> None:
         self._cache: dict[tuple, tuple[float, tuple[float, ...]]] = {}
+        self._shared_cache: dict[tuple, float] = {}
 
     def __call__(
         self,
@@ -56,3 +58,42 @@ class PipelineTimer:
             )
             self._cache[key] = (result.step_time_s, result.peak_inflight_microbatches)
         return self._cache[key]
+
+    def shared(
+        self,
+        schedule: str,
+        pp: int,
+        m: int,
+        forward_s: tuple[float, ...],
+        backward_input_s: tuple[float, ...],
+        backward_weight_s: tuple[float, ...],
+        p2p_s: float,
+        virtual_stages: int,
+        node_of: tuple[int, ...],
+        weight: tuple[float, ...],
+        slots: int,
+    ) -> float:
+        """Step time with ranks time-sharing ``slots`` per node (`simulate_pipeline_shared`,
+        times at the full rate), cached the same way: processor sharing is scale-free too."""
+        scale = max(*forward_s, *backward_input_s, *backward_weight_s, p2p_s, 1e-30)
+        norm = tuple(
+            tuple(float(f"{x / scale:.4g}") for x in seq)
+            for seq in (forward_s, backward_input_s, backward_weight_s, (p2p_s,))
+        )
+        key = (schedule, pp, m, virtual_stages, norm, node_of, weight, slots)
+        if key not in self._shared_cache:
+            fwd, b_in, b_w, (p2p,) = norm
+            self._shared_cache[key] = simulate_pipeline_shared(
+                schedule,
+                pp,
+                m,
+                forward_s=fwd,
+                backward_input_s=b_in,
+                backward_weight_s=b_w,
+                node_of=node_of,
+                weight=weight,
+                slots=slots,
+                p2p_s=p2p,
+                virtual_stages=virtual_stages,
+            )
+        return self._shared_cache[key] * scale
