@@ -246,6 +246,7 @@ def _time_shared(profile: HardwareProfile, used: int) -> HardwareProfile:
     )
     layer = {k: v / share for k, v in profile.runtime_overhead_s.items()}
     step = {k: v / share for k, v in profile.optimizer_overhead_s.items()}
+    model = {k: v / share for k, v in profile.model_overhead_s.items()}
     # the collectives run on the same cores (gloo copies, reduces and moves loopback bytes
     # through the kernel on the ranks' own threads): their rate scales by the share too, and
     # each step's latency (a peer's wake-up) by its inverse
@@ -264,6 +265,7 @@ def _time_shared(profile: HardwareProfile, used: int) -> HardwareProfile:
         levels=levels,
         runtime_overhead_s=layer,
         optimizer_overhead_s=step,
+        model_overhead_s=model,
     )
 
 

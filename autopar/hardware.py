@@ -51,6 +51,9 @@ class HardwareProfile:
     runtime_overhead_s: Mapping[str, float] = field(default_factory=dict)
     # The same for the optimizer step (clipping, AdamW) per repeated layer per step.
     optimizer_overhead_s: Mapping[str, float] = field(default_factory=dict)
+    # The same per micro-batch for everything outside the repeated layers (embedding, head,
+    # loss and their backward), by style; empty where not measured.
+    model_overhead_s: Mapping[str, float] = field(default_factory=dict)
 
     def as_text(self) -> str:
         d = self.device
@@ -208,6 +211,7 @@ def _parse(f: _Fields, origin: str) -> HardwareProfile:
         compute_slots=_compute_slots(f),
         runtime_overhead_s=_runtime_overheads(f, sources, "layer_overhead_s"),
         optimizer_overhead_s=_runtime_overheads(f, sources, "optimizer_overhead_s"),
+        model_overhead_s=_runtime_overheads(f, sources, "model_overhead_s"),
     )
 
 

@@ -24,7 +24,9 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
         o = o[tp_sp | tp | plain] + (o[fsdp3 | fsdp] - o[plain] when fsdp > 1): the
         parallel styles' extra host work (DTensor dispatch, FSDP2 hooks and copies) adds up;
         a recomputed layer adds o[policy] - o[plain] (full: less the 1/3 o[plain] its re-run
-        forward already pays) to its recompute time.
+        forward already pays) to its recompute time. The model's last layer carries the
+        measured overhead of everything outside the repeated layers (embedding, head, loss:
+        `model_overhead_s`, combined by the same rule) per micro-batch.
 """
 
 from __future__ import annotations
@@ -76,9 +78,11 @@ def layer_time(
     comm: CommFn,
     tp_overlap: float,
     overheads: Mapping[str, float] | None = None,
+    model_overheads: Mapping[str, float] | None = None,
 ) -> LayerTime:
     """One micro-batch of ``cfg.micro_batch_size`` samples through ``table``'s layer;
-    ``overheads``: the profile's `runtime_overhead_s` (module docstring)."""
+    ``overheads``: the profile's `runtime_overhead_s`, ``model_overheads`` its
+    `model_overhead_s`, given for the model's last layer only (module docstring)."""
     b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
     weight_div = {"tp": t, "rep": 1, "expert": max(cfg.ep, t)}
     flop_div = {"tp": t * c, "rep": c, "expert": t * c}
@@ -101,7 +105,7 @@ def layer_time(
         attn_fwd += op_time_s(device, "attention", op.flops * b / d, io, dtype)
         attn_bwd += op_time_s(device, "attention", op.backward_flops * b / d, 2 * io, dtype)
     mem = _memory_ops_time(table, cfg, device, act_scale)
-    host = runtime_overhead_s(overheads, cfg) if table.kind == "block" else 0.0
+    host = runtime_overhead_s(overheads if table.kind == "block" else model_overheads, cfg)
     fwd += attn_fwd + mem + host / 3
     bwd += attn_bwd + 2 * mem + 2 * host / 3
     tp_f = _tp_comm(table, cfg, act_scale, comm) * (1 - tp_overlap)

@@ -32,7 +32,7 @@ communication buffers, and the allocator reserve.
 Per-layer recompute (cfg.recompute_layers = k): the policy applies to the first k blocks of
 each model chunk (`_recomputed`); the other layers keep their activations ("none") and cost no
 recompute time nor, under ZeRO-3 with full recompute, a third gather. None applies the policy
-to every layer, embedding and head included (the estimate as before k existed). The chunk
+to every block (the runtime never wraps the embedding, the head or other layers). The chunk
 split is the all-layer policy's, so k changes no stage boundary. Per stage s, with d_l = a_l^none
 - a_l^policy >= 0 the bytes a recomputed layer l drops and n_s >= 1 in-flight micro-batches,
     act_s(k) = sum_l a_l^none n_s - sum_{l recomputed} d_l n_s + max_{l recomputed} d_l
@@ -274,7 +274,11 @@ class Estimator:
     def _times_key(cfg: ParallelConfig) -> ParallelConfig:
         """``cfg`` less what layer times do not depend on (ZeRO stage, schedule, per-layer
         recompute): configs with one key share their layer times and stage split."""
-        return replace(cfg, zero_stage=0, schedule="1f1b", virtual_stages=1, recompute_layers=None)
+        # ZeRO-3 keeps its own key: the runtime overheads tell FSDP2 ZeRO-3 from ZeRO-1/2
+        zero = 3 if cfg.zero_stage == 3 else 0
+        return replace(
+            cfg, zero_stage=zero, schedule="1f1b", virtual_stages=1, recompute_layers=None
+        )
 
     def _layer_times(self, cfg: ParallelConfig, mesh: MeshGroups) -> dict[str, LayerTime]:
         """Per layer name, its time under ``cfg`` (cached per `_times_key`; do not mutate)."""
@@ -287,7 +291,22 @@ class Estimator:
     def _price_layers(self, cfg: ParallelConfig, mesh: MeshGroups) -> dict[str, LayerTime]:
         by_class: dict[str, LayerTime] = {}
         out = {}
+        last = self.tables.layers[-1].name
         for table in self.tables.layers:
+            if table.name == last and self.cluster.profile.model_overhead_s:
+                # the runtime's host work outside the repeated layers, once per micro-batch
+                out[table.name] = layer_time(
+                    _dispatched(cfg, table),
+                    cfg,
+                    self.device,
+                    self.precision,
+                    self.act_scale,
+                    mesh.time,
+                    self.options.tp_comm_overlap,
+                    self.cluster.profile.runtime_overhead_s,
+                    self.cluster.profile.model_overhead_s,
+                )
+                continue
             if table.class_id not in by_class:
                 by_class[table.class_id] = layer_time(
                     _dispatched(cfg, table),
@@ -359,10 +378,11 @@ class Estimator:
         self, cfg: ParallelConfig, chunks: list[list[LayerTable]]
     ) -> frozenset[str] | None:
         """Names of the layers cfg.recompute applies to: the first recompute_layers blocks of
-        each chunk; None for every layer (recompute_layers None)."""
+        each chunk; every block for recompute_layers None (the runtime wraps blocks only,
+        never the embedding, head or other layers: autopar.runtime.recompute)."""
         k = cfg.recompute_layers
         if k is None:
-            return None
+            return frozenset(t.name for c in chunks for t in c if t.kind == "block")
         top = max(sum(t.kind == "block" for t in c) for c in chunks)
         if k > top:
             raise ConfigError(

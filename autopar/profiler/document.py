@@ -175,8 +175,9 @@ def render(
         bare = profile_from_text(render(info, fits, compute, comm), info.name)
         overheads = runtime_overhead.overheads(bare, runtime, info.world_size)
         optimizer = runtime_overhead.overheads(bare, runtime, info.world_size, "optimizer_s")
+        model = runtime_overhead.model_overheads(bare, runtime, info.world_size)
     else:
-        overheads = optimizer = {}
+        overheads = optimizer = model = {}
     run = (
         f"measured by `{info.command}` on {info.date} ({info.machine}; torch "
         f"{info.torch_version}; {info.world_size} ranks over {info.backend}, "
@@ -318,6 +319,7 @@ def render(
             "optimizer_overhead_s = { "
             + ", ".join(f"{k} = {_n(v)}" for k, v in optimizer.items())
             + " }",
+            "model_overhead_s = { " + ", ".join(f"{k} = {_n(v)}" for k, v in model.items()) + " }",
             "source = "
             + _s(
                 f"{run}: autopar.profiler.runtime_overhead: forward + backward of one "
@@ -330,7 +332,10 @@ def render(
                 "numbers, at least 0; measured per layer: "
                 + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in per_layer.items())
                 + "; optimizer_overhead_s the same for the step's clipping and AdamW "
-                "(foreach=False, as the trainer), per layer per step; raw times in [measured]"
+                "(foreach=False, as the trainer), per layer per step; model_overhead_s per "
+                "micro-batch outside the repeated layers (embedding, head, loss): the 1-layer "
+                "time less its prediction and one layer's overhead, at least 0; raw times in "
+                "[measured]"
             ),
         ]
     lines += _measured(info, compute, comm, runtime)

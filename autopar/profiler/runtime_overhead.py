@@ -16,6 +16,9 @@ the profile fitted from the same run's compute and collectives -- the overhead p
                           (compute, TP and FSDP collectives; FSDP ZeRO-1/2's gather and
                           reduce-scatter, which this loop runs every micro-batch)
     overhead            = max(0, measured - predicted)
+    model overhead      = max(0, t(1 layer) - its prediction - 1 x overhead)   per micro-batch,
+                          outside the repeated layers (embedding, head, loss: vocabulary-
+                          parallel logits under TP, FSDP2's root hooks)
 
 and the same for the optimizer step that follows (global gradient norm, clipping and AdamW
 with foreach=False, as `autopar.runtime.trainer`): per layer per step against the cost
@@ -30,6 +33,7 @@ config uses all the ranks: plain = dp, tp and tp_sp = tp 2 x dp, fsdp and fsdp3 
 Public functions:
     measure_runtime(world_size, quick, progress) -> list[RuntimeMeasurement]   (every rank)
     overheads(profile, measurements, world_size, part) -> {style: seconds}                (rank 0)
+    model_overheads(profile, measurements, world_size) -> {style: seconds}                (rank 0)
 """
 
 from __future__ import annotations
@@ -226,6 +230,25 @@ def overheads(
         ) / span
         out[style] = max(0.0, measured - predicted)
     return out
+
+
+def model_overheads(
+    profile, measurements: Sequence[RuntimeMeasurement], world_size: int
+) -> dict[str, float]:
+    """Per style, the host time per micro-batch outside the repeated layers (embedding, head,
+    loss): the 1-layer time less its prediction and less one layer's overhead, at least 0
+    (module docstring). ``profile`` as for `overheads`."""
+    per_layer = overheads(profile, measurements, world_size)
+    one = {m.style: m.time_s for m in measurements if m.num_layers == LAYERS[0]}
+    return {
+        style: max(
+            0.0,
+            one[style]
+            - predicted_s(profile, style, LAYERS[0], world_size)
+            - LAYERS[0] * per_layer[style],
+        )
+        for style in per_layer
+    }
 
 
 def predicted_s(

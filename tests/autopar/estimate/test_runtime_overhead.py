@@ -29,11 +29,17 @@ def llama():
 
 
 def with_overheads(
-    cluster: Cluster, overheads: dict[str, float], optimizer: dict[str, float] | None = None
+    cluster: Cluster,
+    overheads: dict[str, float],
+    optimizer: dict[str, float] | None = None,
+    model: dict[str, float] | None = None,
 ) -> Cluster:
-    """``cluster`` with these layer overheads and optimizer ones (none by default)."""
+    """``cluster`` with these layer overheads, optimizer and model ones (none by default)."""
     profile = dataclasses.replace(
-        cluster.profile, runtime_overhead_s=overheads, optimizer_overhead_s=optimizer or {}
+        cluster.profile,
+        runtime_overhead_s=overheads,
+        optimizer_overhead_s=optimizer or {},
+        model_overhead_s=model or {},
     )
     return dataclasses.replace(cluster, profile=profile)
 
@@ -111,6 +117,32 @@ def test_optimizer_overhead_is_paid_per_layer_per_step(llama):
         assert est.step_time_s - base.step_time_s == pytest.approx(extra)
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ParallelConfig(dp=4, micro_batch_size=1),
+        ParallelConfig(dp=2, tp=2, sequence_parallel=True),
+        ParallelConfig(fsdp=2, tp=2, zero_stage=3),
+        ParallelConfig(dp=2, pp=2, micro_batch_size=1, schedule="gpipe"),
+    ],
+)
+def test_model_overhead_is_paid_once_per_micro_batch_on_the_last_stage(llama, cfg):
+    """Embedding, head and loss: the styles' model overhead once per micro-batch, on the
+    stage holding the head (the last), combined as the layer overheads are."""
+    _, _, tables = llama
+    bare = with_overheads(Cluster.from_profile("local_cpu", num_devices=4), {})
+    base = Estimator(tables, bare, precision="fp32").evaluate(cfg, 8)
+    est = Estimator(tables, with_overheads(bare, {}, model=OVERHEADS), precision="fp32")
+    est = est.evaluate(cfg, 8)
+    m = est.num_microbatches
+    o = runtime_overhead_s(OVERHEADS, cfg)
+    for a, b in zip(base.stages, est.stages, strict=True):
+        extra = (b.forward_s + b.backward_s) - (a.forward_s + a.backward_s)
+        assert extra == pytest.approx(o if b.index == cfg.pp - 1 else 0.0, rel=1e-6, abs=1e-12)
+    if cfg.pp == 1:
+        assert est.step_time_s - base.step_time_s == pytest.approx(m * o, rel=1e-6)
+
+
 def test_time_sharing_scales_the_overheads():
     """4 ranks on a 2-slot node each get half the time: every overhead doubles."""
     two = Cluster.from_profile("local_cpu", num_devices=2)
@@ -121,13 +153,16 @@ def test_time_sharing_scales_the_overheads():
         assert four.profile.runtime_overhead_s[style] == pytest.approx(2 * value)
     for style, value in two.profile.optimizer_overhead_s.items():
         assert four.profile.optimizer_overhead_s[style] == pytest.approx(2 * value)
+    assert two.profile.model_overhead_s
+    for style, value in two.profile.model_overhead_s.items():
+        assert four.profile.model_overhead_s[style] == pytest.approx(2 * value)
 
 
 def test_profiler_recovers_known_overheads():
     """Synthetic measurements = the bare profile's prediction + a known per-layer overhead
     (and a fixed cost for embedding, head and loss): `overheads` gives the overhead back."""
     profile = autopar.load_profile("local_cpu")
-    bare = dataclasses.replace(profile, runtime_overhead_s={})
+    bare = dataclasses.replace(profile, runtime_overhead_s={}, model_overhead_s={})
     truth = {
         "plain": 2e-3, "tp": 0.0, "tp_sp": 7e-3, "fsdp": 1e-3, "fsdp3": 4e-3,
         "selective": 5e-3, "full": 3e-3,
@@ -145,6 +180,8 @@ def test_profiler_recovers_known_overheads():
             )
     assert ro.overheads(bare, fake, 2) == pytest.approx(truth, abs=1e-9)
     assert ro.overheads(bare, fake, 2, "optimizer_s") == pytest.approx(step_truth, abs=1e-9)
+    # the fixed 0.05 s outside the repeated layers is the model overhead
+    assert ro.model_overheads(bare, fake, 2) == pytest.approx(dict.fromkeys(truth, 0.05))
     # faster than predicted: no negative overhead
     fast = [dataclasses.replace(m, time_s=m.time_s * 0.1) for m in fake]
     assert all(v == 0.0 for v in ro.overheads(bare, fast, 2).values())
@@ -164,6 +201,11 @@ def test_bad_runtime_tables_are_refused():
     good = '\n[runtime]\nlayer_overhead_s = { plain = 1e-3 }\nsource = "test"\n'
     assert profile_from_text(base + good).runtime_overhead_s == {"plain": 1e-3}
     assert profile_from_text(base + good).optimizer_overhead_s == {}
+    assert profile_from_text(base + good).model_overhead_s == {}
+    model = good.replace("source", "model_overhead_s = { tp = 2e-3 }\nsource")
+    assert profile_from_text(base + model).model_overhead_s == {"tp": 2e-3}
+    with pytest.raises(ProfileError, match=r"model_overhead_s: unknown style\(s\) gpu"):
+        profile_from_text(base + model.replace("tp = 2e-3", "gpu = 2e-3"))
     with pytest.raises(ProfileError, match=r"unknown style\(s\) gpu.*known: plain, tp"):
         profile_from_text(base + good.replace("plain", "gpu"))
     with pytest.raises(ProfileError, match=r"runtime.layer_overhead_s.plain: must be >= 0"):
