@@ -40,8 +40,8 @@ def _combined_layer_time(graph, cluster, precision, cache, float_bytes):
     the analytic price where the ILP is cheaper only by holding whole weights."""
     original = step_mod.layer_time
 
-    def priced(table, cfg, device, dtype, act_scale, comm, overlap, overheads=None):
-        now = original(table, cfg, device, dtype, act_scale, comm, overlap, overheads)
+    def priced(table, cfg, device, dtype, act_scale, comm, overlap, overheads=None, model=None):
+        now = original(table, cfg, device, dtype, act_scale, comm, overlap, overheads, model)
         if table.kind != "block" or cfg.tp == 1 or cfg.cp > 1:
             return now
         opts = IntraOptions(
