@@ -7,7 +7,9 @@ Stages: the blocks split evenly over pp * v model chunks (extra blocks to the mi
 layers before the first block on chunk 0, after the last on the last chunk; chunk k runs on
 stage k mod pp (interleaved) or on the V of DualPipe-V. A stage's forward per micro-batch is
 the sum of its layers' `layer_time` forward (compute + exposed TP/CP/EP) plus exposed FSDP
-gathers; its backward likewise. The pipeline comes from `cost_models.pipeline`'s simulation.
+gathers; its backward likewise. The pipeline comes from `cost_models.pipeline`'s simulation;
+on ranks that time-share CPU cores, from `cost_models.pipeline_shared`'s at the full rate (a
+rank in a bubble leaves its core to the busy ones).
 
 Data parallel, per stage, gradients G bytes (params on the rank x grad bytes):
     ZeRO-0   all-reduce G over dp; with ep > 1 the experts' G_e are left out of it and summed
@@ -162,7 +164,9 @@ class Estimator:
         rec = self._recomputed(cfg, chunks)
         per_stage = [self._stage_times(cfg, mesh, ls, times, rec) for ls in stage_layers]
         if time_bound_s is not None:
-            busy = max(m * (s["forward"] + s["backward"]) for s in per_stage)
+            # a time-shared pipeline stage runs at up to the full rate while others idle
+            share = self.cluster.compute_share if cfg.pp > 1 else 1.0
+            busy = max(m * (s["forward"] + s["backward"]) for s in per_stage) * share
             if busy > time_bound_s:
                 return None
         pipe_s, inflight, busiest = self._pipeline(cfg, m, per_stage, mesh)
@@ -524,6 +528,24 @@ class Estimator:
         step, inflight = self._pipeline_timer(
             cfg.schedule, cfg.pp, m, fwd, bin_, wgrad, p2p, cfg.virtual_stages
         )
+        share = self.cluster.compute_share
+        if share < 1.0:
+            # ranks in a bubble leave their slot to the busy ones: simulate at the full rate
+            # with processor sharing instead of every rank at `share` all the time
+            node_of, weight = self.cluster.pipeline_placement(cfg.pp)
+            step = self._pipeline_timer.shared(
+                cfg.schedule,
+                cfg.pp,
+                m,
+                tuple(x * share for x in fwd),
+                tuple(x * share for x in bin_),
+                tuple(x * share for x in wgrad),
+                p2p,
+                cfg.virtual_stages,
+                node_of,
+                weight,
+                self.cluster.profile.compute_slots,
+            )
         return step, list(inflight), busiest
 
     def _step_tail(
