@@ -156,7 +156,7 @@ def _chunk_runs(tables: ModelTables, stage_layers: list[tuple[str, ...]]) -> lis
     return runs
 
 
-def _tied_elements(tables: ModelTables) -> float:
+def tied_elements(tables: ModelTables) -> float:
     """Elements of the head's weight that another layer (the embedding) holds: the head's
     matmul weights beyond its own parameters (the tracer counts a tied weight once, on the
     first layer that reads it)."""
@@ -194,7 +194,7 @@ def _pipeline(
             out.append(PlannedCollective("pp", "send", "pp", m, nbytes, cut))
     out.append(PlannedCollective("pp", "broadcast", "pp", 1, 4.0, "loss"))
     first, last = runs[0][0], runs[-1][0]
-    tied = _tied_elements(tables)
+    tied = tied_elements(tables)
     if tied and first != last and here in (first, last):
         sharded = cfg.fsdp if cfg.fsdp > 1 and cfg.zero_stage >= 1 else 1
         grads = tied / cfg.tp * g / sharded

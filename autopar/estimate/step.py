@@ -51,7 +51,13 @@ from dataclasses import dataclass, field, replace
 from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.errors import ConfigError
-from autopar.estimate.layer_cost import LayerTime, layer_time, runtime_overhead_s
+from autopar.estimate.communication import tied_elements
+from autopar.estimate.layer_cost import (
+    LayerTime,
+    layer_time,
+    runtime_overhead_s,
+    split_backward_overhead_s,
+)
 from autopar.estimate.mesh import MeshGroups
 from autopar.estimate.options import CostOptions
 from autopar.estimate.pipeline_timer import PipelineTimer
@@ -140,6 +146,7 @@ class Estimator:
                 fsdp_prefetch=False,
             )
         self.act_scale = _PRECISION_BYTES[precision] / tables.traced_float_bytes
+        self._tied = tied_elements(tables)  # a tied embedding's elements (0: none)
         self.peak_flops = self.device.peak(precision)
         self._pipeline_timer = PipelineTimer()
         self._partition_cache: dict[tuple, list[int]] = {}
@@ -162,7 +169,10 @@ class Estimator:
         chunks = self._chunks(cfg, times)
         stage_layers = self._stage_layers(cfg, chunks)
         rec = self._recomputed(cfg, chunks)
-        per_stage = [self._stage_times(cfg, mesh, ls, times, rec) for ls in stage_layers]
+        per_stage = [
+            self._stage_times(cfg, mesh, ls, times, rec, first_chunk=chunks[0])
+            for ls in stage_layers
+        ]
         if time_bound_s is not None:
             # a time-shared pipeline stage runs at up to the full rate while others idle
             share = self.cluster.compute_share if cfg.pp > 1 else 1.0
@@ -278,7 +288,8 @@ class Estimator:
     def _times_key(cfg: ParallelConfig) -> ParallelConfig:
         """``cfg`` less what layer times do not depend on (ZeRO stage, schedule, per-layer
         recompute): configs with one key share their layer times and stage split."""
-        # ZeRO-3 keeps its own key: the runtime overheads tell FSDP2 ZeRO-3 from ZeRO-1/2
+        # ZeRO-3 keeps its own key: the runtime overheads tell FSDP2 ZeRO-3 from ZeRO-1/2;
+        # the split backward's overhead depends on the schedule: `_stage_times` adds it
         zero = 3 if cfg.zero_stage == 3 else 0
         return replace(
             cfg, zero_stage=zero, schedule="1f1b", virtual_stages=1, recompute_layers=None
@@ -423,7 +434,11 @@ class Estimator:
         layers: list[LayerTable],
         times: dict[str, LayerTime],
         recomputed: frozenset[str] | None = None,
+        first_chunk: list[LayerTable] | tuple[()] = (),
     ) -> dict[str, float]:
+        """Per micro-batch sums of ``layers``' times, and what the stage adds to them: the
+        split backward's host time (its blocks outside ``first_chunk``, model chunk 0: kept
+        out of the layer times, which configs of every schedule share) and exposed FSDP."""
         lt = [times[t.name] for t in layers]
         out = {
             "compute_forward": sum(x.compute_forward_s for x in lt),
@@ -441,6 +456,12 @@ class Estimator:
                        if t.name not in recomputed)  # fmt: skip
             out["recompute"] -= kept
             out["backward"] -= kept
+        split = split_backward_overhead_s(self.cluster.profile.runtime_overhead_s, cfg)
+        if split:  # the weight pass pays it (layer_cost module docstring)
+            first = {t.name for t in first_chunk}
+            split *= sum(t.kind == "block" and t.name not in first for t in layers)
+            for key in ("compute_backward", "weight_grad", "backward"):
+                out[key] += split
         fsdp_f, fsdp_b = self._fsdp_exposed(cfg, mesh, layers, out, recomputed)
         out["fsdp_comm"] = fsdp_f + fsdp_b
         out["forward"] += fsdp_f
@@ -448,9 +469,20 @@ class Estimator:
         return out
 
     def params_on_rank(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
-        return sum(t.params_tp / cfg.tp + t.params_rep for t in layers) + (
-            self.expert_params_on_rank(cfg, layers)
+        """Parameters of ``layers`` on one rank; a stage holding the head of a tied embedding
+        without the embedding holds its own copy (autopar.runtime.pipeline: the last stage's
+        copy, its gradients summed with the first stage's after the backward)."""
+        return (
+            sum(t.params_tp / cfg.tp + t.params_rep for t in layers)
+            + self.expert_params_on_rank(cfg, layers)
+            + self._tied_copy(cfg, layers)
         )
+
+    def _tied_copy(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
+        first = self.tables.layers[0].name  # the tracer counts the tied weight there
+        if not self._tied or any(t.name == first for t in layers):
+            return 0.0
+        return self._tied / cfg.tp if any(t.vocab_logits_bytes for t in layers) else 0.0
 
     @staticmethod
     def expert_params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
@@ -575,6 +607,11 @@ class Estimator:
             sync = self._overlapped(reduce, grad, st) + gather
         elif cfg.zero_stage == 3 and cfg.dp > 1:
             sync = self._overlapped(mesh.time("all_reduce", grad / cfg.fsdp, "dp"), grad, st)
+        tied = self._tied_copy(cfg, layers)
+        if tied:  # the last stage's copy and the first stage's embedding sum their gradients
+            # (Pipeline.sync_tied_gradients, after the backward): priced on the last stage
+            g = tied * self.options.grad_bytes / (cfg.fsdp if cfg.zero_stage >= 1 else 1)
+            sync += mesh.time("all_reduce", g, "pp")
         if cfg.cp > 1:  # each cp rank holds its sequence shard's gradient terms: the runtime
             # sums this rank's (FSDP-sharded) gradients over cp after the backward, one
             # all-reduce (autopar.runtime.context_parallel.sync_gradients)
