@@ -24,9 +24,11 @@ from cost_models.compute import DTYPES, DeviceSpec, EfficiencyCurve
 
 SCHEMA_VERSION = 1
 # [runtime] layer_overhead_s keys: plain tensors, TP, TP with sequence parallelism, FSDP2
-# with ZeRO-1/2 and with ZeRO-3, selective and full recompute of plain layers
-# (autopar.estimate.layer_cost.runtime_overhead_s combines them)
-RUNTIME_STYLES = ("plain", "tp", "tp_sp", "fsdp", "fsdp3", "selective", "full")
+# with ZeRO-1/2 and with ZeRO-3, selective and full recompute of plain layers, and plain
+# tensors with the backward split into input and weight passes as the zero-bubble schedules
+# run it (autopar.estimate.layer_cost.runtime_overhead_s and split_backward_overhead_s combine
+# them); every style is optional in a profile
+RUNTIME_STYLES = ("plain", "tp", "tp_sp", "fsdp", "fsdp3", "selective", "full", "split")
 Kind = Literal["gpu", "tpu", "cpu"]
 
 

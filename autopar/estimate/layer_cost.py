@@ -27,6 +27,14 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
         forward already pays) to its recompute time. The model's last layer carries the
         measured overhead of everything outside the repeated layers (embedding, head, loss:
         `model_overhead_s`, combined by the same rule) per micro-batch.
+    split backward (cfg.schedule in SPLIT_BACKWARD, pp > 1): torch's pipelining runs such a
+        stage's backward as two autograd passes (`stage_backward_input` over the stage's
+        inputs, then `stage_backward_weight` over its parameter groups), which costs the
+        host more than one pass: each repeated layer per micro-batch adds
+        o[split] - o[plain] (at least 0) to its weight-gradient time, except on model chunk
+        0, whose stage has no input gradient and runs one full backward at its W step
+        (`split_backward_overhead_s`; the estimator adds it per stage, outside the layer
+        times it caches across schedules: `Estimator._stage_times`).
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from autopar.config import ParallelConfig
+from autopar.config import SPLIT_BACKWARD, ParallelConfig
 from autopar.estimate.tables import LayerTable
 from cost_models.compute import DeviceSpec, op_time_s
 
@@ -135,6 +143,18 @@ def runtime_overhead_s(overheads: Mapping[str, float] | None, cfg: ParallelConfi
     if cfg.fsdp > 1:
         total += overheads.get("fsdp3" if cfg.zero_stage == 3 else "fsdp", plain) - plain
     return max(0.0, total)
+
+
+def split_backward_overhead_s(overheads: Mapping[str, float] | None, cfg: ParallelConfig) -> float:
+    """Per repeated layer per micro-batch outside model chunk 0, what splitting the backward
+    into input and weight passes costs the host (module docstring): o[split] - o[plain], at
+    least 0; 0 unless ``cfg`` pipelines with a split-backward schedule and "split" was
+    measured."""
+    if cfg.pp == 1 or cfg.schedule not in SPLIT_BACKWARD or not overheads:
+        return 0.0
+    if "split" not in overheads:
+        return 0.0
+    return max(0.0, overheads["split"] - overheads.get("plain", 0.0))
 
 
 def recompute_overhead_s(overheads: Mapping[str, float] | None, policy: str) -> float:

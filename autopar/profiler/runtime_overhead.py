@@ -28,7 +28,16 @@ Each timed micro-batch starts after a barrier and the slowest rank's median coun
 goes at the pace of its slowest rank); the two depths alternate step by step, and the styles
 take turns over ROUNDS rounds of 5 steps each (the median over all of a style's steps). The style's
 config uses all the ranks: plain = dp, tp and tp_sp = tp 2 x dp, fsdp and fsdp3 = fsdp
-(ZeRO-2, ZeRO-3), selective and full = dp with that recompute policy on every layer.
+(ZeRO-2, ZeRO-3), selective and full = dp with that recompute policy on every layer, split =
+dp with the backward split as torch's pipelining splits it for the zero-bubble schedules
+(config.SPLIT_BACKWARD): the blocks, head and loss run on the embedding's output detached
+and made a leaf that requires grad -- what a later pipeline stage (the last, with the loss)
+receives from the one before -- then `stage_backward_input` over that input and
+`stage_backward_weight` over the parameters, as `PipelineStage.backward_one_chunk
+(full_backward=False)` and `backward_weight_one_chunk` call them. The embedding's backward
+is left out (a stage's input has none); it cancels in the per-layer difference. Split is
+priced per repeated layer only (its own model and optimizer overheads would repeat plain's:
+`LAYER_ONLY` styles are left out of those).
 
 Public functions:
     measure_runtime(world_size, quick, progress) -> list[RuntimeMeasurement]   (every rank)
@@ -56,6 +65,7 @@ MODEL_OVERRIDES = dict(
     vocab_size=2048, seq_len=128, hidden=256, ffn_hidden=688, num_heads=8, num_kv_heads=4
 )  # fmt: skip
 LAYERS = (1, 3)
+LAYER_ONLY = ("split",)  # styles with a per-layer micro-batch overhead only (module docstring)
 ROUNDS = 3  # the styles take turns this many times (measure_runtime)
 
 
@@ -79,6 +89,8 @@ def style_config(style: str, world_size: int) -> ParallelConfig:
         return ParallelConfig(fsdp=world_size, zero_stage=3 if style == "fsdp3" else 2)
     if style in ("selective", "full"):
         return ParallelConfig(dp=world_size, recompute=style)
+    if style == "split":  # plain tensors; the backward differs (module docstring)
+        return ParallelConfig(dp=world_size)
     raise ValueError(f"unknown runtime style {style!r}")
 
 
@@ -98,9 +110,8 @@ def measure_runtime(
     }
     for r in range(rounds):
         for style in RUNTIME_STYLES:
-            for mine, got in zip(
-                steps[style], _time_style(style_config(style, world_size), iterations), strict=True
-            ):
+            timed = _time_style(style_config(style, world_size), iterations, split=style == "split")
+            for mine, got in zip(steps[style], timed, strict=True):
                 mine.extend(got)
         progress(f"runtime: round {r + 1}/{rounds} of {len(RUNTIME_STYLES)} styles")
     out = []
@@ -117,7 +128,7 @@ def measure_runtime(
 class _Runner:
     """One depth of the style's model on the plan's mesh, with its timed step parts."""
 
-    def __init__(self, cfg: ParallelConfig, num_layers: int) -> None:
+    def __init__(self, cfg: ParallelConfig, num_layers: int, *, split: bool = False) -> None:
         from autopar.models import zoo
         from autopar.runtime.mesh import build_mesh
         from autopar.runtime.parallelize import parallelize_model
@@ -133,6 +144,7 @@ class _Runner:
         self.inputs = tuple(t.to(self.device or "cpu") for t in inputs)
         self.targets = targets.to(self.device or "cpu")
         self.optimizer = _make_optimizer(self.pm.model, TrainOptions())
+        self.split = split
 
     def _sync(self) -> None:
         if self.device is not None:
@@ -144,12 +156,39 @@ class _Runner:
         self.pm.model.zero_grad(set_to_none=True)
         dist.barrier()
         start = time.perf_counter()
+        if self.split:
+            self._split_micro_batch()
+            self._sync()
+            return time.perf_counter() - start
         with loss_context(self.pm.tp_plan):
             loss = self.loss_fn(self.pm.model(*self.inputs), self.targets)
             self.pm.data_parallel.before_backward(is_last_microbatch=True)
             loss.backward()
         self._sync()
         return time.perf_counter() - start
+
+    def _split_micro_batch(self) -> None:
+        """Forward from the embedding's output as a stage input, then the backward in torch
+        pipelining's two passes (module docstring)."""
+        from torch.distributed.pipelining._backward import (
+            stage_backward_input,
+            stage_backward_weight,
+        )
+
+        from autopar.runtime.parts import default_positions, parts_of
+
+        model = self.pm.model
+        parts = parts_of(model)
+        positions = default_positions(self.inputs)
+        with torch.no_grad():
+            h = parts.embed(model, self.inputs, positions)
+        x = stage_input = h.detach().requires_grad_(True)
+        ctx = parts.context(model, x, positions)
+        for block in model.get_submodule(parts.blocks):
+            x = parts.block(block, x, ctx)
+        loss = self.loss_fn(parts.head(model, x), self.targets)
+        _, groups = stage_backward_input([loss], None, [stage_input], model.parameters())
+        stage_backward_weight(model.parameters(), groups)
 
     def optimizer_step(self) -> float:  # as the trainer: global norm, clip, AdamW
         from autopar.runtime.trainer import _local
@@ -170,11 +209,13 @@ class _Runner:
         return time.perf_counter() - start
 
 
-def _time_style(cfg: ParallelConfig, iterations: int) -> list[list[tuple[float, float]]]:
+def _time_style(
+    cfg: ParallelConfig, iterations: int, *, split: bool = False
+) -> list[list[tuple[float, float]]]:
     """Per depth of LAYERS: this rank's (micro-batch, optimizer step) times after two warm-up
-    steps. The depths alternate step by step, so a change in the machine's load falls on
-    both alike."""
-    runners = [_Runner(cfg, layers) for layers in LAYERS]
+    steps (``split``: the backward in two passes). The depths alternate step by step, so a
+    change in the machine's load falls on both alike."""
+    runners = [_Runner(cfg, layers, split=split) for layers in LAYERS]
     times: list[list[tuple[float, float]]] = [[] for _ in runners]
     for i in range(iterations + 2):  # two warm-up steps each
         for runner, mine in zip(runners, times, strict=True):
@@ -217,13 +258,15 @@ def overheads(
     profile, measurements: Sequence[RuntimeMeasurement], world_size: int, part: str = "time_s"
 ) -> dict[str, float]:
     """Per style, measured minus predicted time per layer per micro-batch, at least 0;
-    ``part`` "optimizer_s": per layer per step of the optimizer step.
+    ``part`` "optimizer_s": per layer per step of the optimizer step (not for `LAYER_ONLY`).
 
     ``profile``: a `HardwareProfile` fitted from the same run, without [runtime] overheads
     (its predictions are what the overheads add to)."""
     out = {}
     span = LAYERS[1] - LAYERS[0]
     for style, measured in measured_per_layer(measurements, part).items():
+        if part != "time_s" and style in LAYER_ONLY:
+            continue
         predicted = (
             predicted_s(profile, style, LAYERS[1], world_size, part)
             - predicted_s(profile, style, LAYERS[0], world_size, part)
@@ -237,7 +280,7 @@ def model_overheads(
 ) -> dict[str, float]:
     """Per style, the host time per micro-batch outside the repeated layers (embedding, head,
     loss): the 1-layer time less its prediction and less one layer's overhead, at least 0
-    (module docstring). ``profile`` as for `overheads`."""
+    (module docstring; not for `LAYER_ONLY` styles). ``profile`` as for `overheads`."""
     per_layer = overheads(profile, measurements, world_size)
     one = {m.style: m.time_s for m in measurements if m.num_layers == LAYERS[0]}
     return {
@@ -248,6 +291,7 @@ def model_overheads(
             - LAYERS[0] * per_layer[style],
         )
         for style in per_layer
+        if style not in LAYER_ONLY
     }
 
 
