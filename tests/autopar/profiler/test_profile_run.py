@@ -49,6 +49,9 @@ def test_quick_two_rank_profile_loads_and_matches_its_measurements(tmp_path):
     assert set(profile.runtime_overhead_s) == set(autopar.hardware.RUNTIME_STYLES)
     assert all(v >= 0 for v in profile.runtime_overhead_s.values())
     assert "] runtime tp_sp:" in done.stderr
+    # the split backward of the zero-bubble schedules too, per layer only
+    assert "split" in profile.runtime_overhead_s and "] runtime split:" in done.stderr
+    assert "split" not in profile.model_overhead_s and "split" not in profile.optimizer_overhead_s
 
     raw = tomllib.loads(out.read_text())["measured"]
     assert sorted((r["style"], r["num_layers"]) for r in raw["runtime"]) == sorted(
