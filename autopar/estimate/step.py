@@ -469,14 +469,15 @@ class Estimator:
         return out
 
     def params_on_rank(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
-        """Parameters of ``layers`` on one rank; a stage holding the head of a tied embedding
-        without the embedding holds its own copy (autopar.runtime.pipeline: the last stage's
-        copy, its gradients summed with the first stage's after the backward)."""
-        return (
-            sum(t.params_tp / cfg.tp + t.params_rep for t in layers)
-            + self.expert_params_on_rank(cfg, layers)
-            + self._tied_copy(cfg, layers)
+        return sum(t.params_tp / cfg.tp + t.params_rep for t in layers) + (
+            self.expert_params_on_rank(cfg, layers)
         )
+
+    def stage_params_on_rank(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
+        """Parameters of a stage's ``layers`` on one rank: a stage holding the head of a tied
+        embedding without the embedding holds its own copy (autopar.runtime.pipeline: the
+        last stage's copy, its gradients summed with the first stage's after the backward)."""
+        return self.params_on_rank(cfg, layers) + self._tied_copy(cfg, layers)
 
     def _tied_copy(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
         first = self.tables.layers[0].name  # the tracer counts the tied weight there
@@ -583,7 +584,7 @@ class Estimator:
     def _step_tail(
         self, cfg: ParallelConfig, mesh: MeshGroups, layers: list[LayerTable], st: dict[str, float]
     ) -> dict[str, float]:
-        params = self.params_on_rank(cfg, layers)
+        params = self.stage_params_on_rank(cfg, layers)
         grad = params * self.options.grad_bytes
         pbytes = params * _PRECISION_BYTES[self.precision]
         sync = 0.0
@@ -667,7 +668,7 @@ class Estimator:
         inflight: float,
         recomputed: frozenset[str] | None = None,
     ) -> PeakMemory:
-        params = self.params_on_rank(cfg, layers)
+        params = self.stage_params_on_rank(cfg, layers)
         state = model_state_bytes(
             params,
             precision=self.precision,  # type: ignore[arg-type]
