@@ -147,6 +147,7 @@ class Estimator:
             )
         self.act_scale = _PRECISION_BYTES[precision] / tables.traced_float_bytes
         self._tied = tied_elements(tables)  # a tied embedding's elements (0: none)
+        self._experts = any(t.params_expert for t in tables.layers)
         self.peak_flops = self.device.peak(precision)
         self._pipeline_timer = PipelineTimer()
         self._partition_cache: dict[tuple, list[int]] = {}
@@ -285,19 +286,21 @@ class Estimator:
         return self._mesh_cache[key]
 
     @staticmethod
-    def _times_key(cfg: ParallelConfig) -> ParallelConfig:
+    def _times_key(cfg: ParallelConfig, zero3_apart: bool = True) -> ParallelConfig:
         """``cfg`` less what layer times do not depend on (ZeRO stage, schedule, per-layer
         recompute): configs with one key share their layer times and stage split."""
-        # ZeRO-3 keeps its own key: the runtime overheads tell FSDP2 ZeRO-3 from ZeRO-1/2;
-        # the split backward's overhead depends on the schedule: `_stage_times` adds it
-        zero = 3 if cfg.zero_stage == 3 else 0
+        # ZeRO-3 keeps its own key where the profile's runtime overheads tell FSDP2 ZeRO-3
+        # from ZeRO-1/2 (else it would only split the caches: a 70B search re-derived its
+        # stage splits, +15% search time); the split backward's overhead depends on the
+        # schedule: `_stage_times` adds it
+        zero = 3 if cfg.zero_stage == 3 and zero3_apart else 0
         return replace(
             cfg, zero_stage=zero, schedule="1f1b", virtual_stages=1, recompute_layers=None
         )
 
     def _layer_times(self, cfg: ParallelConfig, mesh: MeshGroups) -> dict[str, LayerTime]:
         """Per layer name, its time under ``cfg`` (cached per `_times_key`; do not mutate)."""
-        key = self._times_key(cfg)
+        key = self._times_key(cfg, bool(self.cluster.profile.runtime_overhead_s))
         cached = self._times_cache.get(key)
         if cached is None:
             cached = self._times_cache[key] = self._price_layers(cfg, mesh)
@@ -338,7 +341,7 @@ class Estimator:
 
     def _chunks(self, cfg: ParallelConfig, times: dict[str, LayerTime]) -> list[list[LayerTable]]:
         # the split depends on the times only: cached when they are this estimator's own
-        key = self._times_key(cfg)
+        key = self._times_key(cfg, bool(self.cluster.profile.runtime_overhead_s))
         if self._times_cache.get(key) is not times:
             return self._split(cfg, times)
         key = (key, cfg.pp, cfg.virtual_stages)
@@ -469,9 +472,8 @@ class Estimator:
         return out
 
     def params_on_rank(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
-        return sum(t.params_tp / cfg.tp + t.params_rep for t in layers) + (
-            self.expert_params_on_rank(cfg, layers)
-        )
+        dense = sum(t.params_tp / cfg.tp + t.params_rep for t in layers)
+        return dense + self.expert_params_on_rank(cfg, layers) if self._experts else dense
 
     def stage_params_on_rank(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
         """Parameters of a stage's ``layers`` on one rank: a stage holding the head of a tied
