@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -244,9 +244,10 @@ def _time_shared(profile: HardwareProfile, used: int) -> HardwareProfile:
         memory_bandwidth_bytes_per_s=d.memory_bandwidth_bytes_per_s * share,
         launch_overhead_s=d.launch_overhead_s / share,
     )
-    layer = {k: v / share for k, v in profile.runtime_overhead_s.items()}
-    step = {k: v / share for k, v in profile.optimizer_overhead_s.items()}
-    model = {k: v / share for k, v in profile.model_overhead_s.items()}
+
+    def slower(overheads: Mapping[str, float]) -> dict[str, float]:
+        return {k: v / share for k, v in overheads.items()}
+
     # the collectives run on the same cores (gloo copies, reduces and moves loopback bytes
     # through the kernel on the ranks' own threads): their rate scales by the share too, and
     # each step's latency (a peer's wake-up) by its inverse
@@ -263,9 +264,9 @@ def _time_shared(profile: HardwareProfile, used: int) -> HardwareProfile:
         profile,
         device=device,
         levels=levels,
-        runtime_overhead_s=layer,
-        optimizer_overhead_s=step,
-        model_overhead_s=model,
+        runtime_overhead_s=slower(profile.runtime_overhead_s),
+        optimizer_overhead_s=slower(profile.optimizer_overhead_s),
+        model_overhead_s=slower(profile.model_overhead_s),
     )
 
 

@@ -296,6 +296,52 @@ def _prepared(
     )
 
 
+def _tasks(
+    schedule: str,
+    num_stages: int,
+    num_microbatches: int,
+    virtual_stages: int | None,
+    forward_s: Sequence[float],
+    backward_input_s: Sequence[float],
+    backward_weight_s: Sequence[float],
+    p2p_s: float,
+) -> tuple[_ScheduleSpec, int, tuple, list[dict[str, float]]]:
+    """Validated inputs of a simulation: (schedule spec, chunks per rank v, every rank's ops,
+    per rank the duration of one F, B and W task); raises what `simulate_pipeline` says."""
+    v = virtual_stages
+    if v is None and schedule in _SCHEDULES:
+        v = _SCHEDULES[schedule].default_virtual_stages
+    times = {
+        "forward_s": forward_s,
+        "backward_input_s": backward_input_s,
+        "backward_weight_s": backward_weight_s,
+    }
+    spec = _validate(schedule, num_stages, num_microbatches, v, times, p2p_s)
+    v = int(v)
+    prepared = _prepared(schedule, int(num_stages), int(num_microbatches), v)
+    durations = [  # an unsplit schedule's B is input and weight gradient together
+        {"F": f / v, "B": (bi if spec.splits_backward else bi + bw) / v, "W": bw / v}
+        for f, bi, bw in zip(forward_s, backward_input_s, backward_weight_s, strict=True)
+    ]
+    return spec, v, prepared, durations
+
+
+def _links(
+    prepared: tuple, spec: _ScheduleSpec, v: int, c: float
+) -> tuple[int, list[float], list[float], dict[str, list[list[float | None]]]]:
+    """(last virtual stage, p2p latency into each virtual stage from the one before and from
+    the one after: c across ranks, 0 within one, empty end-time tables end[kind][i][j])."""
+    p = len(prepared)
+    rank_of = {spec.layout(s, k, p): s for s in range(p) for k in range(v)}
+    last = p * v - 1
+    hop_prev = [c if j > 0 and rank_of[j - 1] != rank_of[j] else 0.0 for j in range(last + 1)]
+    hop_next = [c if j < last and rank_of[j + 1] != rank_of[j] else 0.0 for j in range(last + 1)]
+    m = 1 + max((op[1] for ops in prepared for op in ops), default=0)
+    # end[kind][micro-batch][virtual stage]; lists index faster than dicts of tuples
+    end = {kind: [[None] * (last + 1) for _ in range(m)] for kind in ("F", "B", "W")}
+    return last, hop_prev, hop_next, end
+
+
 def _simulate(
     prepared: tuple[tuple[tuple[str, int, int, int], ...], ...],
     durations: list[dict[str, float]],
@@ -308,13 +354,7 @@ def _simulate(
     The search prices thousands of configs, so this loop works on plain tuples and dicts.
     """
     p = len(prepared)
-    rank_of = {spec.layout(s, k, p): s for s in range(p) for k in range(v)}
-    last = p * v - 1
-    hop_prev = [c if j > 0 and rank_of[j - 1] != rank_of[j] else 0.0 for j in range(last + 1)]
-    hop_next = [c if j < last and rank_of[j + 1] != rank_of[j] else 0.0 for j in range(last + 1)]
-    m = 1 + max((op[1] for ops in prepared for op in ops), default=0)
-    # end[kind][micro-batch][virtual stage]; lists index faster than dicts of tuples
-    end = {kind: [[None] * (last + 1) for _ in range(m)] for kind in ("F", "B", "W")}
+    last, hop_prev, hop_next, end = _links(prepared, spec, v, c)
     end_f, end_b = end["F"], end["B"]
     pos, free = [0] * p, [0.0] * p
     starts: list[list[float]] = [[] for _ in range(p)]
@@ -449,21 +489,11 @@ def simulate_pipeline(
         >>> r.step_time_s, r.bubble_fraction
         (33.0, 0.375)
     """
-    v = virtual_stages
-    if v is None and schedule in _SCHEDULES:
-        v = _SCHEDULES[schedule].default_virtual_stages
-    times = {
-        "forward_s": forward_s,
-        "backward_input_s": backward_input_s,
-        "backward_weight_s": backward_weight_s,
-    }
-    spec = _validate(schedule, num_stages, num_microbatches, v, times, p2p_s)
-    p, m, v = int(num_stages), int(num_microbatches), int(v)
-    prepared = _prepared(schedule, p, m, v)
-    durations = [  # an unsplit schedule's B is input and weight gradient together
-        {"F": f / v, "B": (bi if spec.splits_backward else bi + bw) / v, "W": bw / v}
-        for f, bi, bw in zip(forward_s, backward_input_s, backward_weight_s, strict=True)
-    ]
+    spec, v, prepared, durations = _tasks(
+        schedule, num_stages, num_microbatches, virtual_stages,
+        forward_s, backward_input_s, backward_weight_s, p2p_s,
+    )  # fmt: skip
+    p, m = int(num_stages), int(num_microbatches)
     starts = _simulate(prepared, durations, spec, v, p2p_s)
     busy = tuple(sum(durations[s][op[0]] for op in prepared[s]) for s in range(p))
     step = max(

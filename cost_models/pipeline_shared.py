@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cost_models.pipeline import _SCHEDULES, _prepared, _validate
+from cost_models.pipeline import _links, _tasks
 
 _EPS = 1e-12
 
@@ -63,27 +63,17 @@ def simulate_pipeline_shared(
         ...     backward_weight_s=[0, 0], node_of=[0, 0], weight=[1, 1], slots=1)
         12.0
     """
-    v = virtual_stages
-    if v is None and schedule in _SCHEDULES:
-        v = _SCHEDULES[schedule].default_virtual_stages
-    times = {
-        "forward_s": forward_s,
-        "backward_input_s": backward_input_s,
-        "backward_weight_s": backward_weight_s,
-    }
-    spec = _validate(schedule, num_stages, num_microbatches, v, times, p2p_s)
-    p, v = int(num_stages), int(v)
+    spec, v, prepared, work = _tasks(
+        schedule, num_stages, num_microbatches, virtual_stages,
+        forward_s, backward_input_s, backward_weight_s, p2p_s,
+    )  # fmt: skip
+    p = int(num_stages)
     if len(node_of) != p or len(weight) != p:
         raise ValueError(f"node_of and weight need num_stages={p} entries each")
     if not slots > 0 or any(not w > 0 for w in weight):
         raise ValueError(f"slots ({slots}) and every weight ({list(weight)}) must be > 0")
     if not 0.0 <= idle_load <= 1.0:
         raise ValueError(f"idle_load must be between 0 and 1, got {idle_load!r}")
-    prepared = _prepared(schedule, p, int(num_microbatches), v)
-    work = [
-        {"F": f / v, "B": (bi if spec.splits_backward else bi + bw) / v, "W": bw / v}
-        for f, bi, bw in zip(forward_s, backward_input_s, backward_weight_s, strict=True)
-    ]
     return _run(
         prepared, work, spec, v, float(p2p_s), list(node_of), list(weight), slots, idle_load
     )
@@ -93,12 +83,7 @@ def _run(prepared, work, spec, v, c, node_of, weight, slots, idle_load=0.0) -> f
     """The event loop: start every task whose inputs have arrived, then advance the clock to
     the next task end or arrival, every running task progressing at its node's rate."""
     p = len(prepared)
-    rank_of = {spec.layout(s, k, p): s for s in range(p) for k in range(v)}
-    last = p * v - 1
-    hop_prev = [c if j > 0 and rank_of[j - 1] != rank_of[j] else 0.0 for j in range(last + 1)]
-    hop_next = [c if j < last and rank_of[j + 1] != rank_of[j] else 0.0 for j in range(last + 1)]
-    m = 1 + max((op[1] for ops in prepared for op in ops), default=0)
-    end = {kind: [[None] * (last + 1) for _ in range(m)] for kind in ("F", "B", "W")}
+    last, hop_prev, hop_next, end = _links(prepared, spec, v, c)
     pos = [0] * p
     left: list[float | None] = [None] * p  # remaining work of the running task
     now, remaining = 0.0, sum(len(ops) for ops in prepared)

@@ -150,9 +150,7 @@ def split_backward_overhead_s(overheads: Mapping[str, float] | None, cfg: Parall
     into input and weight passes costs the host (module docstring): o[split] - o[plain], at
     least 0; 0 unless ``cfg`` pipelines with a split-backward schedule and "split" was
     measured."""
-    if cfg.pp == 1 or cfg.schedule not in SPLIT_BACKWARD or not overheads:
-        return 0.0
-    if "split" not in overheads:
+    if cfg.pp == 1 or cfg.schedule not in SPLIT_BACKWARD or "split" not in (overheads or {}):
         return 0.0
     return max(0.0, overheads["split"] - overheads.get("plain", 0.0))
 

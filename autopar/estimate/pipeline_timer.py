@@ -31,11 +31,7 @@ class PipelineTimer:
         p2p_s: float,
         virtual_stages: int,
     ) -> tuple[float, tuple[float, ...]]:
-        scale = max(*forward_s, *backward_input_s, *backward_weight_s, p2p_s, 1e-30)
-        norm = tuple(
-            tuple(float(f"{x / scale:.4g}") for x in seq)
-            for seq in (forward_s, backward_input_s, backward_weight_s, (p2p_s,))
-        )
+        scale, norm = _normalised(forward_s, backward_input_s, backward_weight_s, p2p_s)
         step, inflight = self._simulate(schedule, pp, m, norm, virtual_stages)
         return step * scale, inflight
 
@@ -75,11 +71,7 @@ class PipelineTimer:
     ) -> float:
         """Step time with ranks time-sharing ``slots`` per node (`simulate_pipeline_shared`,
         times at the full rate), cached the same way: processor sharing is scale-free too."""
-        scale = max(*forward_s, *backward_input_s, *backward_weight_s, p2p_s, 1e-30)
-        norm = tuple(
-            tuple(float(f"{x / scale:.4g}") for x in seq)
-            for seq in (forward_s, backward_input_s, backward_weight_s, (p2p_s,))
-        )
+        scale, norm = _normalised(forward_s, backward_input_s, backward_weight_s, p2p_s)
         key = (schedule, pp, m, virtual_stages, norm, node_of, weight, slots)
         if key not in self._shared_cache:
             fwd, b_in, b_w, (p2p,) = norm
@@ -97,3 +89,12 @@ class PipelineTimer:
                 virtual_stages=virtual_stages,
             )
         return self._shared_cache[key] * scale
+
+
+def _normalised(*times) -> tuple[float, tuple[tuple[float, ...], ...]]:
+    """(the largest time, every time sequence over it to 4 significant digits); the p2p
+    latency comes last, as a single number."""
+    *seqs, p2p = times
+    scale = max(*(x for seq in seqs for x in seq), p2p, 1e-30)
+    norm = tuple(tuple(float(f"{x / scale:.4g}") for x in seq) for seq in (*seqs, (p2p,)))
+    return scale, norm

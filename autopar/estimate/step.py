@@ -148,6 +148,8 @@ class Estimator:
         self.act_scale = _PRECISION_BYTES[precision] / tables.traced_float_bytes
         self._tied = tied_elements(tables)  # a tied embedding's elements (0: none)
         self._experts = any(t.params_expert for t in tables.layers)
+        # the runtime overheads tell FSDP2 ZeRO-3 from ZeRO-1/2 (`_times_key`)
+        self._zero3_apart = bool(cluster.profile.runtime_overhead_s)
         self.peak_flops = self.device.peak(precision)
         self._pipeline_timer = PipelineTimer()
         self._partition_cache: dict[tuple, list[int]] = {}
@@ -300,20 +302,24 @@ class Estimator:
 
     def _layer_times(self, cfg: ParallelConfig, mesh: MeshGroups) -> dict[str, LayerTime]:
         """Per layer name, its time under ``cfg`` (cached per `_times_key`; do not mutate)."""
-        key = self._times_key(cfg, bool(self.cluster.profile.runtime_overhead_s))
+        key = self._times_key(cfg, self._zero3_apart)
         cached = self._times_cache.get(key)
         if cached is None:
             cached = self._times_cache[key] = self._price_layers(cfg, mesh)
         return cached
 
     def _price_layers(self, cfg: ParallelConfig, mesh: MeshGroups) -> dict[str, LayerTime]:
-        by_class: dict[str, LayerTime] = {}
+        profile = self.cluster.profile
+        by_class: dict[tuple[str, bool], LayerTime] = {}
         out = {}
         last = self.tables.layers[-1].name
         for table in self.tables.layers:
-            if table.name == last and self.cluster.profile.model_overhead_s:
-                # the runtime's host work outside the repeated layers, once per micro-batch
-                out[table.name] = layer_time(
+            # the model's last layer also carries the runtime's host work outside the
+            # repeated layers, once per micro-batch
+            model = table.name == last and bool(profile.model_overhead_s)
+            key = (table.class_id, model)
+            if key not in by_class:
+                by_class[key] = layer_time(
                     _dispatched(cfg, table),
                     cfg,
                     self.device,
@@ -321,27 +327,15 @@ class Estimator:
                     self.act_scale,
                     mesh.time,
                     self.options.tp_comm_overlap,
-                    self.cluster.profile.runtime_overhead_s,
-                    self.cluster.profile.model_overhead_s,
+                    profile.runtime_overhead_s,
+                    profile.model_overhead_s if model else None,
                 )
-                continue
-            if table.class_id not in by_class:
-                by_class[table.class_id] = layer_time(
-                    _dispatched(cfg, table),
-                    cfg,
-                    self.device,
-                    self.precision,
-                    self.act_scale,
-                    mesh.time,
-                    self.options.tp_comm_overlap,
-                    self.cluster.profile.runtime_overhead_s,
-                )
-            out[table.name] = by_class[table.class_id]
+            out[table.name] = by_class[key]
         return out
 
     def _chunks(self, cfg: ParallelConfig, times: dict[str, LayerTime]) -> list[list[LayerTable]]:
         # the split depends on the times only: cached when they are this estimator's own
-        key = self._times_key(cfg, bool(self.cluster.profile.runtime_overhead_s))
+        key = self._times_key(cfg, self._zero3_apart)
         if self._times_cache.get(key) is not times:
             return self._split(cfg, times)
         key = (key, cfg.pp, cfg.virtual_stages)

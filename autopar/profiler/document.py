@@ -175,7 +175,7 @@ def render(
         bare = profile_from_text(render(info, fits, compute, comm), info.name)
         overheads = runtime_overhead.overheads(bare, runtime, info.world_size)
         optimizer = runtime_overhead.overheads(bare, runtime, info.world_size, "optimizer_s")
-        model = runtime_overhead.model_overheads(bare, runtime, info.world_size)
+        model = runtime_overhead.model_overheads(bare, runtime, info.world_size, overheads)
     else:
         overheads = optimizer = model = {}
     run = (

@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -276,12 +276,17 @@ def overheads(
 
 
 def model_overheads(
-    profile, measurements: Sequence[RuntimeMeasurement], world_size: int
+    profile,
+    measurements: Sequence[RuntimeMeasurement],
+    world_size: int,
+    per_layer: Mapping[str, float] | None = None,
 ) -> dict[str, float]:
     """Per style, the host time per micro-batch outside the repeated layers (embedding, head,
     loss): the 1-layer time less its prediction and less one layer's overhead, at least 0
-    (module docstring; not for `LAYER_ONLY` styles). ``profile`` as for `overheads`."""
-    per_layer = overheads(profile, measurements, world_size)
+    (module docstring; not for `LAYER_ONLY` styles). ``profile`` as for `overheads`;
+    ``per_layer``: `overheads`' result where the caller has it (else computed again)."""
+    if per_layer is None:
+        per_layer = overheads(profile, measurements, world_size)
     one = {m.style: m.time_s for m in measurements if m.num_layers == LAYERS[0]}
     return {
         style: max(
