@@ -19,8 +19,9 @@ Per world size:
      given configs and the plan.
   2. each config's program is written by `plan.save` and run for WARMUP + STEPS steps,
      REPEATS times (`local_runner`: rounds over all configs, so a change in machine load
-     falls on every config alike); measured = median over repeats of the median post-warm-up
-     step; spread = (max - min) / median of the repeats.
+     falls on every config alike); measured = median over repeats (3 by default: one repeat
+     slowed by another process does not move it) of the median post-warm-up step; spread =
+     (max - min) / median of the repeats.
   3. the table (predicted, measured, error = predicted / measured - 1, spread), and the
      three figures: median |error| (target <= 20%), Spearman rank correlation of predicted
      and measured (target >= 0.8), and the planner's choice measured against the measured
@@ -67,7 +68,7 @@ class Settings:
     top: int = 10
     warmup: int = 2
     steps: int = 3
-    repeats: int = 2
+    repeats: int = 3  # the median of three outlasts one repeat another process slowed
     threads: int = 1
     launcher: str = "pool"
     profile: str = PROFILE
@@ -429,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=Settings.repeats)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--launcher", choices=("pool", "torchrun"), default="pool")
     p.add_argument("--profile", default=PROFILE)
