@@ -1,6 +1,6 @@
 """autopar: a compiler-style auto-parallelism planner for PyTorch training.
 
-The public API (DESIGN.md) grows phase by phase; what exists now:
+The public API (docs/architecture.md draws the phases behind it):
 
     autopar.Cluster.from_profile(name_or_path, num_nodes=1)
     autopar.ParallelConfig(dp=1, fsdp=1, tp=1, pp=1, cp=1, ep=1, zero_stage=0, ...)
@@ -9,18 +9,27 @@ The public API (DESIGN.md) grows phase by phase; what exists now:
     autopar.evaluate(model, cluster, config, example_inputs, *, global_batch_size) -> Plan
     autopar.parallelize(model, cluster, example_inputs=None, *, global_batch_size=None) -> Plan
     autopar.replan(plan, *, num_nodes=None, num_devices=None) -> Plan   (same model, new size)
+    plan.summary(), plan.explain(), plan.save(dir), plan.plot(kind, path), Plan.from_json(text)
     autopar.models.zoo / autopar.models.hf                     (built-in and Hugging Face models)
 
 Importing autopar does not import torch: profiles, clusters and the cost model work without it;
-the torch-based parts load on first access.
+the torch-based parts load on first access. Modules of earlier versions that moved (for example
+`autopar.cluster`, now `autopar.hardware.cluster`) still import, with a DeprecationWarning
+naming the new path (`_MOVED`).
 """
 
 from __future__ import annotations
 
-from autopar.cluster import Cluster
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+import warnings
+
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError, ConfigError, ProfileError
-from autopar.hardware import HardwareProfile, load_profile, shipped_profile_names
+from autopar.hardware import Cluster, HardwareProfile, load_profile, shipped_profile_names
 
 __version__ = "0.1.0"
 
@@ -31,9 +40,9 @@ _LAZY = {
     "TraceError": "autopar.tracing",
     "evaluate": "autopar.api",
     "parallelize": "autopar.api",
-    "replan": "autopar.elastic",
-    "PlanOptions": "autopar.api",
-    "InfeasibleError": "autopar.solve.search",
+    "replan": "autopar.api",
+    "PlanOptions": "autopar.solve",
+    "InfeasibleError": "autopar.solve",
     "Plan": "autopar.plan",
     "CostOptions": "autopar.estimate",
 }
@@ -41,15 +50,78 @@ _LAZY = {
 
 def __getattr__(name: str) -> object:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name == "models":
-        import importlib
-
         return importlib.import_module("autopar.models")
     raise AttributeError(f"module 'autopar' has no attribute {name!r}")
 
+
+# Modules of autopar 0.1 that moved when the tree took the phases' shape: old name -> the
+# modules that now hold its names, and the names that changed ("old": "module:new").
+_MOVED: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "autopar.cluster": (("autopar.hardware.cluster",), {}),
+    "autopar.plan_text": (("autopar.plan.text",), {}),
+    "autopar.plots": (("autopar.plan.plots",), {}),
+    "autopar.layout": (("autopar.estimate.layout",), {}),
+    "autopar.whatif": (("autopar.solve.whatif",), {}),
+    "autopar.elastic": (("autopar.api", "autopar.plan.rebuild", "autopar.cli.replan"), {}),
+    "autopar.demo": (("autopar.cli.demo",), {}),
+    "autopar.commands": (("autopar.cli",), {}),
+    "autopar.commands.plan_verb": (("autopar.cli.plan",), {}),
+    "autopar.commands.compare": (("autopar.cli.compare", "autopar.config.text"), {}),
+    "autopar.commands.generate": (("autopar.cli.generate",), {}),
+    "autopar.commands.config_text": (("autopar.config.text",), {}),
+    "autopar.commands.models": (
+        ("autopar.cli.models",),
+        {"build_hf_config": "autopar.models.hf:build_from_config"},
+    ),
+}
+
+
+class _MovedModule(types.ModuleType):
+    """Stands for a moved module: each attribute is looked up where it lives now."""
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("__"):  # introspection (inspect, pickle) asks for dunders: none here
+            raise AttributeError(name)
+        targets, renamed = _MOVED[self.__name__]
+        if name in renamed:
+            module, _, attr = renamed[name].partition(":")
+            return getattr(importlib.import_module(module), attr)
+        for target in targets:
+            module = importlib.import_module(target)
+            if hasattr(module, name):
+                return getattr(module, name)
+        raise AttributeError(
+            f"{self.__name__} moved to {' and '.join(targets)}, which have no attribute {name!r}"
+        )
+
+
+class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports an old module name (`_MOVED`) as a `_MovedModule`, warning with the new path.
+    Consulted after the regular finders, so it never shadows a module that exists."""
+
+    def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001 (importlib's API)
+        if fullname not in _MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec):  # noqa: ANN001
+        module = _MovedModule(spec.name)
+        module.__path__ = []  # a package, so that old submodule names import too
+        return module
+
+    def exec_module(self, module):  # noqa: ANN001
+        targets = " and ".join(_MOVED[module.__name__][0])
+        warnings.warn(
+            f"{module.__name__} moved to {targets}: import from there (autopar 0.2)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+
+
+if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
+    sys.meta_path.append(_MovedFinder())
 
 __all__ = [
     "AutoparError",
@@ -58,8 +130,10 @@ __all__ = [
     "CostOptions",
     "ModelGraph",
     "HardwareProfile",
+    "InfeasibleError",
     "ParallelConfig",
     "Plan",
+    "PlanOptions",
     "ProfileError",
     "TraceError",
     "evaluate",

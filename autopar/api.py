@@ -1,60 +1,41 @@
-"""The driver: the public entry points call the phases in order, one line each.
+"""The driver: each public entry point is the phases called in order, one line each.
 
-evaluate = trace -> build_tables -> Estimator.evaluate -> Plan
+    trace        model, one sample           -> ModelGraph        tracing
+    evaluate     + cluster, a config         -> Plan              tracing, estimate, plan
+    parallelize  + cluster                   -> the best Plan     tracing, estimate, solve, plan
+    replan       a Plan, a new cluster size  -> Plan              plan.rebuild, then the above
+    save         a Plan, a directory         -> plan.json, train.py   plan, codegen
+    plot         a Plan, a kind, a path      -> PNG               plan.plots
+
+docs/architecture.md draws the phases and what flows between them. Helpers live with their
+phase; this file only sequences them.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from autopar.cluster import Cluster
+from autopar.codegen import generate
 from autopar.config import ParallelConfig
 from autopar.errors import ConfigError
-from autopar.estimate import CostOptions, Estimate, Estimator, build_tables
-from autopar.estimate.communication import stage_communication
-from autopar.layout import mesh_axes
-from autopar.plan import ModelSource, Plan, StagePlan
-from autopar.solve.refine import (
-    RecordingEstimator,
-    RefineOptions,
-    RefineResult,
-    refine,
-    refined_alternatives,
-    refined_note,
-)
-from autopar.solve.search import search
-from autopar.solve.space import SpaceLimits, shape_problems
+from autopar.estimate import CostOptions, Estimator, build_tables
+from autopar.hardware import Cluster
+from autopar.plan import Plan
+from autopar.plan.build import ModelFactory, plan_from_estimate, with_solution, with_sources
+from autopar.plan.rebuild import rebuild_model, replanned_note, resized_cluster, sample_inputs
+from autopar.solve import PlanOptions, solve
+from autopar.solve.limits import default_global_batch, space_limits
+from autopar.solve.refine import RecordingEstimator
+from autopar.solve.space import shape_problems
 from autopar.tracing import ModelGraph, trace
-from autopar.whatif import sensitivity
+from autopar.tracing.inputs import infer_example_inputs
 
-# DESIGN.md: the default global batch is about 4M tokens, a power of two in sequences.
-DEFAULT_BATCH_TOKENS = 4 * 2**20
-
-
-@dataclass(frozen=True)
-class PlanOptions:
-    """How parallelize searches: the cost model's options and the search's own knobs."""
-
-    cost: CostOptions = field(default_factory=lambda: CostOptions(balance_stages=True))
-    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    max_alternatives: int = 5
-    progress: Callable[[int, int], None] | None = field(default=None, compare=False)
-    # stop pricing new degree choices after this many seconds once a plan fits; the plan
-    # then says it is the best found and bounds its optimality gap (None: search it all)
-    time_limit_s: float | None = None
-    # re-plan on 2x inter-node bandwidth and on +50% HBM for explain() (`autopar.whatif`);
-    # two more searches on the same cost tables
-    sensitivity: bool = True
-    # the search's top configs re-priced by the intra-layer ILP (`autopar.solve.refine`)
-    refine: RefineOptions = field(default_factory=RefineOptions)
+__all__ = ["PlanOptions", "evaluate", "parallelize", "plot", "replan", "save", "trace"]
 
 
 def parallelize(
@@ -94,203 +75,29 @@ def parallelize(
     """
     options = options or PlanOptions()
     notes: list[str] = []
-    t0 = time.perf_counter()
+    start = time.perf_counter()
     if graph is None:
         if example_inputs is None:
             example_inputs = infer_example_inputs(model)
             notes.append(f"inputs inferred: token ids of shape {tuple(example_inputs[0].shape)}")
         graph = trace(model, example_inputs)
-    trace_s = time.perf_counter() - t0
-    seq_len = graph.input_shapes[0][-1] if graph.input_shapes else 1
+    trace_s = time.perf_counter() - start
     if global_batch_size is None:
+        seq_len = graph.input_shapes[0][-1] if graph.input_shapes else 1
         global_batch_size = default_global_batch(seq_len)
         notes.append(
             f"global batch not given: {global_batch_size} sequences "
             f"({global_batch_size * seq_len:,} tokens, about 4M)"
         )
-    tables = build_tables(graph)
     estimator = RecordingEstimator(
-        tables, cluster, precision=precision, optimizer=optimizer, options=options.cost
+        build_tables(graph), cluster, precision=precision, optimizer=optimizer, options=options.cost
     )
     limits = space_limits(model, graph, cluster, global_batch_size, options.micro_batch_sizes)
-    result = search(
-        estimator,
-        limits,
-        max_alternatives=options.max_alternatives,
-        progress=options.progress,
-        time_limit_s=options.time_limit_s,
-    )
-    t_ilp = time.perf_counter()
-    refined = refine(
-        estimator,
-        estimator.priced,
-        graph,
-        cluster,
-        global_batch_size,
-        result.best,
-        options.refine,
-    )
-    ilp_s = time.perf_counter() - t_ilp
-    best = refined.best
-    plan = plan_from_estimate(best, graph, cluster, precision, optimizer, estimator)
-    plan = replace(plan, **_sources(model, model_factory, cluster))
-    report = replace(result.report, trace_time_s=trace_s)
-    if report.num_unsearched:
-        notes.append(
-            f"search stopped at its time limit ({options.time_limit_s} s): "
-            f"{report.num_unsearched} of {report.num_degree_choices} degree choices unsearched; "
-            f"this is the best plan found, at most {report.optimality_gap:.0%} slower than the "
-            "optimum (compute bound)"
-        )
-    alternatives = result.alternatives
-    if refined.changed:
-        notes.append(refined_note(refined, result.best))
-        alternatives = refined_alternatives(refined, result, options.max_alternatives)
-    placements, ilp = _intra_layer_placements(refined)
-    t_whatif = time.perf_counter()
-    what_if = ()
-    if options.sensitivity:
-        what_if = sensitivity(
-            tables,
-            cluster,
-            limits,
-            best,
-            precision=precision,
-            optimizer=optimizer,
-            options=options.cost,
-            time_limit_s=options.time_limit_s,
-        )
-    whatif_s = time.perf_counter() - t_whatif
-    return replace(
-        plan,
-        alternatives=alternatives,
-        notes=tuple(notes),
-        report={
-            "text": report.as_text(timings=False),
-            **_report_fields(report),
-            "ilp": ilp,
-            "refine": refined.report(),
-            "limits": json.loads(json.dumps(asdict(limits))),  # JSON values: the plan reloads
-        },
-        placements=placements,
-        sensitivity=what_if,
-        timings={
-            "trace": trace_s,
-            "search": report.search_time_s,
-            "ilp": ilp_s,
-            "what-if": whatif_s,
-            "total": time.perf_counter() - t0,
-        },
-    )
-
-
-def _intra_layer_placements(
-    refined: RefineResult,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Per repeated-layer class, the ILP's placements at the chosen tensor-parallel degree
-    (the plans the refinement solved for the winner)."""
-    placements: dict[str, Any] = {}
-    stats: list[dict[str, Any]] = []
-    for cls_id, sol in refined.plans.items():
-        placements[cls_id] = {
-            "layer": sol.layer,
-            "parameters": dict(sol.parameter_placements),
-            "nodes": {k: ",".join(v) for k, v in sol.placements.items()},
-            "collectives": [str(c) for c in sol.collectives],
-        }
-        stats.append(
-            {
-                "class": cls_id,
-                "status": sol.status,
-                "variables": sol.num_variables,
-                "constraints": sol.num_constraints,
-            }
-        )
-    return placements, stats
-
-
-def _report_fields(report: Any) -> dict[str, Any]:
-    return {
-        "num_degree_choices": report.num_degree_choices,
-        "num_configs": report.num_configs,
-        "pruned": dict(report.pruned),
-        "num_evaluated": report.num_evaluated,
-        "num_feasible": report.num_feasible,
-        "num_unsearched": report.num_unsearched,
-        "optimality_gap": report.optimality_gap,
-    }
-
-
-def default_global_batch(seq_len: int) -> int:
-    """The power of two in sequences nearest to 4M tokens."""
-    target = max(1, DEFAULT_BATCH_TOKENS // max(seq_len, 1))
-    power = 1
-    while power * 2 <= target:
-        power *= 2
-    return power
-
-
-def infer_example_inputs(model: nn.Module) -> tuple[torch.Tensor, ...]:
-    """Token ids of the model's context length for HF causal LMs and the zoo's LMs."""
-    config = getattr(model, "config", None)
-    seq = getattr(config, "max_position_embeddings", None) or getattr(config, "seq_len", None)
-    if seq is None:
-        raise ValueError(
-            f"cannot infer example inputs for {type(model).__name__}: pass example_inputs "
-            "(one sample, batch dimension 1)"
-        )
-    device = next(model.parameters()).device
-    return (torch.zeros(1, int(seq), dtype=torch.long, device=device),)
-
-
-def space_limits(
-    model: nn.Module,
-    graph: ModelGraph,
-    cluster: Cluster,
-    global_batch_size: int,
-    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
-) -> SpaceLimits:
-    """The model's and cluster's facts that bound the search space and refuse configs."""
-    return SpaceLimits(
-        world_size=cluster.world_size,
-        devices_per_node=cluster.devices_per_node,
-        num_blocks=sum(1 for layer in graph.layers if layer.kind == "block"),
-        num_heads=attention_heads(graph),
-        seq_len=graph.input_shapes[0][-1] if graph.input_shapes else 1,
-        num_experts=max((layer.moe.num_experts for layer in graph.layers if layer.moe), default=0),
-        global_batch_size=global_batch_size,
-        micro_batch_sizes=micro_batch_sizes,
-        num_kv_heads=_kv_heads(model),
-    )
-
-
-def _kv_heads(model: nn.Module) -> int:
-    """Key/value heads from the model's config (zoo: num_kv_heads, Hugging Face:
-    num_key_value_heads); 0 when the model does not say."""
-    config = getattr(model, "config", None)
-    for name in ("num_kv_heads", "num_key_value_heads"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 0
-
-
-def attention_heads(graph: ModelGraph) -> int:
-    """Heads of the first attention in the model (the tp degree must divide them), 0 if none."""
-    for node in graph.nodes.values():
-        if node.op_class == "attention" and node.inputs:
-            q = graph.nodes[node.inputs[0]]
-            if q.shapes and len(q.shapes[0]) == 4:
-                return q.shapes[0][1]
-    for node in graph.nodes.values():  # step-by-step attention: scores are [b, heads, s, s]
-        if (
-            node.op_class == "matmul"
-            and not node.params
-            and node.shapes
-            and len(node.shapes[0]) == 4
-        ):
-            return node.shapes[0][1]
-    return 0
+    solution = solve(estimator, graph, cluster, limits, options)
+    plan = plan_from_estimate(solution.best, graph, cluster, precision, optimizer, estimator)
+    plan = with_sources(plan, model, model_factory, cluster)
+    timings = {"trace": trace_s, **solution.timings, "total": time.perf_counter() - start}
+    return with_solution(plan, solution, limits, notes, timings)
 
 
 def evaluate(
@@ -331,111 +138,116 @@ def evaluate(
         if example_inputs is None:
             raise ValueError("evaluate needs example_inputs (one sample) or a traced graph")
         graph = trace(model, example_inputs)
-    problems = config.problems(cluster) + shape_problems(
-        config, space_limits(model, graph, cluster, global_batch_size)
-    )
+    limits = space_limits(model, graph, cluster, global_batch_size)
+    problems = config.problems(cluster) + shape_problems(config, limits)
     if problems:
         raise ConfigError(
             f"config {config.as_text()} cannot run {graph.model_type} on "
             f"{cluster.profile.name} x {cluster.num_nodes} ({cluster.world_size} devices): "
             + "; ".join(problems)
         )
-    tables = build_tables(graph)
     estimator = Estimator(
-        tables, cluster, precision=precision, optimizer=optimizer, options=options
+        build_tables(graph), cluster, precision=precision, optimizer=optimizer, options=options
     )
     estimate = estimator.evaluate(config, global_batch_size)
     plan = plan_from_estimate(estimate, graph, cluster, precision, optimizer, estimator)
-    return replace(plan, **_sources(model, model_factory, cluster))
+    return with_sources(plan, model, model_factory, cluster)
 
 
-ModelFactory = str | tuple[str, dict[str, Any]] | None
-
-
-def _sources(model: nn.Module, factory: ModelFactory, cluster: Cluster) -> dict[str, Any]:
-    """The plan's model_source (factory, JSON kwargs, fingerprint) and cluster_fingerprint."""
-    from autopar.runtime.task import model_fingerprint
-
-    where = f"{cluster.profile.name}|{cluster.num_nodes}|{cluster.devices_per_node}"
-    cluster_fp = hashlib.sha256(f"{where}|{cluster.world_size}".encode()).hexdigest()[:16]
-    if factory is None:
-        recorded = getattr(model, "autopar_factory", None)
-        factory = (recorded["factory"], recorded["kwargs"]) if recorded else None
-    if factory is None:
-        return {"model_source": None, "cluster_fingerprint": cluster_fp}
-    path, kwargs = (factory, {}) if isinstance(factory, str) else factory
-    if not isinstance(path, str) or ":" not in path:
-        raise ValueError(f"model_factory must be 'module:function' (with kwargs), got {path!r}")
-    try:
-        kwargs = json.loads(json.dumps(kwargs))  # JSON values only; tuples become lists
-    except TypeError as e:
-        raise ValueError(f"model_factory kwargs must be JSON values: {e}") from None
-    source = ModelSource(path, kwargs, model_fingerprint(model))
-    return {"model_source": source, "cluster_fingerprint": cluster_fp}
-
-
-def plan_from_estimate(
-    estimate: Estimate,
-    graph: ModelGraph,
-    cluster: Cluster,
-    precision: str,
-    optimizer: str,
-    estimator: Estimator | None = None,
+def replan(
+    plan: Plan,
+    *,
+    num_nodes: int | None = None,
+    num_devices: int | None = None,
+    config: ParallelConfig | None = None,
+    options: PlanOptions | CostOptions | None = None,
+    example_inputs: Any = None,
+    profile: str | None = None,
 ) -> Plan:
-    stages = tuple(
-        StagePlan(
-            index=s.index,
-            layers=s.layers,
-            forward_s=s.forward_s,
-            backward_s=s.backward_s,
-            memory_bytes={
-                "parameters": s.memory.parameters_bytes,
-                "gradients": s.memory.gradients_bytes,
-                "optimizer": s.memory.optimizer_bytes,
-                "activations": s.memory.activation_bytes,
-                "buffers": s.memory.communication_buffer_bytes,
-                "reserve": s.memory.reserve_bytes,
-            },
-            peak_memory_bytes=s.memory.total_bytes,
-        )
-        for s in estimate.stages
+    """Plan ``plan``'s model again for a smaller or larger cluster of the same profile.
+
+    The model is rebuilt on the meta device from the plan's factory and checked against its
+    fingerprint; the global batch, precision and optimizer are the plan's. A run resumes under
+    the new plan from a checkpoint saved under the old one (checkpoints hold the state by full
+    parameter name and torch.distributed.checkpoint reshards it on load; the step is kept,
+    because the global batch is).
+
+    Args:
+        plan: a Plan with a model factory (`plan.model_source`).
+        num_nodes: nodes of the plan's profile (devices per node as in the plan).
+        num_devices: total devices (with ``num_nodes``: devices per node = the quotient).
+        config: price this config (`evaluate`) instead of searching.
+        options: `PlanOptions` for the search (or `CostOptions` with ``config``).
+        example_inputs: one sample's inputs, for a factory that is neither zoo nor a
+            language model with `config.vocab_size`.
+        profile: a profile .toml path when the plan's profile is not a shipped name.
+
+    Returns:
+        The new Plan, its notes naming the plan it replaces.
+
+    Raises:
+        ReplanError: no factory, a changed model, no size given.
+        ConfigError / InfeasibleError: ``config`` does not fit, or nothing fits.
+
+    Example:
+        >>> small = replan(plan, num_devices=2)     # doctest: +SKIP
+        >>> small.save("out-2/")                    # resume with --checkpoint-dir as before
+    """
+    cluster = resized_cluster(plan, num_nodes, num_devices, profile)
+    model = rebuild_model(plan)
+    inputs = example_inputs if example_inputs is not None else sample_inputs(plan, model)
+    source = plan.model_source
+    common: dict[str, Any] = dict(
+        global_batch_size=plan.global_batch_size,
+        precision=plan.precision,
+        optimizer=plan.optimizer,
+        options=options,
+        model_factory=(source.factory, source.kwargs),
     )
-    return Plan(
-        model=graph.model_type,
-        num_params=graph.num_params,
-        seq_len=graph.input_shapes[0][-1] if graph.input_shapes else 1,
-        cluster=cluster.profile.name,
-        num_nodes=cluster.num_nodes,
-        world_size=cluster.world_size,
-        memory_capacity_bytes=cluster.profile.device.memory_bytes,
-        config=estimate.config,
-        global_batch_size=estimate.global_batch_size,
-        num_microbatches=estimate.num_microbatches,
-        precision=precision,
-        optimizer=optimizer,
-        step_time_s=estimate.step_time_s,
-        peak_memory_bytes=estimate.peak_memory_bytes,
-        mfu=estimate.mfu,
-        breakdown=dict(estimate.breakdown),
-        stages=stages,
-        mesh=mesh_axes(cluster, estimate.config),
-        communication=_communication(estimate, estimator),
-    )
+    if config is not None:
+        new = evaluate(model, cluster, config, inputs, **common)
+    else:
+        new = parallelize(model, cluster, inputs, **common)
+    return replace(new, notes=(*new.notes, replanned_note(plan)))
 
 
-def _communication(
-    estimate: Estimate, estimator: Estimator | None
-) -> tuple[tuple[dict[str, Any], ...], ...]:
-    """The plan's collectives per stage (`autopar.estimate.communication`)."""
-    if estimator is None:
-        return ()
-    per_stage = stage_communication(
-        estimator.tables,
-        estimate.config,
-        [s.layers for s in estimate.stages],
-        estimate.num_microbatches,
-        precision=estimator.precision,
-        grad_bytes=estimator.options.grad_bytes,
-        act_scale=estimator.act_scale,
+def save(plan: Plan, directory: str | Path, *, program: bool = True) -> Path:
+    """Write ``plan.json`` into ``directory`` (created if needed) and, when the plan knows its
+    model factory and ``program`` is true, the generated ``train.py`` beside it
+    (`autopar.codegen.generate`); returns the plan's path. `Plan.save` calls this.
+
+    Run the program with ``torchrun --nproc-per-node=N directory/train.py``.
+    """
+    path = plan.write_json(directory)
+    if program and plan.model_source is not None:
+        generate(plan, path.parent)
+    return path
+
+
+def plot(plan: Plan, kind: str, path: str | Path) -> Path:
+    """Save a PNG of ``plan``: ``kind`` is "pipeline" (Gantt per stage), "memory" (per stage)
+    or "breakdown" (step time by term). Needs matplotlib. `Plan.plot` calls this."""
+    from autopar.plan.plots import plot_plan  # matplotlib loads only when a plot is asked for
+
+    return plot_plan(plan, kind, path)
+
+
+# Helpers autopar 0.1 kept here, now with their phase: still importable from autopar.api, with
+# a DeprecationWarning naming where they live.
+_MOVED = {
+    "attention_heads": "autopar.solve.limits",
+    "DEFAULT_BATCH_TOKENS": "autopar.solve.limits",
+    "plan_from_estimate": "autopar.plan.build",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _MOVED:
+        raise AttributeError(f"module 'autopar.api' has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    warnings.warn(
+        f"autopar.api.{name} moved to {_MOVED[name]}.{name}", DeprecationWarning, stacklevel=2
     )
-    return tuple(tuple(c.as_dict() for c in stage) for stage in per_stage)
+    return getattr(importlib.import_module(_MOVED[name]), name)

@@ -133,8 +133,9 @@ def short_label(config_text: str) -> str:
 def candidates(world_size: int, settings: Settings, graph, model) -> tuple[list, object]:
     """(every fitting config's Plan, sorted by predicted step time; the planner's Plan)."""
     import autopar
-    from autopar.api import PlanOptions, space_limits
     from autopar.errors import AutoparError
+    from autopar.solve import PlanOptions
+    from autopar.solve.limits import space_limits
     from autopar.solve.space import degree_choices, inner_choices
 
     cluster = autopar.Cluster.from_profile(settings.profile, num_devices=world_size)
@@ -159,8 +160,8 @@ def priced(world_size: int, settings: Settings, graph, model) -> list:
     """The Plans of the configs given with --config (`autopar.evaluate`, the planner's cost
     options), in the order given."""
     import autopar
-    from autopar.api import PlanOptions
-    from autopar.commands.config_text import parse_config
+    from autopar.config.text import parse_config
+    from autopar.solve import PlanOptions
 
     cluster = autopar.Cluster.from_profile(settings.profile, num_devices=world_size)
     options = PlanOptions(sensitivity=False).cost

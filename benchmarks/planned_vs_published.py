@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from published_runs_mapping import read_runs  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.api import PlanOptions  # noqa: E402
 from autopar.estimate import CostOptions  # noqa: E402
 from autopar.models import zoo  # noqa: E402
+from autopar.solve import PlanOptions  # noqa: E402
 
 
 def main() -> None:

@@ -5,7 +5,7 @@
     python3 benchmarks/plot_published_runs.py out.png --from-json runs.json  # no re-pricing
 
 In: the rows `published_runs.py` evaluates (the same mapping, the same `evaluate_all`, so the
-same numbers), or the ``--json`` file it wrote. Out: `autopar.plots.plot_published_runs`.
+same numbers), or the ``--json`` file it wrote. Out: `autopar.plan.plots.plot_published_runs`.
 `results(rows)` is the library entry the notebooks use.
 """
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # published_runs impor
 import published_runs  # noqa: E402
 from published_runs_mapping import DEFAULT_CSV, MCORE_TP_COMM_OVERLAP, read_runs  # noqa: E402
 
-from autopar.plots import plot_published_runs  # noqa: E402
+from autopar.plan.plots import plot_published_runs  # noqa: E402
 
 
 def results(rows: str = "", csv: Path = DEFAULT_CSV) -> list[Any]:

@@ -8,18 +8,16 @@ The model is built on the meta device to read its module structure (no memory).
 
 from __future__ import annotations
 
-import inspect
 import json
 import pprint
 import re
 
-import torch
 from torch import nn
 
+from autopar.models.source import build_from_source
 from autopar.plan import Plan
 from autopar.runtime.parallelize import pipeline_tp_plan
 from autopar.runtime.pipeline import SCHEDULES, layout_for
-from autopar.runtime.task import resolve_callable
 from autopar.runtime.tensor_parallel import collectives_of, find_blocks, tp_plan
 
 GiB = 2**30
@@ -51,12 +49,7 @@ def program_text(plan: Plan) -> str:
 def _meta_model(plan: Plan) -> nn.Module:
     source = plan.model_source
     assert source is not None
-    factory = resolve_callable(source.factory)
-    kwargs = dict(source.kwargs)
-    if "device" in inspect.signature(factory).parameters:
-        kwargs["device"] = "meta"
-    with torch.device("meta"):
-        return factory(**kwargs)
+    return build_from_source(source.factory, source.kwargs, device="meta")
 
 
 def _docstring(plan: Plan) -> str:

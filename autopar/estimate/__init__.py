@@ -1,7 +1,19 @@
-"""estimate: the cost phase applied to a traced model.
+"""estimate: the cost model applied to a traced model on a cluster.
 
-build_tables(ModelGraph) -> ModelTables              once per model and shape
+build_tables(ModelGraph) -> ModelTables                     once per model and shape
 Estimator(tables, cluster, ...).evaluate(config, global_batch_size) -> Estimate
+
+tables.py         per-layer cost tables (FLOPs, bytes, tp shard classes, activations)
+layer_cost.py     one layer's time under a config (compute, TP/CP/EP collectives)
+stages.py         model chunks, pipeline stages, the layers a policy recomputes
+stage_time.py     stage times, the pipeline, the data-parallel tail, the breakdown
+memory.py         parameters on a rank, peak memory per stage
+step.py           `Estimator`: the parts above in order, with caches for the search
+communication.py  the collectives one step issues per stage (what a run is checked against)
+mesh.py           the config's process groups on the cluster, priced per axis
+layout.py         how the mesh axes lie on the topology, for the plan's text
+pipeline_timer.py the pipeline simulation, cached
+options.py        `CostOptions`: the training stack's overlaps, buffers and reserve
 """
 
 from __future__ import annotations

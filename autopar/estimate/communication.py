@@ -73,10 +73,16 @@ from dataclasses import asdict, dataclass
 from itertools import pairwise
 
 from autopar.config import ParallelConfig
+from autopar.estimate.memory import (
+    PRECISION_BYTES,
+    dense_params_on_rank,
+    expert_params_on_rank,
+    params_on_rank,
+    tied_elements,
+)
 from autopar.estimate.tables import LayerTable, ModelTables
 
 # Training element bytes: FSDP gathers the weights in the training precision.
-_PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 @dataclass(frozen=True)
@@ -95,21 +101,6 @@ class PlannedCollective:
         return asdict(self)
 
 
-def params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
-    """Parameters a rank holds of ``layers`` before data-parallel sharding (TP and EP split)."""
-    return dense_params_on_rank(cfg, layers) + expert_params_on_rank(cfg, layers)
-
-
-def dense_params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
-    """The tensor-parallel and replicated parameters of ``layers`` on a rank (no experts)."""
-    return sum(t.params_tp / cfg.tp + t.params_rep for t in layers)
-
-
-def expert_params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
-    """The expert parameters of ``layers`` on a rank (split over max(ep, tp))."""
-    return sum(t.params_expert / max(cfg.ep, cfg.tp) for t in layers)
-
-
 def stage_communication(
     tables: ModelTables,
     cfg: ParallelConfig,
@@ -121,7 +112,7 @@ def stage_communication(
     act_scale: float,
 ) -> tuple[tuple[PlannedCollective, ...], ...]:
     """Per stage, the collectives of one step on one of its ranks (module docstring)."""
-    weight_bytes = _PRECISION_BYTES[precision]
+    weight_bytes = PRECISION_BYTES[precision]
     by_name = {t.name: t for t in tables.layers}
     last = tables.layers[-1].name if tables.layers else ""
     out = []
@@ -154,18 +145,6 @@ def _chunk_runs(tables: ModelTables, stage_layers: list[tuple[str, ...]]) -> lis
         else:
             runs.append((s, i))
     return runs
-
-
-def tied_elements(tables: ModelTables) -> float:
-    """Elements of the head's weight that another layer (the embedding) holds: the head's
-    matmul weights beyond its own parameters (the tracer counts a tied weight once, on the
-    first layer that reads it)."""
-    heads = [t for t in tables.layers if t.vocab_logits_bytes]
-    if not heads or not tables.traced_float_bytes:
-        return 0.0
-    head = heads[-1]
-    weights = sum(mm.weight_bytes for mm in head.matmuls) / tables.traced_float_bytes
-    return max(0.0, weights - head.params_tp - head.params_rep)
 
 
 def _pipeline(

@@ -34,7 +34,7 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
         o[split] - o[plain] (at least 0) to its weight-gradient time, except on model chunk
         0, whose stage has no input gradient and runs one full backward at its W step
         (`split_backward_overhead_s`; the estimator adds it per stage, outside the layer
-        times it caches across schedules: `Estimator._stage_times`).
+        times it caches across schedules: `StageTimer.stage_times`).
 """
 
 from __future__ import annotations

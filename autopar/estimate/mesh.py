@@ -21,8 +21,8 @@ price every collective alike, so the search keeps one axis order per signature.
 
 from __future__ import annotations
 
-from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
+from autopar.hardware import Cluster
 from cost_models.comm import collective_time
 
 

@@ -27,18 +27,29 @@ functions here, never at module import.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from autopar.errors import AutoparError
 from autopar.models.hf_presets import HF_PRESETS, HFPreset
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["HFPreset", "build", "config", "example_inputs", "names", "preset"]
+__all__ = [
+    "HFPreset",
+    "build",
+    "build_from_config",
+    "config",
+    "example_inputs",
+    "names",
+    "preset",
+]
 
 # Config keys every transformers config takes besides its own fields (popped in
 # PretrainedConfig.__init__; transformers 5.x).
@@ -126,6 +137,30 @@ def build(
     kwargs = {"name": name, "seed": seed, **overrides}
     model.autopar_factory = {"factory": "autopar.models.hf:build", "kwargs": kwargs}
     return model
+
+
+def build_from_config(path: str, *, device: str = "cpu", seed: int = 0) -> Any:
+    """A transformers causal LM from a ``config.json`` (no weights downloaded); MoE configs
+    take the export-friendly "batched_mm" experts (see `autopar.models.hf`)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise AutoparError(f"{path}: cannot read a Hugging Face config.json: {e}") from None
+    transformers = _transformers()
+    if "model_type" not in data:
+        raise AutoparError(f"{path}: config.json has no model_type field")
+    kwargs = {k: v for k, v in data.items() if k != "model_type"}
+    kwargs.setdefault("use_cache", False)
+    kwargs.setdefault("attn_implementation", "sdpa")
+    if any(k in data for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+        kwargs.setdefault("experts_implementation", "batched_mm")
+    try:
+        config = transformers.AutoConfig.for_model(data["model_type"], **kwargs)
+    except (ValueError, KeyError) as e:
+        raise AutoparError(f"{path}: transformers cannot read this config: {e}") from None
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def example_inputs(

@@ -28,7 +28,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from autopar.hardware import profile_from_text
+from autopar.hardware.profile import profile_from_text
 from autopar.profiler import runtime_overhead
 from autopar.profiler.comm import LevelMeasurement, LevelPlan
 from autopar.profiler.compute import ComputeMeasurement

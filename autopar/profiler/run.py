@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import AutoparError, ProfileError
-from autopar.hardware import load_profile
+from autopar.hardware.profile import load_profile
 from autopar.profiler.comm import CommPlan, discover_levels, measure_comm
 from autopar.profiler.compute import ComputeMeasurement, ComputePlan, measure_compute
 from autopar.profiler.document import RunInfo, fit_measurements, render

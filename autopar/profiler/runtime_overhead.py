@@ -102,7 +102,7 @@ def measure_runtime(
     The styles take turns over ROUNDS rounds (one in a quick run), each with fresh models, and
     a style's figure is the median over all its rounds' steps: a change in the machine's load
     (another process, a frequency step) falls on every style alike instead of on one."""
-    from autopar.hardware import RUNTIME_STYLES
+    from autopar.hardware.profile import RUNTIME_STYLES
 
     rounds, iterations = (1, 4) if quick else (ROUNDS, 5)
     steps: dict[str, list[list[tuple[float, float]]]] = {
@@ -305,15 +305,15 @@ def predicted_s(
 ) -> float:
     """The cost model's forward + backward of the measured micro-batch (module docstring),
     or with ``part`` "optimizer_s" its gradient clipping and optimizer step."""
-    import autopar
-    from autopar.cluster import Cluster
+    from autopar.api import evaluate
+    from autopar.hardware import Cluster
     from autopar.models import zoo
 
     cfg = style_config(style, world_size)
     model = zoo.build(MODEL, device="meta", num_layers=num_layers, **MODEL_OVERRIDES)
     inputs, _ = zoo.example_batch(MODEL, model, batch_size=1)
     cluster = Cluster(profile, 1, world_size)
-    plan = autopar.evaluate(
+    plan = evaluate(
         model, cluster, cfg, inputs, global_batch_size=cfg.dp * cfg.fsdp, precision="fp32"
     )
     b = plan.breakdown

@@ -62,7 +62,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from autopar.errors import AutoparError
-from autopar.runtime.task import model_fingerprint
+from autopar.models.source import model_fingerprint
 
 FORMAT_VERSION = 1
 _FINAL = re.compile(r"^step-(\d{8})$")

@@ -20,17 +20,12 @@ Synthetic data: step `s`'s global batch is generated from seed `seed + s` alone,
 Data hook: `--data module:fn` names `fn(step, start, stop) -> (inputs, targets)`, returning
 samples [start, stop) of the step's global batch (inputs a tuple of tensors, batch first).
 
-Public functions:
-    resolve_callable("module:fn") -> the object
-    model_fingerprint(model) -> str          # hash of parameter names and shapes
-    check_fingerprint(model, expected)       # the program's refusal of another model
+Public functions (the factory and fingerprint helpers come from `autopar.models.source`):
     task_from_source(factory, kwargs, seq_len=None, data=None, seed=0) -> Task
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,43 +34,9 @@ import torch
 from torch import nn
 
 from autopar.models import zoo
+from autopar.models.source import HF_FACTORY, ZOO_FACTORY, resolve_callable
 
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
-ZOO_FACTORY = "autopar.models.zoo:build"
-HF_FACTORY = "autopar.models.hf:build"
-
-
-def resolve_callable(path: str) -> Any:
-    """Import ``"package.module:attr"`` and return the attribute (ValueError names the path)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"expected 'module:function', got {path!r}")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import {module_name!r} (from {path!r}): {e}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"{module_name!r} has no attribute {attr!r} (from {path!r})")
-        obj = getattr(obj, part)
-    return obj
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """16 hex digits of SHA-256 over the parameter names and shapes (tied parameters once),
-    the same for a model on the meta device and its real twin."""
-    text = "\n".join(f"{n}:{tuple(p.shape)}" for n, p in model.named_parameters())
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def check_fingerprint(model: nn.Module, expected: str) -> None:
-    """Raise ValueError when ``model`` is not the model the plan was made for."""
-    got = model_fingerprint(model)
-    if expected and got != expected:
-        raise ValueError(
-            f"the plan was made for a model with fingerprint {expected}, but the factory built "
-            f"one with fingerprint {got} (other parameter names or shapes): re-plan this model"
-        )
 
 
 @dataclass(frozen=True)

@@ -66,10 +66,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.config import ParallelConfig
+from autopar.models.source import check_fingerprint, model_fingerprint
 from autopar.runtime.checkpoint import CheckpointOptions, open_checkpointer
 from autopar.runtime.mesh import RuntimeMesh, build_mesh
 from autopar.runtime.parallelize import ParallelModel, PipelineSpec, parallelize_model
-from autopar.runtime.task import Task, check_fingerprint, model_fingerprint
+from autopar.runtime.task import Task
 from autopar.runtime.tensor_parallel import loss_context, reduce_partial_grads
 
 MiB = 2**20

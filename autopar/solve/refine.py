@@ -51,12 +51,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.estimate import Estimate, Estimator
 from autopar.estimate.layer_cost import LayerTime, layer_time, runtime_overhead_s
 from autopar.estimate.mesh import MeshGroups
 from autopar.estimate.tables import LayerTable
+from autopar.hardware import Cluster
 from autopar.solve.intra import IntraLayerCache, IntraLayerPlan, IntraOptions, solve_layer
 from autopar.tracing import ModelGraph
 
@@ -109,11 +109,11 @@ class RepricedEstimator(Estimator):
             optimizer=base.optimizer,
             options=base.options,
         )
-        self.layer_times = layer_times
+        self._overrides = layer_times
 
-    def _layer_times(self, cfg: ParallelConfig, mesh: MeshGroups) -> dict[str, LayerTime]:
-        times = super()._layer_times(cfg, mesh)
-        override = self.layer_times.get(cfg, {})
+    def layer_times(self, cfg: ParallelConfig, mesh: MeshGroups) -> dict[str, LayerTime]:
+        times = super().layer_times(cfg, mesh)
+        override = self._overrides.get(cfg, {})
         return {t.name: override.get(t.class_id, times[t.name]) for t in self.tables.layers}
 
 

@@ -308,7 +308,7 @@ def _rank(est: Estimate) -> tuple[float, str]:
 
 
 def _state_lower_bound(estimator: Estimator, cfg: ParallelConfig) -> float:
-    params = estimator.params_on_rank(cfg, list(estimator.tables.layers))
+    params = estimator.memory.params(cfg, list(estimator.tables.layers))
     state = model_state_bytes(
         params / cfg.pp,
         precision=estimator.precision,  # type: ignore[arg-type]
@@ -392,7 +392,7 @@ _MAX_NODES = 8192
 def _smallest_cluster(estimator: Estimator, limits: SpaceLimits) -> int | None:
     """Double the nodes until the most frugal config (tensor parallel across the node, ZeRO-3
     over the rest, full recompute, one sample per micro-batch) fits; None past _MAX_NODES."""
-    from autopar.cluster import Cluster
+    from autopar.hardware import Cluster
 
     profile = estimator.cluster.profile
     per_node = estimator.cluster.devices_per_node

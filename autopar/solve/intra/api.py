@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from autopar.cluster import Cluster
+from autopar.hardware import Cluster
 from autopar.solve.intra.ilp import solve_problem
 from autopar.solve.intra.options import IntraOptions
 from autopar.solve.intra.plan import IntraLayerPlan, make_plan

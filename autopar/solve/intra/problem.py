@@ -21,7 +21,7 @@ s's output placement is recorded and its cost added to c. Folding shrinks the IL
 of optimality: the folded node cannot pick a placement its producer's choice does not imply.
 
 Costs, in integer units of `unit_s` (default 1 ns, because a tiny layer's ops differ by less
-than a microsecond; DESIGN.md's "microseconds" is the coarser choice of the same scheme):
+than a microsecond; whole microseconds would be the coarser choice of the same scheme):
     cost(c)       = round((forward_s + backward_s + 2 * folded reshards
                            + weight-grad all-reduces) / unit_s)
     cost(p -> q)  = round(2 * reshard_time_s(p, q, bytes, t, group) / unit_s)   on an edge

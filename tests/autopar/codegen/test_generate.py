@@ -22,8 +22,9 @@ from torch import nn
 import autopar
 from autopar.codegen import generate, program_text
 from autopar.models import zoo
+from autopar.models.source import ZOO_FACTORY, check_fingerprint, model_fingerprint
 from autopar.plan import ModelSource, Plan
-from autopar.runtime.task import ZOO_FACTORY, check_fingerprint, model_fingerprint, task_from_source
+from autopar.runtime.task import task_from_source
 from autopar.runtime.trainer import TrainOptions, reference_run
 
 REPO = Path(__file__).resolve().parents[3]

@@ -66,8 +66,8 @@ def test_expert_parallel_prices_routed_compute_and_activations(moe):
     cfg, tables = moe
     e = _estimator(tables, 2)
     dense_cfg, ep_cfg = ParallelConfig(dp=2), ParallelConfig(dp=2, ep=2)
-    dense = e._layer_times(dense_cfg, e._mesh(dense_cfg))
-    routed = e._layer_times(ep_cfg, e._mesh(ep_cfg))
+    dense = e.layer_times(dense_cfg, e.mesh(dense_cfg))
+    routed = e.layer_times(ep_cfg, e.mesh(ep_cfg))
     f = cfg.top_k / cfg.num_experts
     for t in tables.layers:
         expert_flops = sum(op.flops for op in t.matmuls if op.shard == "expert")
@@ -78,7 +78,7 @@ def test_expert_parallel_prices_routed_compute_and_activations(moe):
         cut = dense[t.name].compute_forward_s - routed[t.name].compute_forward_s
         assert cut > 0
         assert routed[t.name].compute_forward_s >= expert_flops * f / 100e12
-        per_rank = e._activation_bytes(ep_cfg, t, "none") / e.act_scale
+        per_rank = e.memory.activation_bytes(ep_cfg, t, "none") / e.act_scale
         want = sum(routed_layer(t).activations["none"].values())
         assert per_rank == pytest.approx(want)
         assert per_rank < sum(t.activations["none"].values())

@@ -10,7 +10,7 @@ import pytest
 import autopar
 from autopar import Cluster, ParallelConfig
 from autopar.estimate import CostOptions, Estimator, build_tables
-from autopar.estimate.step import linear_partition
+from autopar.estimate.stages import linear_partition
 from autopar.models import zoo
 
 

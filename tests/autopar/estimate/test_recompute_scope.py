@@ -12,6 +12,7 @@ import pytest
 import autopar
 from autopar import Cluster, ParallelConfig
 from autopar.estimate import Estimator, build_tables
+from autopar.estimate.stages import recomputed_layers
 from autopar.models import zoo
 
 BATCH = 8
@@ -39,19 +40,19 @@ def test_embedding_and_head_price_as_without_recompute(estimator, cfg, policy):
     """Per non-block layer, the recomputed config's forward, backward and recompute times and
     its activation bytes equal the config's without recompute."""
     rec_cfg = replace(cfg, recompute=policy)
-    mesh = estimator._mesh(cfg)
-    plain_t = estimator._layer_times(cfg, mesh)
-    rec_t = estimator._layer_times(rec_cfg, mesh)
-    rec = estimator._recomputed(rec_cfg, estimator._chunks(rec_cfg, rec_t))
+    mesh = estimator.mesh(cfg)
+    plain_t = estimator.layer_times(cfg, mesh)
+    rec_t = estimator.layer_times(rec_cfg, mesh)
+    rec = recomputed_layers(rec_cfg, estimator.chunks(rec_cfg, rec_t))
     others = [t for t in estimator.tables.layers if t.kind != "block"]
     assert {"embed_tokens", "lm_head"} <= {t.name for t in others}
     for table in others:
-        plain = estimator._stage_times(cfg, mesh, [table], plain_t)
-        again = estimator._stage_times(rec_cfg, mesh, [table], rec_t, rec)
+        plain = estimator.timer.stage_times(cfg, mesh, [table], plain_t)
+        again = estimator.timer.stage_times(rec_cfg, mesh, [table], rec_t, rec)
         for term in ("forward", "backward", "recompute", "fsdp_comm"):
             assert again[term] == pytest.approx(plain[term], rel=1e-12, abs=0.0), (table, term)
-        a = estimator._stage_memory(cfg, 0, [table], 1.0)
-        b = estimator._stage_memory(rec_cfg, 0, [table], 1.0, rec)
+        a = estimator.memory.stage_memory(cfg, [table], 1.0)
+        b = estimator.memory.stage_memory(rec_cfg, [table], 1.0, rec)
         assert b.total_bytes == a.total_bytes, table.name
 
 

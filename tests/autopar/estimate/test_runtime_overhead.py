@@ -13,6 +13,7 @@ from autopar import Cluster, ParallelConfig
 from autopar.errors import ProfileError
 from autopar.estimate import Estimator, build_tables
 from autopar.estimate.layer_cost import runtime_overhead_s, split_backward_overhead_s
+from autopar.estimate.stages import stage_layers, stage_of_chunk
 from autopar.hardware import profile_from_text
 from autopar.models import zoo
 from autopar.profiler import runtime_overhead as ro
@@ -235,10 +236,10 @@ SPLIT = {**OVERHEADS, "split": 2.5e-3}  # the split backward costs 1.5 ms more t
 
 def split_blocks(estimator: Estimator, cfg: ParallelConfig) -> list[int]:
     """Per stage, its blocks outside model chunk 0 (chunk 0 runs one full backward)."""
-    chunks = estimator._chunks(cfg, estimator._layer_times(cfg, estimator._mesh(cfg)))
+    chunks = estimator.chunks(cfg, estimator.layer_times(cfg, estimator.mesh(cfg)))
     out = [0] * cfg.pp
     for k, chunk in enumerate(chunks[1:], start=1):
-        out[estimator._stage_of_chunk(cfg, k)] += sum(t.kind == "block" for t in chunk)
+        out[stage_of_chunk(cfg, k)] += sum(t.kind == "block" for t in chunk)
     return out
 
 
@@ -265,10 +266,10 @@ def test_split_backward_is_paid_per_layer_per_micro_batch_under_split_schedules(
         extra = n * 1.5e-3 if paid else 0.0
         assert sb.backward_s - sa.backward_s == pytest.approx(extra, rel=1e-6, abs=1e-12)
     # on the weight-gradient part of the backward compute (what a split schedule delays)
-    chunks = est._chunks(cfg, est._layer_times(cfg, est._mesh(cfg)))
-    for layers, n in zip(est._stage_layers(cfg, chunks), blocks, strict=True):
+    chunks = est.chunks(cfg, est.layer_times(cfg, est.mesh(cfg)))
+    for layers, n in zip(stage_layers(cfg, chunks), blocks, strict=True):
         sa, sb = (
-            e._stage_times(cfg, e._mesh(cfg), layers, e._layer_times(cfg, e._mesh(cfg)),
+            e.timer.stage_times(cfg, e.mesh(cfg), layers, e.layer_times(cfg, e.mesh(cfg)),
                            first_chunk=chunks[0])
             for e in (base, est)
         )  # fmt: skip
@@ -287,7 +288,7 @@ def test_split_overhead_does_not_leak_through_the_layer_time_cache(llama):
     cluster = with_overheads(Cluster.from_profile("local_cpu", num_devices=4), SPLIT)
     zb = ParallelConfig(dp=2, pp=2, micro_batch_size=1, schedule="zero_bubble")
     ofob = dataclasses.replace(zb, schedule="1f1b")
-    assert Estimator._times_key(zb) == Estimator._times_key(ofob)
+    assert Estimator.times_key(zb) == Estimator.times_key(ofob)
     fresh = {
         c: Estimator(tables, cluster, precision="fp32").evaluate(c, 8).step_time_s
         for c in (zb, ofob)

@@ -251,7 +251,7 @@ def test_recompute_adds_forward_and_saves_memory(gpt):
     assert est["none"].breakdown["recompute"] == 0
     # full re-runs the blocks' forward; embedding and head are never recomputed (runtime)
     e = Estimator(tables, cluster(1))
-    fwd = e._layer_times(ParallelConfig(), e._mesh(ParallelConfig()))
+    fwd = e.layer_times(ParallelConfig(), e.mesh(ParallelConfig()))
     blocks = sum(fwd[t.name].compute_forward_s for t in tables.layers if t.kind == "block")
     every = sum(fwd[t.name].compute_forward_s for t in tables.layers)
     assert 0 < blocks < every

@@ -8,7 +8,7 @@ import pytest
 import autopar
 from autopar import Cluster, ParallelConfig
 from autopar.estimate import Estimator, build_tables
-from autopar.estimate.communication import tied_elements
+from autopar.estimate.memory import tied_elements
 from autopar.models import zoo
 
 
@@ -30,9 +30,9 @@ def test_last_stage_holds_the_tied_copy(gpt, zero):
     e = est.evaluate(cfg, 8)  # ZeRO-3 gathers per layer: the head has no parameters of its own
     first, last = e.stages
     layers = {t.name: t for t in gpt.layers}
-    own = [est.params_on_rank(cfg, [layers[n] for n in s.layers]) for s in e.stages]
-    stage = [est.stage_params_on_rank(cfg, [layers[n] for n in s.layers]) for s in e.stages]
+    own = [est.memory.params(cfg, [layers[n] for n in s.layers]) for s in e.stages]
+    stage = [est.memory.stage_params(cfg, [layers[n] for n in s.layers]) for s in e.stages]
     assert stage[0] == own[0]
     assert stage[1] == pytest.approx(own[1] + tied)
-    whole = est.stage_params_on_rank(cfg, list(gpt.layers))
-    assert whole == est.params_on_rank(cfg, list(gpt.layers))  # one stage: no copy
+    whole = est.memory.stage_params(cfg, list(gpt.layers))
+    assert whole == est.memory.params(cfg, list(gpt.layers))  # one stage: no copy

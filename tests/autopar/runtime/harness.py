@@ -23,8 +23,9 @@ import torch
 import torch.multiprocessing as mp
 
 from autopar.config import ParallelConfig
+from autopar.models.source import HF_FACTORY, ZOO_FACTORY
 from autopar.runtime.mesh import free_port, rank_environment
-from autopar.runtime.task import HF_FACTORY, ZOO_FACTORY, task_from_source
+from autopar.runtime.task import task_from_source
 from autopar.runtime.trainer import TrainOptions, reference_run, train
 
 OPTIONS = TrainOptions(steps=3, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, log=False)

@@ -37,7 +37,8 @@ HOOK = f"""
 import os
 import signal
 
-from autopar.runtime.task import ZOO_FACTORY, task_from_source
+from autopar.models.source import ZOO_FACTORY
+from autopar.runtime.task import task_from_source
 
 TASK = task_from_source(ZOO_FACTORY, {{"name": "gpt-tiny", "seed": 0}}, global_batch_size={BATCH})
 

@@ -17,7 +17,8 @@ from harness import max_rel_error, run_ranks
 import autopar
 from autopar.config import ParallelConfig as C
 from autopar.models import hf
-from autopar.runtime.task import HF_FACTORY, task_from_source
+from autopar.models.source import HF_FACTORY
+from autopar.runtime.task import task_from_source
 from autopar.runtime.trainer import TrainOptions, reference_run, train
 
 pytest.importorskip("transformers")

@@ -21,10 +21,11 @@ import pytest
 
 import autopar
 from autopar.cli import main as cli_main
-from autopar.elastic import ReplanError
 from autopar.models import zoo
+from autopar.models.source import ZOO_FACTORY
 from autopar.plan import Plan
-from autopar.runtime.task import ZOO_FACTORY, task_from_source
+from autopar.plan.rebuild import ReplanError
+from autopar.runtime.task import task_from_source
 from autopar.runtime.trainer import TrainOptions, reference_run
 
 REPO = Path(__file__).resolve().parents[3]

@@ -8,7 +8,7 @@ from dataclasses import replace
 import autopar
 from autopar import Cluster
 from autopar.estimate import Estimator, build_tables
-from autopar.layout import mesh_axes
+from autopar.estimate.layout import mesh_axes
 from autopar.models import zoo
 from autopar.solve.space import axis_orders
 

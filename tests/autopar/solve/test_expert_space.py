@@ -16,10 +16,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
 from autopar import ConfigError, ParallelConfig
-from autopar.api import space_limits
 from autopar.models import zoo
 from autopar.runtime.mesh import build_mesh
 from autopar.runtime.parallelize import _expert_groups
+from autopar.solve.limits import space_limits
 from autopar.solve.space import axis_orders, degree_choices
 
 

@@ -18,10 +18,10 @@ import pytest
 import autopar
 from autopar import Cluster, ConfigError
 from autopar import ParallelConfig as C
-from autopar.api import attention_heads
 from autopar.estimate import Estimator, build_tables
 from autopar.models import zoo
 from autopar.plan import Plan
+from autopar.solve.limits import attention_heads
 from autopar.solve.space import (
     SpaceLimits,
     degree_choices,

@@ -10,14 +10,15 @@ import pytest
 
 import autopar
 from autopar import Cluster
-from autopar.api import PlanOptions, space_limits
 from autopar.config import ParallelConfig
 from autopar.estimate import Estimator, build_tables
 from autopar.estimate import step as step_mod
 from autopar.estimate.layer_cost import runtime_overhead_s
 from autopar.models import zoo
+from autopar.solve import PlanOptions
 from autopar.solve import refine as refine_mod
 from autopar.solve.intra import IntraLayerCache, IntraOptions, solve_layer
+from autopar.solve.limits import space_limits
 from autopar.solve.refine import RecordingEstimator, RefineOptions, refine
 from autopar.solve.search import search
 
@@ -122,7 +123,7 @@ def test_large_layer_on_nvlink_agrees_with_the_analytic_tp_rules_and_keeps_the_p
         cfg = ParallelConfig(dp=8 // tp, tp=tp, sequence_parallel=tp > 1)
         analytic = refine_mod.layer_time(
             block, cfg, estimator.device, "bf16", estimator.act_scale,
-            estimator._mesh(cfg).time, 0.0, cluster.profile.runtime_overhead_s,
+            estimator.mesh(cfg).time, 0.0, cluster.profile.runtime_overhead_s,
         )  # fmt: skip
         opts = IntraOptions(sequence_parallel=tp > 1, precision="bf16")
         plans[tp] = plan = solve_layer(graph, block.name, cluster, tp, options=opts)

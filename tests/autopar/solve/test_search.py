@@ -8,9 +8,9 @@ import pytest
 
 import autopar
 from autopar import Cluster, InfeasibleError
-from autopar.api import attention_heads
 from autopar.estimate import Estimator, build_tables
 from autopar.models import zoo
+from autopar.solve.limits import attention_heads
 from autopar.solve.space import (
     SpaceLimits,
     axis_orders,

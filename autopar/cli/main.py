@@ -1,0 +1,192 @@
+"""The ``autopar`` command line (also ``python -m autopar``).
+
+Verbs: ``demo`` (the README's main job), ``plan``, ``explain``, ``compare``, ``replan``,
+``generate``, ``list-models``, ``list-profiles``, ``cluster``, ``profile``; each planning verb
+lives in a module of `autopar.cli` and is imported only when it runs.
+Exit codes: 0 success, 2 a usage error (argparse), 1 an autopar error (bad profile, unknown
+model, a config that does not fit, ...): its message on stderr, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from autopar.errors import AutoparError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autopar", description="Auto-parallelism planner for PyTorch training."
+    )
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    demo = verbs.add_parser(
+        "demo",
+        help="trace a Hugging Face model on meta and plan it on a shipped cluster",
+        epilog="example: autopar demo --model llama3-8b --profile dgx_h100 --num-nodes 2",
+    )
+    demo.add_argument("--model", default="llama3-8b", help="autopar.models.hf preset")
+    demo.add_argument("--profile", default="dgx_h100", help="shipped profile or .toml path")
+    demo.add_argument("--num-nodes", type=int, default=2)
+    demo.add_argument("--seq-len", type=int, default=8192)
+    demo.add_argument("--out", default="out", help="directory for plan.json")
+
+    verbs.add_parser(
+        "list-profiles",
+        help="list the shipped hardware profiles",
+        epilog="example: autopar list-profiles",
+    )
+
+    cluster = verbs.add_parser(
+        "cluster",
+        help="show a cluster built from a profile",
+        epilog="examples: autopar cluster dgx_h100 --num-nodes 4 | "
+        "autopar cluster tpu_v5p --slice 4x4x8",
+    )
+    cluster.add_argument("profile", help="shipped profile name or .toml path")
+    cluster.add_argument("--num-nodes", type=int, default=1)
+    cluster.add_argument("--slice", help="TPU slice shape, e.g. 4x4x4")
+
+    prof = verbs.add_parser(
+        "profile",
+        help="measure this machine (under torchrun) and write a hardware profile",
+        epilog="example: autopar profile --out hardware_profiles/local_cpu.toml --node-devices 8",
+    )
+    prof.add_argument("--out", required=True, help="profile .toml to write")
+    prof.add_argument("--nproc", type=int, default=2, help="ranks to launch (default 2)")
+    prof.add_argument("--quick", action="store_true", help="few sizes, seconds (for tests)")
+    prof.add_argument("--node-devices", type=int, help="node.devices to write (default: --nproc)")
+    _add_planning_verbs(verbs)
+    return parser
+
+
+def _add_planning_verbs(verbs: argparse._SubParsersAction) -> None:
+    from autopar.cli.plan import PRECISIONS
+
+    plan = verbs.add_parser(
+        "plan",
+        help="find the fastest parallel plan of a model on a cluster; write plan.json",
+        epilog="example: autopar plan llama3-8b --profile dgx_h100 --nodes 2 --batch 512 "
+        "-o out/  (MODEL: a zoo name or Hugging Face preset from `autopar list-models`, a "
+        "config.json path, or module:factory)",
+    )
+    plan.add_argument("model", help="zoo name, Hugging Face preset, config.json or module:factory")
+    plan.add_argument("--profile", default="dgx_h100", help="shipped profile or .toml path")
+    plan.add_argument("--nodes", type=int, help="nodes of the profile (default 1)")
+    plan.add_argument("--devices", type=int, help="total devices instead of --nodes")
+    plan.add_argument("--batch", type=int, help="global batch in sequences (default ~4M tokens)")
+    plan.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
+    plan.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    plan.add_argument("--time-limit", type=float, help="search time limit in seconds")
+    plan.add_argument("-o", "--out", default="out", help="directory for plan.json (default out/)")
+    plan.add_argument("--json", action="store_true", help="print the plan's JSON only")
+    plan.add_argument("--plots", metavar="DIR", help="write pipeline/memory/breakdown PNGs here")
+
+    explain = verbs.add_parser(
+        "explain",
+        help="why a saved plan: bottleneck, binding constraint, runners-up, sensitivity",
+        epilog="example: autopar explain out/plan.json --summary",
+    )
+    explain.add_argument("plan", help="a plan.json")
+    explain.add_argument("--summary", action="store_true", help="print the summary first")
+    explain.add_argument("--plots", metavar="DIR", help="write the plan's PNGs here")
+
+    compare = verbs.add_parser(
+        "compare",
+        help="a saved plan beside a config you give, on the same model, cluster and batch",
+        epilog="example: autopar compare out/plan.json --config "
+        "tp=8,pp=2,schedule=interleaved_1f1b,v=2,sp=1,recompute=full:3  (keys: dp fsdp tp pp "
+        "cp ep zero mbs schedule v recompute[=policy:k] recompute_layers sp order=tp,cp,fsdp,dp; "
+        "a config as plan summaries print it is read too)",
+    )
+    compare.add_argument("plan", help="a plan.json")
+    compare.add_argument(
+        "--config", required=True, help="key=value,... (ParallelConfig fields) or a config's text"
+    )
+    compare.add_argument("--profile", help="profile .toml path when the plan's is not shipped")
+    compare.add_argument("--json", action="store_true", help="print both plans' JSON")
+
+    replan = verbs.add_parser(
+        "replan",
+        help="plan a saved plan's model again for another cluster size; writes plan.json and "
+        "train.py (resume from the old plan's checkpoints)",
+        epilog="example: autopar replan out/plan.json --num-nodes 2 -o out-2/",
+    )
+    replan.add_argument("plan", help="a plan.json (with a model factory)")
+    replan.add_argument("--num-nodes", type=int, help="nodes of the plan's profile")
+    replan.add_argument("--num-devices", type=int, help="total devices")
+    replan.add_argument("--config", help="price this config instead of searching (key=value,...)")
+    replan.add_argument("--profile", help="profile .toml path when the plan's is not shipped")
+    replan.add_argument("-o", "--out", default="out", help="directory for plan.json + train.py")
+    replan.add_argument("--json", action="store_true", help="print the new plan's JSON only")
+
+    generate = verbs.add_parser(
+        "generate",
+        help="write the torchrun program (train.py) of a saved plan",
+        epilog="example: autopar generate out/plan.json -o run/ && "
+        "torchrun --nproc-per-node=8 run/train.py",
+    )
+    generate.add_argument("plan", help="a plan.json (with a model factory)")
+    generate.add_argument("-o", "--out", required=True, help="directory for plan.json + train.py")
+
+    verbs.add_parser(
+        "list-models",
+        help="list the zoo models and Hugging Face presets",
+        epilog="example: autopar list-models",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        text = _run(args)
+        if text:  # `profile` prints on torchrun's rank 0 only
+            print(text)
+    except AutoparError as e:
+        print(f"autopar: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+_PLANNING_VERBS = {
+    "plan": "autopar.cli.plan:run_plan",
+    "explain": "autopar.cli.plan:run_explain",
+    "compare": "autopar.cli.compare:run_compare",
+    "list-models": "autopar.cli.models:run_list_models",
+    "replan": "autopar.cli.replan:run_replan",
+    "generate": "autopar.cli.generate:run_generate",
+}
+
+
+def _run(args: argparse.Namespace) -> str:
+    # Imports inside the verbs keep `autopar --help` fast.
+    if args.verb in _PLANNING_VERBS:
+        import importlib
+
+        module, function = _PLANNING_VERBS[args.verb].split(":")
+        return getattr(importlib.import_module(module), function)(args)
+    if args.verb == "demo":
+        from autopar.cli.demo import run_demo
+
+        return run_demo(args.model, args.profile, args.num_nodes, args.seq_len, args.out)
+    if args.verb == "profile":
+        from autopar.profiler import ProfileOptions, profile
+
+        return profile(ProfileOptions(args.out, args.nproc, args.quick, args.node_devices))
+    if args.verb == "list-profiles":
+        from autopar.hardware.profile import load_profile, shipped_profile_names
+
+        return "\n".join(
+            f"{name:<18} {load_profile(name).description}" for name in shipped_profile_names()
+        )
+    from autopar.hardware import Cluster
+
+    shape = None
+    if args.slice:
+        try:
+            shape = tuple(int(d) for d in args.slice.lower().split("x"))
+        except ValueError:
+            raise AutoparError(f"--slice wants dims like 4x4x4, got {args.slice!r}") from None
+    return Cluster.from_profile(args.profile, args.num_nodes, slice_shape=shape).as_text()

@@ -1,0 +1,94 @@
+"""`autopar plan` and `autopar explain`: plan a model on a cluster, and read a saved plan.
+
+In: parsed arguments (`autopar.cli`). Out: the text to print (the plan's summary, or its JSON
+with ``--json``), plan.json written into the output directory and, with ``--plots``, the
+plan's pictures. A progress bar on stderr follows the search's degree choices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from autopar.errors import AutoparError
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+def cluster_from_args(profile: str, nodes: int | None, devices: int | None):  # -> Cluster
+    """`Cluster.from_profile` from --profile, --nodes and --devices (total devices)."""
+    from autopar.hardware import Cluster
+
+    if nodes is not None and devices is not None:
+        raise AutoparError("give --nodes or --devices, not both")
+    if devices is not None:
+        return Cluster.from_profile(profile, num_devices=devices)
+    return Cluster.from_profile(profile, num_nodes=1 if nodes is None else nodes)
+
+
+class ProgressBar:
+    """``searching [#####.....] 12/34 degree choices`` on a terminal; silent otherwise."""
+
+    def __init__(self, stream: TextIO = sys.stderr, width: int = 30) -> None:
+        self.stream = stream
+        self.width = width
+        self.live = stream.isatty()
+
+    def __call__(self, index: int, total: int) -> None:
+        if not self.live or total <= 0:
+            return
+        filled = self.width * index // total
+        bar = "#" * filled + "." * (self.width - filled)
+        end = "\n" if index >= total else ""
+        self.stream.write(f"\rsearching [{bar}] {index}/{total} degree choices{end}")
+        self.stream.flush()
+
+
+def run_plan(args: argparse.Namespace) -> str:
+    from autopar.api import PlanOptions, parallelize
+    from autopar.cli.models import load_model
+
+    cluster = cluster_from_args(args.profile, args.nodes, args.devices)
+    loaded = load_model(args.model, args.seq_len)
+    options = PlanOptions(progress=ProgressBar(), time_limit_s=args.time_limit)
+    plan = parallelize(
+        loaded.model,
+        cluster,
+        loaded.inputs,
+        global_batch_size=args.batch,
+        precision=args.precision,
+        options=options,
+        model_factory=loaded.factory,
+    )
+    path = plan.save(Path(args.out), program=False)
+    written = [str(path)]
+    if args.plots:
+        from autopar.plan.plots import plot_all
+
+        written += [str(p) for p in plot_all(plan, args.plots)]
+    if args.json:
+        return plan.to_json()
+    return plan.summary() + "\n\nwrote " + ", ".join(written)
+
+
+def load_plan(path: str):  # -> Plan
+    from autopar.plan import Plan
+
+    file = Path(path)
+    if not file.is_file():
+        raise AutoparError(f"{path}: no such plan file (write one with `autopar plan`)")
+    return Plan.from_json(file.read_text())
+
+
+def run_explain(args: argparse.Namespace) -> str:
+    plan = load_plan(args.plan)
+    text = plan.explain()
+    if args.summary:
+        text = plan.summary() + "\n\n" + text
+    if args.plots:
+        from autopar.plan.plots import plot_all
+
+        text += "\n\nwrote " + ", ".join(str(p) for p in plot_all(plan, args.plots))
+    return text

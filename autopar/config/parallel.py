@@ -1,0 +1,202 @@
+"""ParallelConfig: one point of the search space, checked against a Cluster.
+
+Degrees: world size = dp * fsdp * cp * tp * pp. ``dp`` replicates (gradients
+all-reduced), ``fsdp`` shards data-parallel state with ``zero_stage`` 1-3 saying what is sharded
+(dp > 1 and fsdp > 1 together is HSDP); ``ep`` is not a further factor: expert layers re-fold
+the replicated data-parallel ranks of a stage, so ep divides dp and needs fsdp = 1 (what
+`autopar.runtime.expert_parallel` runs; Megatron-Core's wider fold over dp * fsdp * cp * tp is
+not supported). ``micro_batch_size`` is
+per rank; global batch = micro_batch_size * num_microbatches * dp * fsdp. ``recompute`` is
+the policy; ``recompute_layers`` k applies it to only the first k repeated layers (blocks) of
+each model chunk (the whole model when pp = 1; one of the pp x virtual_stages chunks otherwise),
+the other blocks keep their activations; None applies it to every layer. ``axis_order`` lays
+the non-pipeline axes on the ranks, innermost (stride 1) first, pp always outermost: None is
+`DEFAULT_AXIS_ORDER` (tp, cp, fsdp, dp: tensor parallelism inside a node first); e.g.
+("fsdp", "tp", "cp", "dp") puts fsdp inside the node and tp across nodes.
+Invariant: `ParallelConfig.validate` reports every violated rule at once, with the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Literal
+
+from autopar.errors import ConfigError
+
+if TYPE_CHECKING:
+    from autopar.hardware import Cluster
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "dualpipe_v"]
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "dualpipe_v")
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE = ("none", "selective", "full")
+# Schedules that place more than one model chunk on a pipeline rank.
+_MULTI_CHUNK = {"interleaved_1f1b": "at least 2", "dualpipe_v": "exactly 2"}
+DEGREES = ("dp", "fsdp", "cp", "tp", "pp")
+# Megatron's and torchtitan's rank layout, innermost first: what axis_order=None means.
+DEFAULT_AXIS_ORDER = ("tp", "cp", "fsdp", "dp")
+
+
+# schedules that split the backward into input- and weight-gradient passes
+SPLIT_BACKWARD = ("zero_bubble", "dualpipe_v")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero_stage: int = 0
+    micro_batch_size: int = 1
+    schedule: ScheduleName = "1f1b"
+    virtual_stages: int = 1
+    recompute: Recompute = "none"
+    sequence_parallel: bool = False
+    # None: the policy on every layer; k: on the first k blocks of each model chunk only.
+    # Last, and left out of to_dict() when None, so existing plan.json files stay the same.
+    recompute_layers: int | None = None
+    # None: DEFAULT_AXIS_ORDER; else dp, fsdp, cp, tp each once, innermost first. Left out of
+    # to_dict() when None, like recompute_layers.
+    axis_order: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.axis_order, list):  # as plan.json spells it
+            object.__setattr__(self, "axis_order", tuple(self.axis_order))
+        if self.axis_order == DEFAULT_AXIS_ORDER:  # one spelling per layout: equal, same JSON
+            object.__setattr__(self, "axis_order", None)
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The non-pipeline axes, innermost (stride 1) first; pp lies outside them all."""
+        return DEFAULT_AXIS_ORDER if self.axis_order is None else self.axis_order
+
+    @property
+    def strides(self) -> dict[str, int]:
+        """Rank stride of every axis (dp, fsdp, cp, tp in `order`, then pp): an axis'
+        coordinate is rank // stride % degree."""
+        out, stride = {}, 1
+        for axis in (*self.order, "pp"):
+            out[axis] = stride
+            stride *= getattr(self, axis)
+        return out
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.fsdp * self.cp * self.tp * self.pp
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different samples: dp * fsdp."""
+        return self.dp * self.fsdp
+
+    def problems(self, cluster: Cluster | None = None) -> list[str]:
+        """Every rule this config breaks (empty when valid), each naming the numbers."""
+        out: list[str] = []
+        for name in (*DEGREES, "ep", "micro_batch_size", "virtual_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                out.append(f"{name} must be an integer >= 1, got {value!r}")
+        if out:
+            return out  # the rules below multiply these
+        if self.zero_stage not in (0, 1, 2, 3):
+            out.append(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        elif self.fsdp > 1 and self.zero_stage == 0:
+            out.append(f"fsdp={self.fsdp} shards nothing with zero_stage=0: use zero_stage 1-3")
+        elif self.fsdp == 1 and self.zero_stage > 0:
+            out.append(f"zero_stage={self.zero_stage} needs fsdp > 1 to shard over, got fsdp=1")
+        if self.schedule not in SCHEDULES:
+            out.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        elif self.schedule in _MULTI_CHUNK:
+            rule = _MULTI_CHUNK[self.schedule]
+            ok = self.virtual_stages == 2 if rule == "exactly 2" else self.virtual_stages >= 2
+            if not ok:
+                out.append(
+                    f"schedule {self.schedule} needs {rule} virtual_stages, "
+                    f"got {self.virtual_stages}"
+                )
+        elif self.virtual_stages != 1:
+            out.append(f"virtual_stages={self.virtual_stages} needs an interleaved or V schedule")
+        if self.pp == 1 and self.virtual_stages > 1:
+            out.append(f"virtual_stages={self.virtual_stages} needs pp > 1")
+        if self.recompute not in RECOMPUTE:
+            out.append(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if self.pp > 1 and self.recompute != "none" and self.schedule in SPLIT_BACKWARD:
+            # torch's selective checkpoint refuses a second backward through a region, and
+            # the full one re-runs the forward for each (measured: zero_bubble with full
+            # recompute 0.84 s a step against 1f1b's 0.45 s, llama-tiny PP2 on 2 CPU ranks)
+            out.append(
+                f"schedule {self.schedule} runs the input and the weight gradients as two "
+                f"backward passes, which recompute={self.recompute} cannot serve (torch's "
+                "checkpointing recomputes per pass); use 1f1b, interleaved_1f1b or gpipe"
+            )
+        k = self.recompute_layers
+        if k is not None:
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                out.append(f"recompute_layers must be None or an integer >= 1, got {k!r}")
+            elif self.recompute == "none":
+                out.append(
+                    f"recompute_layers={k} needs recompute full or selective, got recompute=none"
+                )
+        order = self.axis_order
+        if order is not None and (
+            not isinstance(order, tuple) or sorted(map(str, order)) != sorted(DEFAULT_AXIS_ORDER)
+        ):
+            out.append(
+                f"axis_order must list dp, fsdp, cp and tp once each, innermost first (pp is "
+                f"always outermost), got {order!r}"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            out.append("sequence_parallel needs tp > 1, got tp=1")
+        if self.ep > 1 and (self.fsdp > 1 or self.dp % self.ep):
+            # the runtime folds ep over the replicated data-parallel ranks only
+            # (autopar.runtime.expert_parallel.build_expert_groups; FSDP2 would shard the
+            # experts too, and a fold over cp or tp ranks would split tokens the experts need)
+            why = f"fsdp={self.fsdp} would shard the experts as well" if self.fsdp > 1 else ""
+            why = why or f"ep={self.ep} does not divide dp={self.dp}"
+            out.append(
+                f"ep={self.ep} must divide dp with fsdp=1 (expert parallelism folds over the "
+                f"replicated data-parallel ranks): got dp={self.dp}, fsdp={self.fsdp}; {why}"
+            )
+        if cluster is not None and self.world_size != cluster.world_size:
+            out.append(
+                f"degrees dp={self.dp} x fsdp={self.fsdp} x cp={self.cp} x tp={self.tp} x "
+                f"pp={self.pp} = {self.world_size}, but the cluster ({cluster.profile.name}) has "
+                f"world size {cluster.world_size}"
+            )
+        return out
+
+    def validate(self, cluster: Cluster | None = None) -> ParallelConfig:
+        """Return self if valid; otherwise raise ConfigError listing every problem."""
+        problems = self.problems(cluster)
+        if problems:
+            raise ConfigError("invalid ParallelConfig:\n  - " + "\n  - ".join(problems))
+        return self
+
+    def as_text(self) -> str:
+        degrees = " ".join(f"{k}={getattr(self, k)}" for k in (*DEGREES, "ep"))
+        extras = f"zero={self.zero_stage} mbs={self.micro_batch_size} {self.schedule}"
+        if self.virtual_stages > 1:
+            extras += f" v={self.virtual_stages}"
+        extras += f" recompute={self.recompute_text}" + (" +sp" if self.sequence_parallel else "")
+        if self.axis_order is not None:
+            extras += f" order={','.join(self.axis_order)}"
+        return f"{degrees} | {extras}"
+
+    @property
+    def recompute_text(self) -> str:
+        """``full`` (every layer), ``full:3`` (the first 3 blocks of each model chunk)."""
+        if self.recompute_layers is None:
+            return self.recompute
+        return f"{self.recompute}:{self.recompute_layers}"
+
+    def to_dict(self) -> dict[str, object]:
+        """The fields as JSON values; recompute_layers and axis_order only when set (plans
+        made before they existed load, and save byte-identical)."""
+        data = asdict(self)
+        for name in ("recompute_layers", "axis_order"):
+            if data[name] is None:
+                del data[name]
+        return data

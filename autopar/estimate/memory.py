@@ -1,0 +1,181 @@
+"""What a rank holds: parameters per layer and stage, and each stage's peak memory.
+
+In: the model's `ModelTables`, a `ParallelConfig`, the training precision and optimizer, and
+the `CostOptions`. Out: parameter counts on one rank and a stage's `PeakMemory`
+(`cost_models.memory`), the memory the search prunes by.
+
+Parameters of layers L on a rank, before data-parallel sharding:
+    P(L) = sum_l (params_tp_l / tp + params_rep_l)              `dense_params_on_rank`
+           + sum_l params_expert_l / max(ep, tp)                `expert_params_on_rank`
+A stage holding the head of a tied embedding without the embedding holds its own copy of the
+tied weight, T / tp elements (`tied_elements`; autopar.runtime.pipeline: the last stage's copy,
+its gradients summed with the first stage's after the backward): `StageMemory.stage_params`.
+
+Peak memory of a stage (`StageMemory.stage_memory`):
+    model state   parameters, gradients, optimizer state by ZeRO stage over fsdp ranks
+                  (`cost_models.memory.model_state_bytes`)
+    activations   a_l under the layer's recompute policy, per micro-batch, times the
+                  micro-batches in flight n, plus the largest a_l^none - a_l^policy (one layer
+                  recomputed at a time), plus the logits of the vocabulary on the last stage
+    buffers       ZeRO-3: twice the largest layer's parameters and gradients (the gathered
+                  layer and the prefetched next); else two DDP buckets
+    reserve       the allocator's share (`cost_models.memory.allocator_reserve_bytes`)
+Activations per shard class (`StageMemory.activation_bytes`): "tp" divided by tp * cp, "rep"
+by cp (and by tp with sequence parallelism), "expert" by tp * cp; with cp > 1 the backward
+keeps the whole sequence's K and V (context parallelism all-gathers them).
+"""
+
+from __future__ import annotations
+
+from autopar.config import ParallelConfig
+from autopar.estimate.options import CostOptions
+from autopar.estimate.tables import LayerTable, ModelTables, routed_layer
+from cost_models.memory import PeakMemory, model_state_bytes, peak_memory
+
+# Bytes per element of the training precision.
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# Bytes read + written per parameter by one optimizer step (fp32 master weights, fp32 grads),
+# keyed by (optimizer, mixed precision). AdamW mixed precision: read master, m, v, grad (16),
+# write master, m, v (12), bf16 copy (2).
+OPTIMIZER_BYTES = {
+    ("adamw", True): 30,
+    ("adamw", False): 28,
+    ("adam", True): 30,
+    ("adam", False): 28,
+    ("sgd_momentum", True): 22,
+    ("sgd_momentum", False): 20,
+    ("sgd", True): 14,
+    ("sgd", False): 12,
+}
+
+
+def dense_params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
+    """The tensor-parallel and replicated parameters of ``layers`` on a rank (no experts)."""
+    return sum(t.params_tp / cfg.tp + t.params_rep for t in layers)
+
+
+def expert_params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
+    """The expert parameters of ``layers`` on a rank (split over max(ep, tp))."""
+    return sum(t.params_expert / max(cfg.ep, cfg.tp) for t in layers)
+
+
+def params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
+    """Parameters a rank holds of ``layers`` before data-parallel sharding (TP and EP split)."""
+    return dense_params_on_rank(cfg, layers) + expert_params_on_rank(cfg, layers)
+
+
+def tied_elements(tables: ModelTables) -> float:
+    """Elements of the head's weight that another layer (the embedding) holds: the head's
+    matmul weights beyond its own parameters (the tracer counts a tied weight once, on the
+    first layer that reads it)."""
+    heads = [t for t in tables.layers if t.vocab_logits_bytes]
+    if not heads or not tables.traced_float_bytes:
+        return 0.0
+    head = heads[-1]
+    weights = sum(mm.weight_bytes for mm in head.matmuls) / tables.traced_float_bytes
+    return max(0.0, weights - head.params_tp - head.params_rep)
+
+
+def dispatched(cfg: ParallelConfig, table: LayerTable) -> LayerTable:
+    """The layer as the runtime runs it under ``cfg``: with ep > 1 the all-to-all dispatch
+    runs each token on its top k experts only (`tables.routed_layer`); without, a
+    dense-dispatch MoE runs every expert on every token, as traced."""
+    return routed_layer(table) if cfg.ep > 1 else table
+
+
+class StageMemory:
+    """Parameters and peak memory per stage of one model (module docstring); caches the
+    activation bytes per layer, policy and shape."""
+
+    def __init__(
+        self,
+        tables: ModelTables,
+        *,
+        precision: str,
+        optimizer: str,
+        options: CostOptions,
+        act_scale: float,
+    ) -> None:
+        self.tables = tables
+        self.precision = precision
+        self.optimizer = optimizer
+        self.options = options
+        self.act_scale = act_scale
+        self.tied = tied_elements(tables)  # a tied embedding's elements (0: none)
+        self._experts = any(t.params_expert for t in tables.layers)
+        self._activation_cache: dict[tuple, float] = {}
+
+    def params(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
+        """`params_on_rank`, skipping the expert sum for a dense model (the search's hot path)."""
+        dense = dense_params_on_rank(cfg, layers)
+        return dense + expert_params_on_rank(cfg, layers) if self._experts else dense
+
+    def stage_params(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
+        """Parameters of a stage's ``layers`` on one rank, with the tied copy (docstring)."""
+        return self.params(cfg, layers) + self.tied_copy(cfg, layers)
+
+    def tied_copy(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
+        """The tied weight's elements on a rank of the stage holding ``layers``: a copy where
+        the stage has the head but not the first layer (where the tracer counts it)."""
+        first = self.tables.layers[0].name
+        if not self.tied or any(t.name == first for t in layers):
+            return 0.0
+        return self.tied / cfg.tp if any(t.vocab_logits_bytes for t in layers) else 0.0
+
+    def stage_memory(
+        self,
+        cfg: ParallelConfig,
+        layers: list[LayerTable],
+        inflight: float,
+        recomputed: frozenset[str] | None = None,
+    ) -> PeakMemory:
+        """Peak memory of a stage holding ``layers`` with ``inflight`` micro-batches of
+        activations; ``recomputed`` names the layers the recompute policy applies to (None:
+        all)."""
+        params = self.stage_params(cfg, layers)
+        state = model_state_bytes(
+            params,
+            precision=self.precision,  # type: ignore[arg-type]
+            optimizer=self.optimizer,  # type: ignore[arg-type]
+            zero_stage=cfg.zero_stage,
+            shard_degree=cfg.fsdp,
+        )
+        b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
+        per_mb = transient = logits = 0.0
+        for table in layers:
+            policy = cfg.recompute
+            if recomputed is not None and table.name not in recomputed:
+                policy = "none"
+            kept, none = (self.activation_bytes(cfg, table, p) for p in (policy, "none"))
+            per_mb += kept
+            transient = max(transient, none - kept)
+            logits += table.vocab_logits_bytes * b / (t * c) * self.act_scale * 2
+        activations = per_mb * max(1.0, inflight) + transient + logits
+        pbytes = PRECISION_BYTES[self.precision]
+        if cfg.zero_stage == 3:
+            largest = max((self.params(cfg, [x]) for x in layers), default=0.0)
+            buffers = 2 * largest * (pbytes + self.options.grad_bytes)
+        else:
+            buffers = 2 * min(self.options.ddp_bucket_bytes, params * self.options.grad_bytes)
+        return peak_memory(
+            state,
+            activation_bytes=activations,
+            communication_buffer_bytes=buffers,
+            reserve_fraction=self.options.reserve_fraction,
+        )
+
+    def activation_bytes(self, cfg: ParallelConfig, table: LayerTable, policy: str) -> float:
+        """One micro-batch's activations ``table`` keeps under ``policy`` on one rank: per
+        shard class, divided by t*c (sharded) or c (x t with SP, replicated); cached."""
+        b, t, c, sp = cfg.micro_batch_size, cfg.tp, cfg.cp, cfg.sequence_parallel
+        key = (table.name, policy, b, t, c, sp, cfg.ep > 1)
+        if key not in self._activation_cache:
+            div = {"tp": t * c, "rep": c * (t if sp else 1), "expert": t * c}
+            split = dispatched(cfg, table).activations.get(policy, {})
+            kept = sum(v * b / div[k] for k, v in split.items())
+            if c > 1 and policy == "none":
+                # context parallelism all-gathers K and V: the backward keeps the whole
+                # sequence's, not the 1/c shard counted above (autopar.runtime.context_parallel)
+                kept += sum(op.kv_bytes for op in table.attention) * b / t * (1 - 1 / c)
+            self._activation_cache[key] = self.act_scale * kept
+        return self._activation_cache[key]

@@ -1,0 +1,290 @@
+"""The time of one step, from the layers' times: stages, the pipeline, and the step's tail.
+
+In: per layer its `LayerTime` (`autopar.estimate.layer_cost`), the layers of each stage, the
+`MeshGroups` that price collectives on the config's groups, and the `StageMemory` that counts
+parameters. Out: per stage the per-micro-batch sums (`StageTimer.stage_times`), the pipeline's
+time (`StageTimer.pipeline`), each stage's tail after the last backward
+(`StageTimer.step_tail`) and the step's breakdown (`StageTimer.breakdown`).
+
+    step = pipeline(stage forward/backward per micro-batch, m micro-batches)
+           + max over stages (exposed data-parallel sync + optimizer step + clipping)
+
+Stage forward per micro-batch: its layers' forward (compute + exposed TP/CP/EP) plus exposed
+FSDP gathers; its backward likewise, plus the split backward's host time under zero_bubble and
+dualpipe_v (blocks outside model chunk 0). The pipeline comes from `cost_models.pipeline`'s
+simulation; on ranks that time-share CPU cores, from `cost_models.pipeline_shared`'s at the
+full rate (a rank in a bubble leaves its core to the busy ones).
+
+Data parallel, per stage, gradients G bytes (params on the rank x grad bytes):
+    ZeRO-0   all-reduce G over dp; with ep > 1 the experts' G_e are left out of it and summed
+    over the dp / ep ranks holding the same experts after the backward (exposed; none when
+    dp = ep), as `autopar.runtime.expert_parallel` does; ZeRO-1/2 reduce-scatter G over fsdp
+    (+ all-reduce G/fsdp over dp for HSDP) then all-gather the bf16 params; ZeRO-3
+    all-gathers each layer forward and backward and reduce-scatters its gradients, every
+    micro-batch (one call per layer, or per parameter tensor with `fsdp_per_tensor`; with
+    `fsdp_list_copies` each call also copies to or from its n per-rank views,
+    `cost_models.compute.list_collective_time_s`).
+    Overlap (none on a CPU profile: gloo runs on the compute cores): gradient reduction
+    hides behind the last micro-batch's backward except the last bucket; FSDP gathers are
+    prefetched behind the previous layer's compute (exposed: what the stage's compute cannot
+    cover, plus the first gather).
+Optimizer: memory bound, bytes per parameter by optimizer and precision (`OPTIMIZER_BYTES`),
+plus the runtime's per-block host time where the profile measured it.
+"""
+
+from __future__ import annotations
+
+from autopar.config import SPLIT_BACKWARD, ParallelConfig
+from autopar.estimate.layer_cost import LayerTime, runtime_overhead_s, split_backward_overhead_s
+from autopar.estimate.memory import (
+    OPTIMIZER_BYTES,
+    PRECISION_BYTES,
+    StageMemory,
+    expert_params_on_rank,
+)
+from autopar.estimate.mesh import MeshGroups
+from autopar.estimate.options import CostOptions
+from autopar.estimate.pipeline_timer import PipelineTimer
+from autopar.estimate.tables import LayerTable, ModelTables
+from autopar.hardware import Cluster
+from cost_models.compute import list_collective_time_s, op_time_s
+
+StageTimes = dict[str, float]
+
+
+class StageTimer:
+    """Prices stages, the pipeline and the step's tail for one model on one cluster."""
+
+    def __init__(
+        self,
+        tables: ModelTables,
+        cluster: Cluster,
+        memory: StageMemory,
+        *,
+        precision: str,
+        optimizer: str,
+        options: CostOptions,
+        act_scale: float,
+    ) -> None:
+        self.tables = tables
+        self.cluster = cluster
+        self.device = cluster.profile.device
+        self.memory = memory
+        self.precision = precision
+        self.optimizer = optimizer
+        self.options = options
+        self.act_scale = act_scale
+        self.pipeline_timer = PipelineTimer()
+
+    def stage_times(
+        self,
+        cfg: ParallelConfig,
+        mesh: MeshGroups,
+        layers: list[LayerTable],
+        times: dict[str, LayerTime],
+        recomputed: frozenset[str] | None = None,
+        first_chunk: list[LayerTable] | tuple[()] = (),
+    ) -> StageTimes:
+        """Per micro-batch sums of ``layers``' times, and what the stage adds to them: the
+        split backward's host time (its blocks outside ``first_chunk``, model chunk 0: kept
+        out of the layer times, which configs of every schedule share) and exposed FSDP."""
+        lt = [times[t.name] for t in layers]
+        out = {
+            "compute_forward": sum(x.compute_forward_s for x in lt),
+            "compute_backward": sum(x.compute_backward_s for x in lt),
+            "weight_grad": sum(x.weight_grad_s for x in lt),
+            "recompute": sum(x.recompute_s for x in lt),
+            "tp_comm": sum(x.tp_forward_s + x.tp_backward_s for x in lt),
+            "cp_comm": sum(x.cp_forward_s + x.cp_backward_s for x in lt),
+            "ep_comm": sum(x.ep_forward_s + x.ep_backward_s for x in lt),
+            "forward": sum(x.forward_s for x in lt),
+            "backward": sum(x.backward_s for x in lt),
+        }
+        if recomputed is not None:  # the policy on some blocks only: the rest re-run nothing
+            kept = sum(x.recompute_s for t, x in zip(layers, lt, strict=True)
+                       if t.name not in recomputed)  # fmt: skip
+            out["recompute"] -= kept
+            out["backward"] -= kept
+        split = split_backward_overhead_s(self.cluster.profile.runtime_overhead_s, cfg)
+        if split:  # the weight pass pays it (layer_cost module docstring)
+            first = {t.name for t in first_chunk}
+            split *= sum(t.kind == "block" and t.name not in first for t in layers)
+            for key in ("compute_backward", "weight_grad", "backward"):
+                out[key] += split
+        fsdp_f, fsdp_b = self._fsdp_exposed(cfg, mesh, layers, out, recomputed)
+        out["fsdp_comm"] = fsdp_f + fsdp_b
+        out["forward"] += fsdp_f
+        out["backward"] += fsdp_b
+        return out
+
+    def _fsdp_exposed(
+        self,
+        cfg: ParallelConfig,
+        mesh: MeshGroups,
+        layers: list[LayerTable],
+        st: StageTimes,
+        recomputed: frozenset[str] | None = None,
+    ) -> tuple[float, float]:
+        """ZeRO-3's gathers and reduce-scatters a stage cannot hide, forward and backward."""
+        if cfg.zero_stage < 3 or cfg.fsdp == 1:
+            return 0.0, 0.0
+        pbytes = PRECISION_BYTES[self.precision]
+        grad_ratio = self.options.grad_bytes / pbytes
+        gathers, scatters, regathers = [], [], []
+
+        def timed(collective: str, nbytes: float) -> float:
+            t = mesh.time(collective, nbytes, "fsdp")
+            if not self.options.fsdp_list_copies:
+                return t
+            first = collective == "reduce_scatter"
+            return list_collective_time_s(self.device, t, nbytes, cfg.fsdp, copies_first=first)
+
+        for table in layers:
+            size = self.memory.params(cfg, [table]) * pbytes
+            if not size:
+                continue
+            # one collective per layer (FSDP units), or one per parameter tensor (ZeRO-3 as
+            # DeepSpeed ran it in 2021), each paying the group's latency
+            calls = table.num_param_tensors if self.options.fsdp_per_tensor else 1
+            gather = size / calls
+            scatter = gather * grad_ratio
+            gathers.append(calls * timed("all_gather", gather))
+            scatters.append(calls * timed("reduce_scatter", scatter))
+            if recomputed is None or table.name in recomputed:
+                regathers.append(gathers[-1])
+        if not gathers:
+            return 0.0, 0.0
+        # backward gathers again; with full recompute the re-run forward gathers once more
+        if cfg.recompute != "full":
+            bwd_gathers = sum(gathers)
+        elif recomputed is None:
+            bwd_gathers = 2 * sum(gathers)
+        else:
+            bwd_gathers = sum(gathers) + sum(regathers)
+        fwd_compute = st["compute_forward"] + st["tp_comm"] / 2
+        bwd_compute = st["compute_backward"] + st["recompute"] + st["tp_comm"] / 2
+        if not self.options.fsdp_prefetch:
+            return sum(gathers), bwd_gathers + sum(scatters)
+        fwd = gathers[0] + max(0.0, sum(gathers[1:]) - fwd_compute)
+        bwd_comm = bwd_gathers + sum(scatters[:-1])
+        bwd = scatters[-1] + max(0.0, bwd_comm - bwd_compute)
+        return fwd, bwd
+
+    def pipeline(
+        self, cfg: ParallelConfig, m: int, per_stage: list[StageTimes], mesh: MeshGroups
+    ) -> tuple[float, list[float], int]:
+        """The pipeline's time for ``m`` micro-batches, the micro-batches in flight per
+        stage at its peak, and the busiest stage."""
+        busy = [m * (s["forward"] + s["backward"]) for s in per_stage]
+        busiest = max(range(len(busy)), key=busy.__getitem__)
+        if cfg.pp == 1:
+            return busy[0], [1.0], 0
+        boundary = max(
+            (t.output_bytes for t in self.tables.layers if t.kind == "block"), default=0.0
+        )
+        div = cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)
+        p2p = mesh.time("send_recv", boundary * cfg.micro_batch_size * self.act_scale / div, "pp")
+        split = cfg.schedule in SPLIT_BACKWARD
+        fwd = tuple(s["forward"] for s in per_stage)
+        wgrad = tuple(s["weight_grad"] if split else 0.0 for s in per_stage)
+        bin_ = tuple(s["backward"] - w for s, w in zip(per_stage, wgrad, strict=True))
+        step, inflight = self.pipeline_timer(
+            cfg.schedule, cfg.pp, m, fwd, bin_, wgrad, p2p, cfg.virtual_stages
+        )
+        share = self.cluster.compute_share
+        if share < 1.0:
+            # ranks in a bubble leave their slot to the busy ones: simulate at the full rate
+            # with processor sharing instead of every rank at `share` all the time
+            node_of, weight = self.cluster.pipeline_placement(cfg.pp)
+            step = self.pipeline_timer.shared(
+                cfg.schedule,
+                cfg.pp,
+                m,
+                tuple(x * share for x in fwd),
+                tuple(x * share for x in bin_),
+                tuple(x * share for x in wgrad),
+                p2p,
+                cfg.virtual_stages,
+                node_of,
+                weight,
+                self.cluster.profile.compute_slots,
+            )
+        return step, list(inflight), busiest
+
+    def step_tail(
+        self, cfg: ParallelConfig, mesh: MeshGroups, layers: list[LayerTable], st: StageTimes
+    ) -> dict[str, float]:
+        """What a stage does after its last backward: exposed gradient sync (dp_comm), the
+        optimizer step and gradient clipping (module docstring)."""
+        params = self.memory.stage_params(cfg, layers)
+        grad = params * self.options.grad_bytes
+        pbytes = params * PRECISION_BYTES[self.precision]
+        sync = 0.0
+        if cfg.zero_stage == 0 and cfg.dp > 1 and cfg.ep > 1:
+            # the experts are left out of the dp all-reduce and summed over the ranks holding
+            # the same experts after the backward (ExpertParallel.sync_gradients): exposed
+            experts = expert_params_on_rank(cfg, layers) * self.options.grad_bytes
+            dense = grad - experts
+            sync = self._overlapped(mesh.time("all_reduce", dense, "dp"), dense, st)
+            if cfg.dp > cfg.ep and experts:
+                sync += mesh.time("all_reduce", experts, "expert_dp")
+        elif cfg.zero_stage == 0 and cfg.dp > 1:
+            sync = self._overlapped(mesh.time("all_reduce", grad, "dp"), grad, st)
+        elif cfg.zero_stage in (1, 2):
+            reduce = mesh.time("reduce_scatter", grad, "fsdp") + mesh.time(
+                "all_reduce", grad / cfg.fsdp, "dp"
+            )
+            gather = mesh.time("all_gather", pbytes, "fsdp")
+            if self.options.overlap_param_gather:
+                gather = max(0.0, gather - st["forward"])
+            sync = self._overlapped(reduce, grad, st) + gather
+        elif cfg.zero_stage == 3 and cfg.dp > 1:
+            sync = self._overlapped(mesh.time("all_reduce", grad / cfg.fsdp, "dp"), grad, st)
+        tied = self.memory.tied_copy(cfg, layers)
+        if tied:  # the last stage's copy and the first stage's embedding sum their gradients
+            # (Pipeline.sync_tied_gradients, after the backward): priced on the last stage
+            g = tied * self.options.grad_bytes / (cfg.fsdp if cfg.zero_stage >= 1 else 1)
+            sync += mesh.time("all_reduce", g, "pp")
+        if cfg.cp > 1:  # each cp rank holds its sequence shard's gradient terms: the runtime
+            # sums this rank's (FSDP-sharded) gradients over cp after the backward, one
+            # all-reduce (autopar.runtime.context_parallel.sync_gradients)
+            sync += mesh.time("all_reduce", grad / cfg.fsdp, "cp")
+        sharded = params / (cfg.fsdp if cfg.zero_stage >= 1 else 1)
+        opt_bytes = sharded * OPTIMIZER_BYTES[(self.optimizer, self.precision != "fp32")]
+        blocks = sum(t.kind == "block" for t in layers)
+        optimizer = (
+            op_time_s(self.device, "elementwise", 0.0, opt_bytes, "fp32")
+            + 10 * self.device.launch_overhead_s
+            # the runtime's per-layer host work in the step (profile [runtime], CPU ranks)
+            + blocks * runtime_overhead_s(self.cluster.profile.optimizer_overhead_s, cfg)
+        )
+        clip = op_time_s(self.device, "elementwise", 0.0, sharded * 12, "fp32") + mesh.time(
+            "all_reduce", 4, "world"
+        )
+        return {"dp_comm": sync, "optimizer": optimizer, "grad_clip": clip}
+
+    def _overlapped(self, comm_s: float, nbytes: float, st: StageTimes) -> float:
+        """The part of a gradient reduction the last micro-batch's backward cannot hide."""
+        if not self.options.overlap_grad_reduce or nbytes <= 0:
+            return comm_s
+        last_bucket = comm_s * min(1.0, self.options.ddp_bucket_bytes / nbytes)
+        return max(last_bucket, comm_s - st["backward"])
+
+    @staticmethod
+    def breakdown(
+        m: int, st: StageTimes, pipe_s: float, tail: dict[str, float]
+    ) -> dict[str, float]:
+        """The step's terms on the busiest stage ``st``; the bubble is what the pipeline's
+        time adds to its work."""
+        terms = {
+            "compute_forward": m * st["compute_forward"],
+            "compute_backward": m * st["compute_backward"],
+            "recompute": m * st["recompute"],
+            "tp_comm": m * st["tp_comm"],
+            "cp_comm": m * st["cp_comm"],
+            "ep_comm": m * st["ep_comm"],
+            "fsdp_comm": m * st["fsdp_comm"],
+        }
+        terms["pipeline_bubble"] = max(0.0, pipe_s - sum(terms.values()))
+        terms.update(tail)
+        return terms

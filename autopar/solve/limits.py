@@ -1,0 +1,80 @@
+"""The model's and the cluster's facts that bound the search space, and the default batch.
+
+In: the model (its config names key/value heads), its traced `ModelGraph` and the `Cluster`.
+Out: `SpaceLimits` (`autopar.solve.space`): world size, devices per node, repeated layers
+(blocks), attention heads, sequence length, experts, global batch and micro-batch sizes. The
+space and `shape_problems` read only these, so the search never needs the model itself.
+
+`default_global_batch`: when the user gives no global batch, the power of two in sequences
+at most 4M tokens (Llama 2 pre-trained with 4M-token batches, Touvron et al. 2023, sec. 2.2;
+the plan states the choice in its notes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autopar.hardware import Cluster
+from autopar.solve.space import SpaceLimits
+from autopar.tracing import ModelGraph
+
+DEFAULT_BATCH_TOKENS = 4 * 2**20
+
+
+def default_global_batch(seq_len: int) -> int:
+    """The power of two in sequences nearest to 4M tokens (from below)."""
+    target = max(1, DEFAULT_BATCH_TOKENS // max(seq_len, 1))
+    power = 1
+    while power * 2 <= target:
+        power *= 2
+    return power
+
+
+def space_limits(
+    model: Any,
+    graph: ModelGraph,
+    cluster: Cluster,
+    global_batch_size: int,
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
+) -> SpaceLimits:
+    """The model's and cluster's facts that bound the search space and refuse configs."""
+    return SpaceLimits(
+        world_size=cluster.world_size,
+        devices_per_node=cluster.devices_per_node,
+        num_blocks=sum(1 for layer in graph.layers if layer.kind == "block"),
+        num_heads=attention_heads(graph),
+        seq_len=graph.input_shapes[0][-1] if graph.input_shapes else 1,
+        num_experts=max((layer.moe.num_experts for layer in graph.layers if layer.moe), default=0),
+        global_batch_size=global_batch_size,
+        micro_batch_sizes=micro_batch_sizes,
+        num_kv_heads=_kv_heads(model),
+    )
+
+
+def _kv_heads(model: Any) -> int:
+    """Key/value heads from the model's config (zoo: num_kv_heads, Hugging Face:
+    num_key_value_heads); 0 when the model does not say."""
+    config = getattr(model, "config", None)
+    for name in ("num_kv_heads", "num_key_value_heads"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def attention_heads(graph: ModelGraph) -> int:
+    """Heads of the first attention in the model (the tp degree must divide them), 0 if none."""
+    for node in graph.nodes.values():
+        if node.op_class == "attention" and node.inputs:
+            q = graph.nodes[node.inputs[0]]
+            if q.shapes and len(q.shapes[0]) == 4:
+                return q.shapes[0][1]
+    for node in graph.nodes.values():  # step-by-step attention: scores are [b, heads, s, s]
+        if (
+            node.op_class == "matmul"
+            and not node.params
+            and node.shapes
+            and len(node.shapes[0]) == 4
+        ):
+            return node.shapes[0][1]
+    return 0

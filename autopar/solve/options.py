@@ -1,0 +1,28 @@
+"""PlanOptions: how `autopar.parallelize` searches (the cost model's options and the search's
+own knobs), passed in as one frozen dataclass."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from autopar.estimate import CostOptions
+from autopar.solve.refine import RefineOptions
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How parallelize searches: the cost model's options and the search's own knobs."""
+
+    cost: CostOptions = field(default_factory=lambda: CostOptions(balance_stages=True))
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    max_alternatives: int = 5
+    progress: Callable[[int, int], None] | None = field(default=None, compare=False)
+    # stop pricing new degree choices after this many seconds once a plan fits; the plan
+    # then says it is the best found and bounds its optimality gap (None: search it all)
+    time_limit_s: float | None = None
+    # re-plan on 2x inter-node bandwidth and on +50% HBM for explain() (`autopar.solve.whatif`);
+    # two more searches on the same cost tables
+    sensitivity: bool = True
+    # the search's top configs re-priced by the intra-layer ILP (`autopar.solve.refine`)
+    refine: RefineOptions = field(default_factory=RefineOptions)

@@ -1,0 +1,132 @@
+"""What-ifs: re-plan the same model on a changed cluster, for the plan's sensitivity lines.
+
+In: the model's cost tables, the cluster, the search's limits and the chosen estimate. Out: one
+JSON-ready `dict` per scenario that `Plan.explain()` prints:
+
+    what                     "2x inter-node bandwidth", "+50% HBM"
+    config                   the config the search picks on the changed cluster
+    step_time_s              its step time
+    same_config_step_time_s  the chosen config's step time on the changed cluster
+    baseline_step_time_s     the chosen config's step time on the real cluster
+    skipped                  why the scenario does not apply (a one-node cluster has no
+                             inter-node links), else absent
+
+Invariant: the scenario only adds bandwidth or memory, so the plan it picks is never slower
+than the baseline: the search space and its divisibility are unchanged, the baseline config
+stays feasible (memory does not shrink) and the cost model does not charge more for a faster
+link. The result takes the faster of the search's best and the baseline config re-priced, so
+the invariant holds also when a time limit stops the search early.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from autopar.errors import AutoparError
+from autopar.estimate import CostOptions, Estimate, Estimator, ModelTables
+from autopar.hardware import Cluster
+from autopar.solve.search import search
+from autopar.solve.space import SpaceLimits
+
+INTER_NODE_FACTOR = 2.0
+MEMORY_FACTOR = 1.5
+
+
+def scaled_cluster(
+    cluster: Cluster, *, inter_node_bandwidth: float = 1.0, memory: float = 1.0
+) -> Cluster:
+    """``cluster`` with its inter-node links ``inter_node_bandwidth`` times faster and its
+    device memory ``memory`` times larger (a TPU torus scales its ICI links).
+
+    Inter-node levels are those whose domain is larger than a node (or the whole cluster).
+
+    Example:
+        >>> big = scaled_cluster(Cluster.from_profile("dgx_h100", 2), memory=1.5)
+    """
+    profile = cluster.profile
+    if inter_node_bandwidth != 1.0:
+        if profile.torus is not None:
+            torus = profile.torus
+            faster = torus.link_bandwidth_bytes_per_s * inter_node_bandwidth
+            profile = replace(profile, torus=replace(torus, link_bandwidth_bytes_per_s=faster))
+        else:
+            levels = tuple(
+                replace(lv, bandwidth_bytes_per_s=lv.bandwidth_bytes_per_s * inter_node_bandwidth)
+                if _is_inter_node(lv.devices_per_domain, profile.devices_per_node)
+                else lv
+                for lv in profile.levels
+            )
+            profile = replace(profile, levels=levels)
+    if memory != 1.0:
+        device = replace(profile.device, memory_bytes=profile.device.memory_bytes * memory)
+        profile = replace(profile, device=device)
+    return replace(cluster, profile=profile)
+
+
+def _is_inter_node(devices_per_domain: int, devices_per_node: int) -> bool:
+    return devices_per_domain == 0 or devices_per_domain > devices_per_node
+
+
+def sensitivity(
+    tables: ModelTables,
+    cluster: Cluster,
+    limits: SpaceLimits,
+    best: Estimate,
+    *,
+    precision: str,
+    optimizer: str,
+    options: CostOptions,
+    time_limit_s: float | None = None,
+) -> tuple[dict[str, Any], ...]:
+    """Re-plan on 2x inter-node bandwidth and on +50% HBM (module docstring)."""
+    scenarios = [
+        (
+            f"{INTER_NODE_FACTOR:g}x "
+            + ("ICI link" if cluster.profile.torus is not None else "inter-node")
+            + " bandwidth",
+            scaled_cluster(cluster, inter_node_bandwidth=INTER_NODE_FACTOR),
+            _no_inter_node(cluster),
+        ),
+        (f"+{MEMORY_FACTOR - 1:.0%} HBM", scaled_cluster(cluster, memory=MEMORY_FACTOR), None),
+    ]
+    out: list[dict[str, Any]] = []
+    for what, changed, skipped in scenarios:
+        entry: dict[str, Any] = {"what": what, "baseline_step_time_s": best.step_time_s}
+        if skipped:
+            out.append({**entry, "skipped": skipped})
+            continue
+        estimator = Estimator(
+            tables, changed, precision=precision, optimizer=optimizer, options=options
+        )
+        same = estimator.evaluate(best.config, limits.global_batch_size)
+        try:
+            # the chosen config fits the changed cluster too: only faster ones are of
+            # interest, so its time bounds the search from the start (InfeasibleError: none)
+            found = search(
+                estimator,
+                limits,
+                max_alternatives=0,
+                time_limit_s=time_limit_s,
+                incumbent_s=same.step_time_s,
+            ).best
+        except AutoparError:  # nothing beats the chosen config on the changed cluster
+            found = same
+        pick = found if found.step_time_s < same.step_time_s else same
+        out.append(
+            {
+                **entry,
+                "config": pick.config.as_text(),
+                "step_time_s": pick.step_time_s,
+                "same_config_step_time_s": same.step_time_s,
+            }
+        )
+    return tuple(out)
+
+
+def _no_inter_node(cluster: Cluster) -> str | None:
+    if cluster.profile.torus is not None:
+        return None
+    if cluster.num_nodes == 1:
+        return "one node: no inter-node links to speed up"
+    return None

@@ -1,0 +1,152 @@
+"""Shipped hardware profiles: they load, match the published specs, and bad files are refused."""
+
+from __future__ import annotations
+
+import csv
+import re
+from pathlib import Path
+
+import pytest
+
+from autopar import ProfileError, load_profile, shipped_profile_names
+
+SPECS = Path(__file__).resolve().parents[4] / "shared" / "data" / "hardware_specs.csv"
+REQUIRED = {
+    "dgx_v100",
+    "dgx_a100_40g",
+    "dgx_a100_80g",
+    "dgx_h100",
+    "h100_grand_teton",
+    "dgx_h200",
+    "hgx_h800",
+    "dgx_b200",
+    "gb200_nvl72",
+    "mi300x_8x",
+    "tpu_v4",
+    "tpu_v5e",
+    "tpu_v5p",
+    "local_cpu",
+}
+
+
+def test_every_required_profile_ships_and_loads():
+    assert set(shipped_profile_names()) >= REQUIRED
+    for name in shipped_profile_names():
+        profile = load_profile(name)
+        assert profile.name == name
+        assert profile.device.peak("bf16") > 0 and profile.device.memory_bytes > 0
+        assert all(src.strip() for src in profile.sources.values()), name
+        assert name in profile.as_text()
+
+
+def _spec_rows() -> dict[str, dict[str, str]]:
+    if not SPECS.is_file():
+        pytest.skip(f"{SPECS} not present (the shared data folder sits beside the repo)")
+    with SPECS.open() as f:
+        return {row["device"]: row for row in csv.DictReader(f)}
+
+
+def _first_number(cell: str) -> float | None:
+    m = re.match(r"\s*([0-9.]+)", cell or "")
+    return float(m.group(1)) if m else None
+
+
+def test_profiles_match_published_hardware_specs():
+    rows = _spec_rows()
+    checked = 0
+    for name in shipped_profile_names():
+        profile = load_profile(name)
+        if not profile.spec_device:
+            continue
+        row = rows[profile.spec_device]
+        dev = profile.device
+        expect = {
+            "peak_bf16_tflops_dense": ("bf16", 1e12),
+            "peak_fp8_tflops_dense": ("fp8", 1e12),
+            "peak_fp32_tflops": ("fp32", 1e12),
+        }
+        for column, (dtype, scale) in expect.items():
+            value = _first_number(row[column])
+            if value is not None:
+                assert dev.peak_flops_per_s[dtype] == pytest.approx(value * scale, rel=0.01), (
+                    name,
+                    column,
+                )
+                checked += 1
+        hbm = _first_number(row["hbm_gb"])
+        if hbm is not None and " or " not in row["hbm_gb"]:
+            as_gb = dev.memory_bytes / 1e9
+            as_gib = dev.memory_bytes / 2**30
+            assert min(abs(as_gb / hbm - 1), abs(as_gib / hbm - 1)) < 0.01, (name, hbm)
+            checked += 1
+        bandwidth = _first_number(row["hbm_tbps"])
+        if bandwidth is not None:
+            assert dev.memory_bandwidth_bytes_per_s == pytest.approx(bandwidth * 1e12, rel=0.01)
+            checked += 1
+        intra = _first_number(row["intra_node_gbps_per_gpu_unidirectional"])
+        if intra is not None and profile.levels:
+            assert profile.levels[0].bandwidth_bytes_per_s == pytest.approx(intra * 1e9, rel=0.01)
+            checked += 1
+        inter = _first_number(row["inter_node_gbps_per_gpu"])
+        if inter is not None and len(profile.levels) > 1:
+            outer = profile.levels[-1].bandwidth_bytes_per_s
+            assert outer == pytest.approx(inter * 1e9 / 8, rel=0.01), name
+            checked += 1
+    assert checked >= 40
+
+
+@pytest.fixture
+def h100_text() -> str:
+    return (Path(load_profile("dgx_h100").path)).read_text()
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "broken.toml"
+    path.write_text(text)
+    return path
+
+
+def test_missing_bandwidth_names_file_and_field(tmp_path, h100_text):
+    text = re.sub(r"(?m)^bandwidth_bytes_per_s\s*=.*\n", "", h100_text, count=1)
+    path = _write(tmp_path, text)
+    with pytest.raises(ProfileError) as err:
+        load_profile(path)
+    assert str(path) in str(err.value)
+    assert "topology.levels[0].bandwidth_bytes_per_s: missing" in str(err.value)
+
+
+def test_negative_bandwidth_names_the_value(tmp_path, h100_text):
+    text = re.sub(
+        r"(?m)^bandwidth_bytes_per_s\s*=.*$", "bandwidth_bytes_per_s = -5e9", h100_text, count=1
+    )
+    with pytest.raises(ProfileError, match=r"bandwidth_bytes_per_s: must be > 0, got -5000000000"):
+        load_profile(_write(tmp_path, text))
+
+
+def test_unknown_dtype_is_refused(tmp_path, h100_text):
+    text = re.sub(
+        r"(?m)^\[device\.peak_flops_per_s\]\n",
+        "[device.peak_flops_per_s]\nint3 = 1e15\n",
+        h100_text,
+    )
+    with pytest.raises(ProfileError, match=r"peak_flops_per_s.int3: unknown dtype 'int3'; known"):
+        load_profile(_write(tmp_path, text))
+
+
+def test_malformed_toml_is_refused(tmp_path, h100_text):
+    with pytest.raises(ProfileError, match="not valid TOML"):
+        load_profile(_write(tmp_path, h100_text[: len(h100_text) // 2] + "\n[[["))
+
+
+def test_unknown_profile_name_lists_the_shipped_ones():
+    with pytest.raises(ProfileError) as err:
+        load_profile("dgx_h1000")
+    message = str(err.value)
+    assert "unknown hardware profile 'dgx_h1000'" in message
+    for name in ("dgx_h100", "tpu_v5p", "local_cpu"):
+        assert name in message
+
+
+def test_missing_file_is_refused(tmp_path):
+    with pytest.raises(ProfileError, match="no such hardware profile file"):
+        load_profile(tmp_path / "nope.toml")
