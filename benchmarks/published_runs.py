@@ -1,4 +1,4 @@
-"""Predicted vs published step times of the runs in ../shared/data/calibration_runs.csv.
+"""Predicted vs published step times of the runs in data/calibration_runs.csv.
 
     python3 benchmarks/published_runs.py                  # trace, evaluate, table, summary
     python3 benchmarks/published_runs.py --dry-run        # mapping and measured step only

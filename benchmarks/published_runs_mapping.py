@@ -1,6 +1,6 @@
-"""Published training runs (../shared/data/calibration_runs.csv) -> what autopar needs to price.
+"""Published training runs (data/calibration_runs.csv) -> what autopar needs to price.
 
-In: the csv's rows (columns described in ../shared/data/README.md). Out: one frozen `PublishedRun`
+In: the csv's rows (columns described in data/README.md). Out: one frozen `PublishedRun`
 per row: the model's dimensions (as overrides of the zoo's GPT), the shipped hardware profile,
 the parallel configuration in `autopar.ParallelConfig` terms, the cost options the source's
 framework implies, and the ONE measured quantity the benchmark compares: seconds per step.
@@ -39,9 +39,7 @@ from published_flops import (  # noqa: F401  (the benchmarks import them from he
     model_flops,
 )
 
-DEFAULT_CSV = (
-    Path(__file__).resolve().parents[1].parent / "shared" / "data" / "calibration_runs.csv"
-)
+DEFAULT_CSV = Path(__file__).resolve().parents[1] / "data" / "calibration_runs.csv"
 
 # Megatron-LM's GPT-2 BPE vocabulary (50257) padded to a multiple of 128 * tp: 51200, the value
 # the csv gives for every other Megatron GPT row (Narayanan et al. 2021 sec 5.1 uses V = 51200).

@@ -10,7 +10,7 @@ import pytest
 
 from autopar import ProfileError, load_profile, shipped_profile_names
 
-SPECS = Path(__file__).resolve().parents[4] / "shared" / "data" / "hardware_specs.csv"
+SPECS = Path(__file__).resolve().parents[3] / "data" / "hardware_specs.csv"
 REQUIRED = {
     "dgx_v100",
     "dgx_a100_40g",
@@ -40,9 +40,7 @@ def test_every_required_profile_ships_and_loads():
 
 
 def _spec_rows() -> dict[str, dict[str, str]]:
-    if not SPECS.is_file():
-        pytest.skip(f"{SPECS} not present (the shared data folder sits beside the repo)")
-    with SPECS.open() as f:
+    with SPECS.open() as f:  # ships in the repository (data/README.md)
         return {row["device"]: row for row in csv.DictReader(f)}
 
 
@@ -150,3 +148,36 @@ def test_unknown_profile_name_lists_the_shipped_ones():
 def test_missing_file_is_refused(tmp_path):
     with pytest.raises(ProfileError, match="no such hardware profile file"):
         load_profile(tmp_path / "nope.toml")
+
+
+_NUMBER_LINE = re.compile(r"^(\s*)([A-Za-z_][\w-]*)(\s*=\s*)([-+0-9.e_]+)(\s*(#.*)?)$")
+
+
+def _number_lines(name: str) -> list[tuple[str, int]]:
+    from importlib import resources
+
+    text = (resources.files("hardware_profiles") / f"{name}.toml").read_text()
+    priced = text.split("\n[measured]")[0]  # the raw measurements after it are not read
+    return [(name, i) for i, line in enumerate(priced.splitlines()) if _NUMBER_LINE.match(line)]
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+@pytest.mark.parametrize(
+    ("name", "line"),
+    _number_lines("dgx_h100") + _number_lines("local_cpu") + _number_lines("tpu_v5p"),
+)
+def test_every_number_of_a_profile_must_be_finite(name, line, value):
+    """Each number of a shipped profile, set to inf, -inf or nan, is refused by name
+    (TOML spells them; a profile with one gave infinite step times or fit everything)."""
+    from importlib import resources
+
+    from autopar.hardware import profile_from_text
+
+    lines = (resources.files("hardware_profiles") / f"{name}.toml").read_text().splitlines()
+    match = _NUMBER_LINE.match(lines[line])
+    lines[line] = f"{match[1]}{match[2]}{match[3]}{value}{match[5]}"
+    with pytest.raises(ProfileError) as err:
+        profile_from_text("\n".join(lines), f"{name}-edited")
+    message = str(err.value)
+    assert f"{name}-edited: field " in message and match[2] in message, message
+    assert value.lstrip("-") in message, message
