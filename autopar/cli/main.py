@@ -3,13 +3,16 @@
 Verbs: ``demo`` (the README's main job), ``plan``, ``explain``, ``compare``, ``replan``,
 ``generate``, ``list-models``, ``list-profiles``, ``cluster``, ``profile``; each planning verb
 lives in a module of `autopar.cli` and is imported only when it runs.
-Exit codes: 0 success, 2 a usage error (argparse), 1 an autopar error (bad profile, unknown
-model, a config that does not fit, ...): its message on stderr, no traceback.
+Exit codes: 0 success, 2 a usage error (argparse), 1 a user error -- an autopar error (bad
+profile, unknown model, a config that does not fit, ...), a file that cannot be read or written,
+a value that cannot be parsed -- with its message on stderr and no traceback (``--traceback``
+shows it), 130 interrupted. Output into a closed pipe (``autopar ... | head``) ends quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -19,6 +22,9 @@ from autopar.errors import AutoparError
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autopar", description="Auto-parallelism planner for PyTorch training."
+    )
+    parser.add_argument(
+        "--traceback", action="store_true", help="on an error, show the Python traceback too"
     )
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
 
@@ -60,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     prof.add_argument("--node-devices", type=int, help="node.devices to write (default: --nproc)")
     _add_planning_verbs(verbs)
     return parser
+
+
+TRUST_HELP = (
+    "import and call the model factory the plan file names even when it is not one of "
+    "autopar's own (zoo, Hugging Face preset, config.json): only for a plan you trust"
+)
 
 
 def _add_planning_verbs(verbs: argparse._SubParsersAction) -> None:
@@ -107,6 +119,7 @@ def _add_planning_verbs(verbs: argparse._SubParsersAction) -> None:
     )
     compare.add_argument("--profile", help="profile .toml path when the plan's is not shipped")
     compare.add_argument("--json", action="store_true", help="print both plans' JSON")
+    compare.add_argument("--trust-factory", action="store_true", help=TRUST_HELP)
 
     replan = verbs.add_parser(
         "replan",
@@ -121,6 +134,7 @@ def _add_planning_verbs(verbs: argparse._SubParsersAction) -> None:
     replan.add_argument("--profile", help="profile .toml path when the plan's is not shipped")
     replan.add_argument("-o", "--out", default="out", help="directory for plan.json + train.py")
     replan.add_argument("--json", action="store_true", help="print the new plan's JSON only")
+    replan.add_argument("--trust-factory", action="store_true", help=TRUST_HELP)
 
     generate = verbs.add_parser(
         "generate",
@@ -130,6 +144,7 @@ def _add_planning_verbs(verbs: argparse._SubParsersAction) -> None:
     )
     generate.add_argument("plan", help="a plan.json (with a model factory)")
     generate.add_argument("-o", "--out", required=True, help="directory for plan.json + train.py")
+    generate.add_argument("--trust-factory", action="store_true", help=TRUST_HELP)
 
     verbs.add_parser(
         "list-models",
@@ -144,10 +159,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = _run(args)
         if text:  # `profile` prints on torchrun's rank 0 only
             print(text)
-    except AutoparError as e:
-        print(f"autopar: error: {e}", file=sys.stderr)
+            sys.stdout.flush()  # a closed pipe shows here, inside the try
+    except BrokenPipeError:
+        # the reader went away (`| head`): nothing more to say; keep the interpreter's final
+        # flush from raising again on the dead pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:
+        print("autopar: interrupted", file=sys.stderr)
+        return 130
+    except (AutoparError, OSError, ValueError) as e:
+        if args.traceback:
+            raise
+        print(f"autopar: error: {_message(e)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _message(error: BaseException) -> str:
+    """The user's error in one line: an OS error with its path, a decoding error as such."""
+    if isinstance(error, OSError) and error.filename is not None:
+        return f"{error.filename}: {error.strerror or error}"
+    if isinstance(error, UnicodeDecodeError):
+        return f"a file that should be text is not (its bytes are not UTF-8): {error.reason}"
+    return str(error) or type(error).__name__
 
 
 _PLANNING_VERBS = {

@@ -31,10 +31,10 @@ def cluster_from_args(profile: str, nodes: int | None, devices: int | None):  # 
 class ProgressBar:
     """``searching [#####.....] 12/34 degree choices`` on a terminal; silent otherwise."""
 
-    def __init__(self, stream: TextIO = sys.stderr, width: int = 30) -> None:
-        self.stream = stream
+    def __init__(self, stream: TextIO | None = None, width: int = 30) -> None:
+        self.stream = stream if stream is not None else sys.stderr  # the one in use now
         self.width = width
-        self.live = stream.isatty()
+        self.live = self.stream.isatty()
 
     def __call__(self, index: int, total: int) -> None:
         if not self.live or total <= 0:
@@ -79,7 +79,14 @@ def load_plan(path: str):  # -> Plan
     file = Path(path)
     if not file.is_file():
         raise AutoparError(f"{path}: no such plan file (write one with `autopar plan`)")
-    return Plan.from_json(file.read_text())
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise AutoparError(f"{path}: not a plan.json (its bytes are not UTF-8 text)") from None
+    try:
+        return Plan.from_json(text)
+    except AutoparError as e:
+        raise AutoparError(f"{path}: {e}") from None
 
 
 def run_explain(args: argparse.Namespace) -> str:

@@ -115,12 +115,21 @@ def profile_from_text(text: str, origin: str = "<profile text>") -> HardwareProf
     return _parse(_Fields(origin, data), origin)
 
 
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ProfileError(f"{path}: not a TOML text file (its bytes are not UTF-8 text)") from None
+    except OSError as e:
+        raise ProfileError(f"{path}: cannot read it: {e.strerror}") from None
+
+
 def _read(name_or_path: str | Path) -> tuple[str, str]:
     path = Path(name_or_path)
     if path.suffix == ".toml" or path.parent != Path("."):
         if not path.is_file():
             raise ProfileError(f"{path}: no such hardware profile file")
-        return path.read_text(), str(path)
+        return _text(path), str(path)
     resource = resources.files("hardware_profiles") / f"{name_or_path}.toml"
     if not resource.is_file():
         shipped = ", ".join(shipped_profile_names())
@@ -155,8 +164,10 @@ class _Fields:
 
     def number(self, path: str, *, minimum: float = 0.0, strict: bool = True) -> float:
         value = self.get(path)
-        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        if isinstance(value, bool) or not isinstance(value, int | float):
             raise self.error(path, f"must be a number, got {value!r}")
+        if not math.isfinite(value):  # TOML spells inf and nan; no cost is priced with them
+            raise self.error(path, f"must be a finite number, got {value!r}")
         if value < minimum or (strict and value == minimum):
             bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
             raise self.error(path, f"must be {bound}, got {value!r}")

@@ -143,9 +143,11 @@ def build_from_config(path: str, *, device: str = "cpu", seed: int = 0) -> Any:
     """A transformers causal LM from a ``config.json`` (no weights downloaded); MoE configs
     take the export-friendly "batched_mm" experts (see `autopar.models.hf`)."""
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, or not JSON
         raise AutoparError(f"{path}: cannot read a Hugging Face config.json: {e}") from None
+    if not isinstance(data, dict):
+        raise AutoparError(f"{path}: a Hugging Face config.json is a JSON object")
     transformers = _transformers()
     if "model_type" not in data:
         raise AutoparError(f"{path}: config.json has no model_type field")

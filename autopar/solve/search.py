@@ -39,6 +39,7 @@ from autopar.solve.space import (
     SpaceLimits,
     axis_orders,
     degree_choices,
+    empty_space_reason,
     inner_choices,
     recompute_layer_choices,
 )
@@ -196,6 +197,8 @@ def search(
         search_time_s=time.perf_counter() - start,
         num_unsearched=num_unsearched,
     )
+    if not num_configs:
+        raise InfeasibleError(empty_space_reason(limits))
     if not feasible:
         raise InfeasibleError(_infeasible_message(estimator, over, capacity, limits))
     ranked = sorted(feasible, key=_rank)

@@ -121,6 +121,37 @@ def degree_choices(lim: SpaceLimits) -> Iterator[tuple[int, int, int, int, int, 
                         yield dp, fsdp, cp, tp, pp, ep
 
 
+def empty_space_reason(lim: SpaceLimits) -> str:
+    """Why the space holds no config: which rule left no way to split the world, or the
+    batch, with the numbers (what the search says instead of pricing nothing)."""
+    world = lim.world_size
+    head = f"no parallel config exists for {world} devices ({lim.devices_per_node} per node)"
+    degrees = list(degree_choices(lim))
+    if not degrees:
+        tps = [
+            t
+            for t in divisors(lim.devices_per_node)
+            if not world % t
+            and not (lim.num_heads and lim.num_heads % t)
+            and not (lim.num_kv_heads and lim.num_kv_heads % t)
+        ]
+        return (
+            f"{head}: world size {world} = dp x fsdp x cp x tp x pp, with tp dividing the "
+            f"node's {lim.devices_per_node} devices and the model's {lim.num_heads or '?'} "
+            f"attention heads (tp in {tps or 'none'}), pp at most its {lim.num_blocks} "
+            f"repeated layers, cp > 1 only for sequences of {lim.min_seq_for_cp} tokens or more "
+            f"(this one: {lim.seq_len}); use a device count these divide"
+        )
+    data = sorted({dp * fsdp for dp, fsdp, *_ in degrees})
+    return (
+        f"{head}: the global batch of {lim.global_batch_size} sequences must be a multiple of "
+        f"micro-batch size ({', '.join(map(str, lim.micro_batch_sizes))}) x data-parallel "
+        f"ranks, and the ways to split these devices leave {', '.join(map(str, data))} "
+        f"data-parallel ranks; give a global batch that is a multiple of {data[0]}, or fewer "
+        "devices"
+    )
+
+
 def _expert_degrees(lim: SpaceLimits, dp: int, fsdp: int) -> list[int]:
     """ep over the replicated data-parallel ranks, as the runtime folds it (fsdp = 1, ep
     divides dp; `ParallelConfig.problems`), dividing the experts."""
