@@ -20,13 +20,14 @@ from typing import Any
 
 from torch import nn
 
-from autopar.codegen import generate
+from autopar.codegen import program_text
 from autopar.config import ParallelConfig
 from autopar.errors import ConfigError
 from autopar.estimate import CostOptions, Estimator, build_tables
 from autopar.hardware import Cluster
 from autopar.plan import Plan
 from autopar.plan.build import ModelFactory, plan_from_estimate, with_solution, with_sources
+from autopar.plan.files import directory_lock, write_atomic
 from autopar.plan.rebuild import rebuild_model, replanned_note, resized_cluster, sample_inputs
 from autopar.solve import PlanOptions, solve
 from autopar.solve.limits import default_global_batch, space_limits
@@ -163,6 +164,7 @@ def replan(
     options: PlanOptions | CostOptions | None = None,
     example_inputs: Any = None,
     profile: str | None = None,
+    trust_factory: bool = False,
 ) -> Plan:
     """Plan ``plan``'s model again for a smaller or larger cluster of the same profile.
 
@@ -181,12 +183,15 @@ def replan(
         example_inputs: one sample's inputs, for a factory that is neither zoo nor a
             language model with `config.vocab_size`.
         profile: a profile .toml path when the plan's profile is not a shipped name.
+        trust_factory: consent to import and call the factory a plan read from a file names,
+            when it is not one of autopar's own (`autopar.models.source.refuse_untrusted`).
 
     Returns:
         The new Plan, its notes naming the plan it replaces.
 
     Raises:
         ReplanError: no factory, a changed model, no size given.
+        UntrustedFactoryError: the plan's own factory, without ``trust_factory``.
         ConfigError / InfeasibleError: ``config`` does not fit, or nothing fits.
 
     Example:
@@ -194,7 +199,7 @@ def replan(
         >>> small.save("out-2/")                    # resume with --checkpoint-dir as before
     """
     cluster = resized_cluster(plan, num_nodes, num_devices, profile)
-    model = rebuild_model(plan)
+    model = rebuild_model(plan, trust_factory=trust_factory)
     inputs = example_inputs if example_inputs is not None else sample_inputs(plan, model)
     source = plan.model_source
     common: dict[str, Any] = dict(
@@ -211,16 +216,26 @@ def replan(
     return replace(new, notes=(*new.notes, replanned_note(plan)))
 
 
-def save(plan: Plan, directory: str | Path, *, program: bool = True) -> Path:
+def save(
+    plan: Plan, directory: str | Path, *, program: bool = True, trust_factory: bool = False
+) -> Path:
     """Write ``plan.json`` into ``directory`` (created if needed) and, when the plan knows its
     model factory and ``program`` is true, the generated ``train.py`` beside it
-    (`autopar.codegen.generate`); returns the plan's path. `Plan.save` calls this.
+    (`autopar.codegen.program_text`); returns the plan's path. `Plan.save` calls this.
+
+    The two are written as a pair: each atomically, under a lock on the directory, so two
+    processes saving into one directory leave one plan's pair. A plan read from a file whose
+    factory is not autopar's own needs ``trust_factory=True`` to write its program.
 
     Run the program with ``torchrun --nproc-per-node=N directory/train.py``.
     """
-    path = plan.write_json(directory)
+    text = None  # the program first: if its model does not build, nothing is written
     if program and plan.model_source is not None:
-        generate(plan, path.parent)
+        text = program_text(plan, trust_factory=trust_factory)
+    with directory_lock(directory):  # another process saving here waits: one plan's pair
+        path = plan.write_json(directory)
+        if text is not None:
+            write_atomic(path.parent / "train.py", text)
     return path
 
 

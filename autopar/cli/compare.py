@@ -33,7 +33,7 @@ def run_compare(args: argparse.Namespace) -> str:
         plan.num_nodes,
         devices_per_node=plan.world_size // plan.num_nodes,
     )
-    loaded = model_from_plan(plan)
+    loaded = model_from_plan(plan, args.trust_factory)
     config.validate(cluster)
     yours = evaluate(
         loaded.model,

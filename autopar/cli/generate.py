@@ -23,7 +23,7 @@ def run_generate(args: argparse.Namespace) -> str:
             "with model_factory='module:function' (or a zoo / Hugging Face preset)"
         )
     out = Path(args.out)
-    plan.save(out)
+    plan.save(out, trust_factory=args.trust_factory)
     return (
         f"wrote {out / 'plan.json'} and {out / 'train.py'}; run it with\n"
         f"  torchrun --nproc-per-node={plan.world_size} {out / 'train.py'} --steps 10"

@@ -59,17 +59,18 @@ def load_model(spec: str, seq_len: int | None = None) -> LoadedModel:
     )
 
 
-def model_from_plan(plan: Any) -> LoadedModel:
+def model_from_plan(plan: Any, trust_factory: bool = False) -> LoadedModel:
     """The plan's model again (on meta), from its recorded factory, with inputs of its length
-    (`autopar.plan.rebuild`).
+    (`autopar.plan.rebuild`); a factory that is not autopar's own runs only with
+    ``trust_factory`` (``--trust-factory``).
 
     Raises:
-        AutoparError: the plan records no factory, it no longer builds, or it builds a model
-            with another fingerprint.
+        AutoparError: the plan records no factory, it no longer builds, it builds a model
+            with another fingerprint, or its factory is not trusted.
     """
     from autopar.plan.rebuild import rebuild_model, sample_inputs
 
-    model = rebuild_model(plan)
+    model = rebuild_model(plan, trust_factory=trust_factory)
     source = plan.model_source
     return LoadedModel(
         model, sample_inputs(plan, model), (source.factory, dict(source.kwargs)), source.as_text()

@@ -24,6 +24,7 @@ def run_replan(args: argparse.Namespace) -> str:
         num_devices=args.num_devices,
         config=config,
         profile=args.profile,
+        trust_factory=args.trust_factory,
     )
     path = new.save(Path(args.out))
     written = [str(path)] + ([str(path.parent / "train.py")] if new.model_source else [])

@@ -11,8 +11,8 @@ Invariant: generation is deterministic (same plan -> same bytes) and leaves noth
 half-written (written to a temporary name, then renamed).
 
 Public functions:
-    generate(plan, directory) -> Path of train.py
-    program_text(plan) -> str
+    generate(plan, directory, trust_factory=False) -> Path of train.py
+    program_text(plan, trust_factory=False) -> str
 """
 
 from __future__ import annotations
@@ -20,22 +20,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from autopar.codegen.program import program_text
+from autopar.plan.files import ensure_directory, write_atomic
 
 __all__ = ["generate", "program_text"]
 
 
-def generate(plan: object, directory: str | Path) -> Path:
+def generate(plan: object, directory: str | Path, *, trust_factory: bool = False) -> Path:
     """Write ``train.py`` for ``plan`` into ``directory`` (created if needed); returns its path.
+
+    Generation builds the model on the meta device from the plan's factory: a plan read from a
+    file that names a factory other than autopar's own needs ``trust_factory=True``.
 
     Raises:
         ValueError: the plan records no model factory (pass `model_factory=` to
             `autopar.parallelize` / `autopar.evaluate`).
+        UntrustedFactoryError: the factory is the file's, without the user's consent.
     """
-    text = program_text(plan)  # type: ignore[arg-type]
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "train.py"
-    tmp = path.with_suffix(".py.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-    return path
+    text = program_text(plan, trust_factory=trust_factory)  # type: ignore[arg-type]
+    return write_atomic(ensure_directory(directory) / "train.py", text)

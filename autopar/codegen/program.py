@@ -8,7 +8,7 @@ The model is built on the meta device to read its module structure (no memory).
 
 from __future__ import annotations
 
-import json
+import hashlib
 import pprint
 import re
 
@@ -23,17 +23,18 @@ from autopar.runtime.tensor_parallel import collectives_of, find_blocks, tp_plan
 GiB = 2**30
 
 
-def program_text(plan: Plan) -> str:
-    """The whole `train.py` for ``plan`` (see the module docstring)."""
+def program_text(plan: Plan, *, trust_factory: bool = False) -> str:
+    """The whole `train.py` for ``plan`` (see the module docstring); ``trust_factory`` as for
+    `autopar.codegen.generate`."""
     if plan.model_source is None:
         raise ValueError(
             "the plan records no model factory, so no program can build the model: pass "
             "model_factory='module:function' to autopar.parallelize / autopar.evaluate"
         )
-    model = _meta_model(plan)
+    model = _meta_model(plan, trust_factory or plan.trusted_factory)
     sections = [
         _docstring(plan),
-        _imports(),
+        _imports(plan),
         _config(plan),
         _mesh(plan),
         _model(plan),
@@ -46,10 +47,10 @@ def program_text(plan: Plan) -> str:
     return "\n\n".join(s.rstrip("\n") for s in sections) + "\n"
 
 
-def _meta_model(plan: Plan) -> nn.Module:
+def _meta_model(plan: Plan, trusted: bool) -> nn.Module:
     source = plan.model_source
     assert source is not None
-    return build_from_source(source.factory, source.kwargs, device="meta")
+    return build_from_source(source.factory, source.kwargs, device="meta", trusted=trusted)
 
 
 def _docstring(plan: Plan) -> str:
@@ -89,10 +90,12 @@ def _indent(text: str, prefix: str) -> str:
     return "\n".join(prefix + line if line else line for line in text.splitlines())
 
 
-def _imports() -> str:
-    return """from __future__ import annotations
+def _imports(plan: Plan) -> str:
+    digest = hashlib.sha256(plan.to_json().encode()).hexdigest()
+    return f"""from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -107,7 +110,16 @@ from autopar.runtime.task import task_from_source
 from autopar.runtime.trainer import Prediction, TrainOptions, train
 
 HERE = Path(__file__).resolve().parent
-PLAN = Plan.from_json((HERE / "plan.json").read_text())"""
+PLAN_TEXT = (HERE / "plan.json").read_text()
+# the plan this program was generated from (plan.save writes the two together): a plan.json
+# written since by another process, or edited by hand, is refused
+PLAN_SHA256 = "{digest}"
+if hashlib.sha256(PLAN_TEXT.encode()).hexdigest() != PLAN_SHA256:
+    raise SystemExit(
+        f"{{HERE / 'plan.json'}} is not the plan this train.py was generated from: write them "
+        f"together (plan.save(dir), or: autopar generate {{HERE / 'plan.json'}} -o {{HERE}})"
+    )
+PLAN = Plan.from_json(PLAN_TEXT)"""
 
 
 def _config(plan: Plan) -> str:
@@ -154,14 +166,8 @@ def _model(plan: Plan) -> str:
     assert s is not None
     return f"""# ---- the model: built identically (seeded) on every rank, then sharded below
 FACTORY = {s.factory!r}
-FACTORY_KWARGS = {json.dumps(s.kwargs, sort_keys=True)}
-FINGERPRINT = {s.fingerprint!r}  # parameter names and shapes; another model is refused
-if PLAN.model_source is None or PLAN.model_source.fingerprint != FINGERPRINT:
-    raise SystemExit(
-        f"plan.json is a plan for another model (fingerprint "
-        f"{{PLAN.model_source.fingerprint if PLAN.model_source else None}}) than this train.py "
-        f"({{FINGERPRINT}}): save the plan and its program together with plan.save(dir)"
-    )"""
+FACTORY_KWARGS = {pprint.pformat(s.kwargs, sort_dicts=True, width=88)}
+FINGERPRINT = {s.fingerprint!r}  # parameter names and shapes: the factory's model is checked"""
 
 
 def _tensor_parallel(plan: Plan, model: nn.Module) -> str:

@@ -12,7 +12,8 @@ Public names:
     resolve_callable("module:fn") -> the object
     model_fingerprint(model) -> str
     check_fingerprint(model, expected)      ValueError when they differ
-    build_from_source(factory, kwargs, device="meta") -> nn.Module
+    refuse_untrusted(factory, trusted)      a factory a plan file names runs only with consent
+    build_from_source(factory, kwargs, device="meta", trusted=False) -> nn.Module
 """
 
 from __future__ import annotations
@@ -25,10 +26,40 @@ from typing import Any
 import torch
 from torch import nn
 
+from autopar.errors import AutoparError
+
 ZOO_FACTORY = "autopar.models.zoo:build"
 HF_FACTORY = "autopar.models.hf:build"
 # a Hugging Face config.json given by path (`autopar plan path/config.json`)
 HF_CONFIG_FACTORY = "autopar.models.hf:build_from_config"
+# autopar's own builders, which a plan file may name freely: they build a model from data
+# (a preset name, overrides of its config, a config.json) and run no code of the file's choosing
+# (the last is the name autopar 0.1 recorded for config.json plans)
+BUILTIN_FACTORIES = frozenset(
+    {ZOO_FACTORY, HF_FACTORY, HF_CONFIG_FACTORY, "autopar.commands.models:build_hf_config"}
+)
+
+
+class UntrustedFactoryError(AutoparError, ValueError):
+    """A plan file names a model factory of its own, and the user has not consented to run it."""
+
+
+def refuse_untrusted(factory: str, trusted: bool) -> None:
+    """Raise `UntrustedFactoryError` for a factory that is neither autopar's own nor trusted.
+
+    A plan is data: importing the ``module:function`` a plan.json names runs that module's
+    code, so a crafted file could run anything. The user consents by passing
+    ``trust_factory=True`` (command line: ``--trust-factory``), or by giving the model or its
+    factory themselves (a plan made in this process from them is trusted).
+    """
+    if trusted or factory in BUILTIN_FACTORIES:
+        return
+    raise UntrustedFactoryError(
+        f"the plan names the model factory {factory!r}, which is not one of autopar's own; "
+        "autopar does not import or call code named in a plan file without your consent. If "
+        "you made this plan or trust its source, pass trust_factory=True (command line: "
+        "--trust-factory); or plan the model again from your own factory"
+    )
 
 
 def resolve_callable(path: str) -> Any:
@@ -64,12 +95,23 @@ def check_fingerprint(model: nn.Module, expected: str) -> None:
         )
 
 
-def build_from_source(factory: str, kwargs: dict[str, Any], device: str = "meta") -> nn.Module:
+def build_from_source(
+    factory: str, kwargs: dict[str, Any], device: str = "meta", *, trusted: bool = False
+) -> nn.Module:
     """Call ``factory(**kwargs)`` with its parameters on ``device`` (a factory that takes
-    ``device`` is passed it; otherwise it runs under ``torch.device(device)``)."""
+    ``device`` is passed it; otherwise it runs under ``torch.device(device)``).
+
+    Raises:
+        UntrustedFactoryError: ``factory`` is not autopar's own and not ``trusted``
+            (`refuse_untrusted`); nothing is imported.
+    """
+    refuse_untrusted(factory, trusted)
     fn = resolve_callable(factory)
     kwargs = dict(kwargs)
     if "device" in inspect.signature(fn).parameters:
         kwargs["device"] = device
     with torch.device(device):
-        return fn(**kwargs)
+        model = fn(**kwargs)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{factory} returned {type(model).__name__}, not a torch.nn.Module")
+    return model

@@ -2,6 +2,8 @@
 
     types.py   `Plan`, `StagePlan`, `ModelSource`: frozen data (seconds and bytes), JSON that
                loads without executing code (`Plan.from_json`, `Plan.write_json`)
+    check.py   `plan_problems`: a plan.json's types, ranges and invariants, checked on load
+    files.py   atomic writes and the directory lock that keep plan.json and train.py a pair
     build.py   `plan_from_estimate` and the parts parallelize adds: an `Estimate` of the cost
                model and the search's results -> a Plan
     text.py    `summary_text`, `explain_text`: the plan as it prints (`plan.summary()`,

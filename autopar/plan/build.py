@@ -132,7 +132,8 @@ def with_sources(plan: Plan, model: nn.Module, factory: ModelFactory, cluster: C
     except TypeError as e:
         raise ValueError(f"model_factory kwargs must be JSON values: {e}") from None
     source = ModelSource(path, kwargs, model_fingerprint(model))
-    return replace(plan, model_source=source, cluster_fingerprint=cluster_fp)
+    # the user handed over this model or factory: its program may call the factory
+    return replace(plan, model_source=source, cluster_fingerprint=cluster_fp, trusted_factory=True)
 
 
 def with_solution(

@@ -33,12 +33,14 @@ class ReplanError(AutoparError, ValueError):
     """The plan cannot be re-planned: no model factory, a changed model, no size given."""
 
 
-def rebuild_model(plan: Plan) -> nn.Module:
+def rebuild_model(plan: Plan, *, trust_factory: bool = False) -> nn.Module:
     """The plan's model from its recorded factory, on the meta device, checked against the
     recorded fingerprint.
 
     Raises:
         ReplanError: no factory recorded, the factory fails, or it builds another model.
+        UntrustedFactoryError: a factory that is not autopar's own, in a plan read from a
+            file, without ``trust_factory`` (nothing is imported).
     """
     source = plan.model_source
     if source is None:
@@ -48,7 +50,8 @@ def rebuild_model(plan: Plan) -> nn.Module:
             "models record theirs; `autopar plan` records a config.json or module:factory)"
         )
     try:
-        model = build_from_source(source.factory, source.kwargs, device="meta")
+        trusted = trust_factory or plan.trusted_factory
+        model = build_from_source(source.factory, source.kwargs, device="meta", trusted=trusted)
     except AutoparError:
         raise
     except (ValueError, TypeError, ImportError, RuntimeError) as e:

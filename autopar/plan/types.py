@@ -14,6 +14,8 @@ from typing import Any
 
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError
+from autopar.plan.check import non_finite_fields, plan_problems
+from autopar.plan.files import ensure_directory, write_atomic
 from autopar.plan.text import explain_text, summary_text
 
 # 2: model_source (factory, kwargs, fingerprint) and cluster_fingerprint, so that a saved
@@ -93,6 +95,10 @@ class Plan:
     # wall-clock figures of this run (trace, search, ILP seconds): shown by summary() and
     # explain() but not saved, so the same inputs give a byte-identical plan.json
     timings: dict[str, float] = field(default_factory=dict, compare=False, repr=False)
+    # whether the user consented to run model_source.factory: true for a plan made in this
+    # process from the user's model or factory, false for one read from a file (not saved;
+    # `autopar.models.source.refuse_untrusted`)
+    trusted_factory: bool = field(default=False, compare=False, repr=False)
 
     @property
     def tokens_per_s(self) -> float:
@@ -125,24 +131,35 @@ class Plan:
 
         return plot(self, kind, path)
 
-    def save(self, directory: str | Path, *, program: bool = True) -> Path:
+    def save(
+        self, directory: str | Path, *, program: bool = True, trust_factory: bool = False
+    ) -> Path:
         """Write ``plan.json`` into ``directory`` (created if needed) and, when the plan knows
         its model factory and ``program`` is true, the generated ``train.py`` beside it;
-        returns the plan's path. Shortcut for `autopar.api.save`.
+        returns the plan's path. Shortcut for `autopar.api.save` (``trust_factory``: see it).
 
         Run the program with ``torchrun --nproc-per-node=N directory/train.py``.
         """
         from autopar.api import save  # the driver: the one call back up (docs/architecture.md)
 
-        return save(self, directory, program=program)
+        return save(self, directory, program=program, trust_factory=trust_factory)
 
     # ------------------------------------------------------------------ JSON
 
     def to_json(self) -> str:
+        """The plan as JSON (sorted keys: the same plan gives the same bytes).
+
+        Raises:
+            PlanError: a number is infinite or NaN (JSON has no such numbers; naming them).
+        """
         data = asdict(self)
         del data["timings"]  # wall clock differs run to run; the plan does not
+        del data["trusted_factory"]  # consent is the reader's to give, not the file's
         data["config"] = self.config.to_dict()  # recompute_layers only when set
-        return json.dumps(data, indent=1, sort_keys=True)
+        bad = non_finite_fields(data)
+        if bad:
+            raise PlanError(f"the plan holds numbers JSON cannot: {', '.join(bad)}")
+        return json.dumps(data, indent=1, sort_keys=True, allow_nan=False)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -157,6 +174,9 @@ class Plan:
                 f"plan schema version {data['schema_version']} is not the {SCHEMA_VERSION} "
                 "this autopar reads; re-create the plan with this version"
             )
+        problems = plan_problems(data)
+        if problems:
+            raise PlanError("the plan is not sound: " + "; ".join(problems))
         try:
             data["config"] = ParallelConfig(**data["config"])
             data["stages"] = tuple(
@@ -176,10 +196,4 @@ class Plan:
     def write_json(self, directory: str | Path) -> Path:
         """Write only ``plan.json`` into ``directory`` (created if needed), atomically: a
         reader sees the old file or the new one, never half of it. Returns its path."""
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / "plan.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)
-        return path
+        return write_atomic(ensure_directory(directory) / "plan.json", self.to_json())

@@ -5,7 +5,8 @@ the step just finished, `CheckpointOptions`. Out: a directory per saved step
 
     <directory>/step-00000004/      a complete checkpoint
         .metadata, __*.distcp       DCP: model + optimizer state by full parameter name
-        meta.json                   step, samples seen, global batch, model fingerprint, plan
+        meta.json                   step, samples seen, global batch, model fingerprint, plan,
+                                    and every other file of the checkpoint with its size
         rng-rank<r>.pt              rank r's RNG states (torch CPU, and CUDA when present)
     <directory>/.partial-step-*/    being written (or left by a killed run): never resumed
     <directory>/log.jsonl           one line per finished step: loss and grad norm, exact (hex)
@@ -15,6 +16,13 @@ Invariants:
   the DCP metadata, the RNG files and meta.json are written into `.partial-step-N`, then rank 0
   renames it (an atomic rename on one file system). A kill at any moment leaves either the
   previous complete checkpoints or one more; resume takes the newest complete one.
+- Resume verifies before it loads (`checkpoint_problem`): meta.json readable, every file
+  meta.json lists present at its recorded size (a truncated or missing shard, `.metadata` or
+  RNG file), DCP's metadata readable. A damaged checkpoint is skipped with a message naming
+  what is wrong, and the newest intact one resumed; none intact is a `CheckpointError`.
+- A save that fails (a full or read-only disk) raises `CheckpointError` naming the directory,
+  the bytes this rank had to write and the bytes free; its partial directory is removed, and
+  the checkpoints before it stay as they were.
 - The last `keep` complete checkpoints are kept; older ones are deleted after a save completes.
 - Model and optimizer state go through `torch.distributed.checkpoint.state_dict.get_state_dict`
   / `set_state_dict`: keys are the original parameter names whatever the plan (FSDP2, TP,
@@ -37,6 +45,7 @@ Public functions:
         .after_step(step, loss, grad_norm)   # log; save when step % every == 0
         .close()                      # finish a pending asynchronous save
     latest_checkpoint(directory) -> Path | None
+    checkpoint_problem(path) -> str | None   # what is damaged, None when intact
     read_meta(path) -> dict
 """
 
@@ -55,6 +64,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -137,6 +147,29 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+def checkpoint_problem(path: str | Path) -> str | None:
+    """What is wrong with the complete checkpoint at ``path`` (module docstring), or None."""
+    path = Path(path)
+    try:
+        meta = read_meta(path)
+    except CheckpointError as e:
+        return str(e)
+    files = meta.get("files")
+    if files is None:  # saved before autopar recorded its files: the RNG files and metadata
+        files = {f"rng-rank{r}.pt": None for r in range(int(meta.get("world_size", 1)))}
+    for name, size in sorted(files.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if size is not None and file.stat().st_size != size:
+            return f"{name} holds {file.stat().st_size:,} bytes, but {size:,} were written"
+    try:
+        dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 -- any unpickling or I/O error means: unreadable
+        return f".metadata cannot be read ({type(e).__name__}: {e})"
+    return None
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -179,7 +212,7 @@ class Checkpointer:
         # the plan's (checked against the built model); DTensors report their global shapes
         self.fingerprint = fingerprint or model_fingerprint(model)
         self.rank = _rank()
-        self._pending: tuple[int, Future] | None = None
+        self._pending: tuple[int, Future, int] | None = None  # step, future, bytes written
         # async: DCP's collectives run in a thread, so they get a group of their own
         self._group = dist.new_group(backend="gloo") if options.async_save else None
 
@@ -197,14 +230,17 @@ class Checkpointer:
             for stale in self.root.glob(".partial-step-*"):
                 shutil.rmtree(stale, ignore_errors=True)
         _barrier()
-        path = latest_checkpoint(self.root) if self.options.resume else None
+        path = self._intact() if self.options.resume else None
         if path is None:
             return 0
         meta = read_meta(path)
         self._check(meta, path)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SD_OPTIONS)
         state = {"model": model_sd, "optimizer": optim_sd}
-        dcp.load(state, checkpoint_id=str(path))
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except (Exception, CheckpointException) as e:  # a rank's read error, on every rank
+            raise CheckpointError(f"checkpoint {path} could not be loaded: {_cause(e)}") from None
         set_state_dict(
             self.model,
             self.optimizer,
@@ -213,7 +249,9 @@ class Checkpointer:
             options=_SD_OPTIONS,
         )
         rng = path / f"rng-rank{self.rank}.pt"
-        if rng.is_file():  # a run resumed on more ranks keeps its seeded state on the new ones
+        # a rank the saving run did not have keeps its seeded state (a run resumed on more
+        # ranks); the saving run's own ranks' files were verified present
+        if self.rank < int(meta.get("world_size", 1)):
             saved = torch.load(rng, weights_only=True)
             torch.set_rng_state(saved["cpu"])
             if "cuda" in saved and torch.cuda.is_available():
@@ -225,6 +263,30 @@ class Checkpointer:
                 flush=True,
             )
         return int(meta["step"])
+
+    def _intact(self) -> Path | None:
+        """The newest checkpoint that verifies (rank 0 decides, every rank gets its answer);
+        the damaged newer ones are named on rank 0's output."""
+        chosen: list[Any] = [None]
+        if self.rank == 0:
+            damaged = []
+            for _, path in reversed(complete_checkpoints(self.root)):
+                problem = checkpoint_problem(path)
+                if problem is None:
+                    chosen[0] = str(path)
+                    break
+                damaged.append(f"{path.name}: {problem}")
+                print(f"[autopar] checkpoint {path} is damaged ({problem}): skipped", flush=True)
+            if damaged and chosen[0] is None:
+                chosen[0] = "damaged:" + "; ".join(damaged)
+        if dist.is_initialized():
+            dist.broadcast_object_list(chosen, src=0)
+        if chosen[0] is not None and chosen[0].startswith("damaged:"):
+            raise CheckpointError(
+                f"no intact checkpoint in {self.root} to resume from ({chosen[0][8:]}): move "
+                "them aside to start over, or repair them"
+            )
+        return None if chosen[0] is None else Path(chosen[0])
 
     def _check(self, meta: dict[str, Any], path: Path) -> None:
         if meta["model_fingerprint"] != self.fingerprint:
@@ -267,17 +329,53 @@ class Checkpointer:
         """
         self._finish_pending(wait=True)
         partial = self.root / f".partial-{_name(step)}"
-        partial.mkdir(parents=True, exist_ok=True)
-        torch.save(_rng_state(), partial / f"rng-rank{self.rank}.pt")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SD_OPTIONS)
         state = {"model": model_sd, "optimizer": optim_sd}
-        if self.options.async_save:
-            # the state is staged (copied) before async_save returns: training may go on
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._group)
-            self._pending = (step, future)  # type: ignore[assignment]
-        else:
+        error = None
+        rng = partial / f"rng-rank{self.rank}.pt"
+        try:
+            partial.mkdir(parents=True, exist_ok=True)
+            torch.save(_rng_state(), rng)
+        except (OSError, RuntimeError) as e:  # torch's zip writer reports a short write so
+            error = OSError(f"writing {rng.name}: {_cause(e)}")
+        # every rank enters DCP's collectives, or none does: a rank that could not write its
+        # own file must not leave the others waiting in them
+        errors = [error]
+        if dist.is_initialized():
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+        failed = next((e for e in errors if e is not None), None)
+        if failed is not None:
+            self._failed(step, failed, state)
+        try:
+            if self.options.async_save:
+                # the state is staged (copied) before async_save returns: training may go on
+                future = dcp.async_save(
+                    state, checkpoint_id=str(partial), process_group=self._group
+                )
+                self._pending = (step, future, _bytes_of(state))  # type: ignore[assignment]
+                return
             dcp.save(state, checkpoint_id=str(partial))
-            self._complete(step)
+        except (Exception, CheckpointException) as e:  # any rank's write error, on every rank
+            self._failed(step, e, state)
+        self._complete(step)
+
+    def _failed(self, step: int, error: BaseException, state: Any) -> None:
+        """Remove the partial checkpoint and raise CheckpointError with the numbers."""
+        partial = self.root / f".partial-{_name(step)}"
+        if self.rank == 0:  # every rank's writes have ended: DCP failed them all together
+            shutil.rmtree(partial, ignore_errors=True)
+        need = state if isinstance(state, int) else _bytes_of(state)
+        try:
+            free = f"{shutil.disk_usage(self.root).free:,} bytes free there"
+        except OSError:
+            free = "its free space unknown"
+        kept = complete_checkpoints(self.root)
+        before = f"the checkpoint of step {kept[-1][0]} is intact" if kept else "none before it"
+        raise CheckpointError(
+            f"saving the checkpoint of step {step} into {self.root} failed: {_cause(error)} "
+            f"(rank {self.rank} writes {need:,} bytes; {free}); {before}"
+        ) from None
 
     def close(self) -> None:
         """Complete a pending asynchronous save (call once on every rank after the last step)."""
@@ -287,11 +385,14 @@ class Checkpointer:
     def _finish_pending(self, *, wait: bool) -> None:
         if self._pending is None:
             return
-        step, future = self._pending
+        step, future, need = self._pending
         if not wait and not future.done():
             return
         self._pending = None
-        future.result()
+        try:
+            future.result()
+        except (Exception, CheckpointException) as e:  # the background save's write error
+            self._failed(step, e, need)
         self._complete(step)
 
     def _complete(self, step: int) -> None:
@@ -299,6 +400,7 @@ class Checkpointer:
         if self.rank != 0:
             return
         partial = self.root / f".partial-{_name(step)}"
+        files = {p.name: p.stat().st_size for p in partial.iterdir() if p.is_file()}
         meta = {
             "format": FORMAT_VERSION,
             "step": step,
@@ -307,14 +409,43 @@ class Checkpointer:
             "model_fingerprint": self.fingerprint,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "plan": self.plan_text,
+            "files": files,  # every shard, .metadata and RNG file: resume checks them
         }
-        (partial / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
         final = self.root / _name(step)
-        if final.exists():  # the same step saved again (a resumed run that re-saved it)
-            shutil.rmtree(final)
-        partial.rename(final)
+        try:
+            (partial / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+            if final.exists():  # the same step saved again (a resumed run that re-saved it)
+                shutil.rmtree(final)
+            partial.rename(final)
+        except OSError as e:
+            self._failed(step, e, sum(files.values()))
         for _, old in complete_checkpoints(self.root)[: -self.options.keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _cause(error: BaseException) -> str:
+    """One line per failing rank for DCP's exception (its text holds every traceback)."""
+    if isinstance(error, CheckpointException):
+        return "; ".join(
+            f"rank {rank}: {type(exc).__name__}: {exc}"
+            for rank, (exc, _) in sorted(error.failures.items())
+        )
+    text = f"{type(error).__name__}: {error}"
+    if "unexpected pos" in text:  # how torch.save's zip writer reports a short write
+        text += " (a short write: the disk is full or the file too large)"
+    return text
+
+
+def _bytes_of(state: Any) -> int:
+    """Bytes of the tensors in a (nested) state dict on this rank (a DTensor's local shard)."""
+    if isinstance(state, dict):
+        return sum(_bytes_of(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(_bytes_of(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    return 0
 
 
 def open_checkpointer(

@@ -83,8 +83,12 @@ def test_a_saved_plan_loads_back_equal(plan_text):
         (lambda t: "\x00\x01" + t, "not valid JSON"),
         (lambda t: "[1, 2, 3]", "no schema_version: not an autopar plan"),
         (lambda t: json.dumps({"schema_version": 0}), "schema version 0 is not the"),
-        (lambda t: _drop(t, "config"), "missing or has unexpected fields"),
-        (lambda t: _edit(t, "config", {"tp": 2, "bogus": 1}), "missing or has unexpected"),
+        (lambda t: _drop(t, "config"), "config must be an object, got None"),
+        (
+            lambda t: _edit(t, "config", {"tp": 2, "bogus": 1}),
+            "unexpected keyword argument 'bogus'",
+        ),
+        (lambda t: _drop(t, "stages"), "stages must be a non-empty list, got None"),
     ],
 )
 def test_corrupt_plans_are_refused(plan_text, mangle, fragment):

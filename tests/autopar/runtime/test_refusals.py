@@ -39,11 +39,7 @@ def test_program_refuses_a_plan_json_of_another_model(tmp_path):
     (tmp_path / "plan.json").write_text(llama.to_json())  # same config, another model
     with pytest.raises(SystemExit) as refused:  # at load, before torch.distributed starts
         runpy.run_path(str(tmp_path / "train.py"), run_name="train")
-    fp_gpt, fp_llama = gpt.model_source.fingerprint, llama.model_source.fingerprint
-    assert (
-        f"plan.json is a plan for another model (fingerprint {fp_llama}) than this train.py "
-        f"({fp_gpt})" in str(refused.value)
-    )
+    assert "plan.json is not the plan this train.py was generated from" in str(refused.value)
 
 
 @pytest.mark.multiprocess

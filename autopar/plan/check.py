@@ -1,0 +1,186 @@
+"""A plan's JSON checked before it becomes a Plan: types, ranges and the plan's own invariants.
+
+In: the dict `json.loads` made of a plan file. Out: the list of problems, each naming its field
+(``stages[1].forward_s``) and the value; empty for a sound plan. `Plan.from_json` refuses a plan
+with any, so a hand-edited or damaged file stops at load with its field named instead of deep
+in a printout, a comparison or a generated program.
+
+Checked:
+- every field has its type (an integer is not a string, a boolean or a float), every number is
+  finite, times and sizes are >= 0, the step time and the capacity > 0;
+- the config is a ParallelConfig that passes its own rules, and its degrees multiply to the
+  plan's world size; the global batch is micro-batch size x micro-batches x data-parallel
+  ranks; there is one stage per pipeline rank, each with its layers, and the plan's peak
+  memory is its fullest stage's;
+- on a shipped hardware profile, the config against the cluster the plan names (its nodes
+  and devices per node: `ParallelConfig.validate`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from autopar.config import ParallelConfig
+from autopar.errors import AutoparError
+from autopar.hardware import Cluster, shipped_profile_names
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+_INTEGERS = {"num_params": 0, "seq_len": 1, "num_nodes": 1, "world_size": 1}
+_INTEGERS |= {"global_batch_size": 1, "num_microbatches": 1, "schema_version": 1}
+_STRINGS = ("model", "cluster", "optimizer", "cluster_fingerprint")
+# number fields: the smallest value allowed, and whether it must be exceeded
+_NUMBERS = {"memory_capacity_bytes": True, "step_time_s": True}
+_NUMBERS |= {"peak_memory_bytes": False, "mfu": False}
+
+
+def plan_problems(data: dict[str, Any]) -> list[str]:
+    """Every problem of a plan's JSON (module docstring); [] when it is sound."""
+    out: list[str] = []
+    for name, least in _INTEGERS.items():
+        value = data.get(name)
+        if not _is_int(value) or value < least:
+            out.append(f"{name} must be an integer >= {least}, got {value!r}")
+    for name in _STRINGS:
+        if name in data and not isinstance(data[name], str):
+            out.append(f"{name} must be a string, got {data[name]!r}")
+    for name, strict in _NUMBERS.items():
+        out += _number(name, data.get(name), strict)
+    if data.get("precision") not in PRECISIONS:
+        out.append(
+            f"precision must be one of {', '.join(PRECISIONS)}, got {data.get('precision')!r}"
+        )
+    out += _mapping_of_numbers("breakdown", data.get("breakdown"))
+    config, problems = _config(data.get("config"))
+    out += problems
+    if config is not None and not out:
+        out += _against_plan(data, config)
+    out += _stages(data.get("stages"), config, data.get("peak_memory_bytes"))
+    out += _model_source(data.get("model_source"))
+    for name in ("alternatives", "notes", "mesh", "sensitivity", "communication"):
+        if name in data and not isinstance(data[name], list):
+            out.append(f"{name} must be a list, got {type(data[name]).__name__}")
+    for name in ("report", "placements"):
+        if name in data and not isinstance(data[name], dict):
+            out.append(f"{name} must be an object, got {type(data[name]).__name__}")
+    return out
+
+
+def non_finite_fields(value: Any, path: str = "plan") -> list[str]:
+    """The paths of infinite or NaN numbers inside ``value`` (nested dicts, lists, tuples)."""
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [f"{path} = {value!r}"]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in non_finite_fields(v, f"{path}.{k}")]
+    if isinstance(value, list | tuple):
+        return [p for i, v in enumerate(value) for p in non_finite_fields(v, f"{path}[{i}]")]
+    return []
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(name: str, value: Any, strict: bool) -> list[str]:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return [f"{name} must be a number, got {value!r}"]
+    if not math.isfinite(value):
+        return [f"{name} must be finite, got {value!r}"]
+    if value < 0 or (strict and value == 0):
+        return [f"{name} must be {'> 0' if strict else '>= 0'}, got {value!r}"]
+    return []
+
+
+def _mapping_of_numbers(name: str, value: Any) -> list[str]:
+    if not isinstance(value, dict):
+        return [f"{name} must be an object of numbers, got {value!r}"]
+    return [p for k, v in value.items() for p in _number(f"{name}.{k}", v, strict=False)]
+
+
+def _config(value: Any) -> tuple[ParallelConfig | None, list[str]]:
+    if not isinstance(value, dict):
+        return None, [f"config must be an object, got {value!r}"]
+    kinds = {"schedule": str, "recompute": str, "sequence_parallel": bool}
+    for key, raw in value.items():
+        if key == "axis_order" or (key == "recompute_layers" and raw is None):
+            continue
+        kind = kinds.get(key, int)
+        if kind is int and not _is_int(raw) or kind is not int and not isinstance(raw, kind):
+            return None, [f"config.{key} must be {kind.__name__}, got {raw!r}"]
+    try:
+        config = ParallelConfig(**value)
+    except TypeError as e:
+        return None, [f"config has an unknown or missing field: {e}"]
+    problems = [f"config: {p}" for p in config.problems()]
+    return (None if problems else config), problems
+
+
+def _against_plan(data: dict[str, Any], config: ParallelConfig) -> list[str]:
+    out = []
+    world, nodes = data["world_size"], data["num_nodes"]
+    if config.world_size != world:
+        out.append(
+            f"config {config.as_text()} runs on {config.world_size} devices "
+            f"(dp x fsdp x cp x tp x pp), but the plan's world_size is {world}"
+        )
+    if world % nodes:
+        out.append(f"world_size={world} is not a multiple of num_nodes={nodes}")
+    per_step = config.micro_batch_size * data["num_microbatches"] * config.data_parallel_size
+    if per_step != data["global_batch_size"]:
+        out.append(
+            f"global_batch_size={data['global_batch_size']} is not micro_batch_size="
+            f"{config.micro_batch_size} x num_microbatches={data['num_microbatches']} x "
+            f"dp x fsdp={config.data_parallel_size} = {per_step}"
+        )
+    if not out and data["cluster"] in shipped_profile_names():
+        try:
+            cluster = Cluster.from_profile(data["cluster"], nodes, devices_per_node=world // nodes)
+            out += [f"config on {data['cluster']}: {p}" for p in config.problems(cluster)]
+        except AutoparError as e:
+            out.append(f"cluster {data['cluster']} x {nodes} nodes of {world // nodes}: {e}")
+    return out
+
+
+def _stages(value: Any, config: ParallelConfig | None, peak: Any) -> list[str]:
+    if not isinstance(value, list) or not value:
+        return [f"stages must be a non-empty list, got {value!r}"]
+    out = []
+    if config is not None and len(value) != config.pp:
+        out.append(f"stages: {len(value)} given, but pp={config.pp} needs one per pipeline rank")
+    for i, stage in enumerate(value):
+        where = f"stages[{i}]"
+        if not isinstance(stage, dict):
+            out.append(f"{where} must be an object, got {stage!r}")
+            continue
+        if stage.get("index") != i:
+            out.append(f"{where}.index must be {i}, got {stage.get('index')!r}")
+        layers = stage.get("layers")
+        if (
+            not isinstance(layers, list)
+            or not layers
+            or not all(isinstance(x, str) for x in layers)
+        ):
+            out.append(f"{where}.layers must be a non-empty list of layer names, got {layers!r}")
+        for name in ("forward_s", "backward_s", "peak_memory_bytes"):
+            out += _number(f"{where}.{name}", stage.get(name), strict=False)
+        out += _mapping_of_numbers(f"{where}.memory_bytes", stage.get("memory_bytes"))
+    peaks = [s.get("peak_memory_bytes") for s in value if isinstance(s, dict)]
+    if not out and isinstance(peak, int | float) and not math.isclose(peak, max(peaks)):
+        out.append(f"peak_memory_bytes={peak!r} is not the fullest stage's, {max(peaks)!r}")
+    return out
+
+
+def _model_source(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, dict):
+        return [f"model_source must be an object or null, got {value!r}"]
+    factory = value.get("factory")
+    out = []
+    if not isinstance(factory, str) or ":" not in factory:
+        out.append(f"model_source.factory must be 'module:function', got {factory!r}")
+    if not isinstance(value.get("kwargs"), dict):
+        out.append(f"model_source.kwargs must be an object, got {value.get('kwargs')!r}")
+    if not isinstance(value.get("fingerprint"), str):
+        out.append(f"model_source.fingerprint must be a string, got {value.get('fingerprint')!r}")
+    return out
