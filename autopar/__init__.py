@@ -5,6 +5,7 @@ The public API (docs/architecture.md draws the phases behind it):
     autopar.Cluster.from_profile(name_or_path, num_nodes=1)
     autopar.ParallelConfig(dp=1, fsdp=1, tp=1, pp=1, cp=1, ep=1, zero_stage=0, ...)
     autopar.load_profile(name_or_path), autopar.shipped_profile_names()
+    autopar.load_stack(name_or_path), autopar.stack_names()   (software stacks a plan is priced for)
     autopar.trace(model, example_inputs) -> ModelGraph       (imports torch on first use)
     autopar.evaluate(model, cluster, config, example_inputs, *, global_batch_size) -> Plan
     autopar.parallelize(model, cluster, example_inputs=None, *, global_batch_size=None) -> Plan
@@ -45,6 +46,8 @@ _LAZY = {
     "InfeasibleError": "autopar.solve",
     "Plan": "autopar.plan",
     "CostOptions": "autopar.estimate",
+    "load_stack": "autopar.estimate",
+    "stack_names": "autopar.estimate",
 }
 
 
@@ -140,6 +143,8 @@ __all__ = [
     "parallelize",
     "replan",
     "load_profile",
+    "load_stack",
     "shipped_profile_names",
+    "stack_names",
     "trace",
 ]

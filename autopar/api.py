@@ -24,6 +24,7 @@ from autopar.codegen import program_text
 from autopar.config import ParallelConfig
 from autopar.errors import ConfigError
 from autopar.estimate import CostOptions, Estimator, build_tables
+from autopar.estimate.stacks import load_stack, stack_options
 from autopar.hardware import Cluster
 from autopar.plan import Plan
 from autopar.plan.build import ModelFactory, plan_from_estimate, with_solution, with_sources
@@ -50,6 +51,7 @@ def parallelize(
     options: PlanOptions | None = None,
     graph: ModelGraph | None = None,
     model_factory: ModelFactory = None,
+    stack: str | None = None,
 ) -> Plan:
     """Find the fastest parallel configuration of ``model`` on ``cluster`` that fits in memory.
 
@@ -66,6 +68,10 @@ def parallelize(
             ("module:function", {kwargs}); default: the factory the zoo and Hugging Face
             builders record on the model (`model.autopar_factory`), else none (`plan.save`
             then writes plan.json only).
+        stack: the software stack that will run the plan (`autopar.estimate.stacks`; a name
+            or a .toml path): its kernels, memory and overlaps replace those of
+            ``options.cost`` (its stage balancing is kept). Default: ``options.cost``'s, which
+            is autopar's own runtime unless set.
 
     Returns:
         The best Plan, with `alternatives` (why each lost) and `report` (the search's figures).
@@ -75,6 +81,9 @@ def parallelize(
             smallest number of nodes that would hold it.
     """
     options = options or PlanOptions()
+    if stack is not None:
+        stacked = replace(load_stack(stack).options, balance_stages=options.cost.balance_stages)
+        options = replace(options, cost=stacked)
     notes: list[str] = []
     start = time.perf_counter()
     if graph is None:
@@ -113,6 +122,7 @@ def evaluate(
     options: CostOptions | None = None,
     graph: ModelGraph | None = None,
     model_factory: ModelFactory = None,
+    stack: str | None = None,
 ) -> Plan:
     """Price one parallel configuration of ``model`` on ``cluster`` with autopar's cost model.
 
@@ -124,7 +134,10 @@ def evaluate(
         global_batch_size: sequences per optimizer step.
         precision: "bf16", "fp16" or "fp32" (training dtype; fp32 master weights otherwise).
         optimizer: "adamw", "adam", "sgd", "sgd_momentum".
-        options: framework behaviour (overlaps, buffer sizes); defaults: `CostOptions()`.
+        options: framework behaviour (overlaps, buffer sizes, kernels); default: the stack
+            autopar's own runtime.
+        stack: price the run on this software stack instead (`autopar.estimate.stacks`: a name
+            such as "torchtitan" or "megatron-core", or a .toml path); not with ``options``.
         graph: a ModelGraph already traced from this model and inputs (skips tracing).
         model_factory: as for `parallelize`: what the saved program calls to build the model.
 
@@ -147,6 +160,7 @@ def evaluate(
             f"{cluster.profile.name} x {cluster.num_nodes} ({cluster.world_size} devices): "
             + "; ".join(problems)
         )
+    options = stack_options(stack, options)
     estimator = Estimator(
         build_tables(graph), cluster, precision=precision, optimizer=optimizer, options=options
     )

@@ -19,7 +19,18 @@ options.py        `CostOptions`: the training stack's overlaps, buffers and rese
 from __future__ import annotations
 
 from autopar.estimate.options import CostOptions
+from autopar.estimate.stacks import Stack, load_stack, stack_names
 from autopar.estimate.step import Estimate, Estimator, StageEstimate
 from autopar.estimate.tables import ModelTables, build_tables
 
-__all__ = ["CostOptions", "Estimate", "Estimator", "ModelTables", "StageEstimate", "build_tables"]
+__all__ = [
+    "CostOptions",
+    "Estimate",
+    "Estimator",
+    "ModelTables",
+    "Stack",
+    "StageEstimate",
+    "build_tables",
+    "load_stack",
+    "stack_names",
+]

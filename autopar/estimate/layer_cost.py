@@ -87,10 +87,14 @@ def layer_time(
     tp_overlap: float,
     overheads: Mapping[str, float] | None = None,
     model_overheads: Mapping[str, float] | None = None,
+    *,
+    memory_traffic: float = 1.0,
 ) -> LayerTime:
     """One micro-batch of ``cfg.micro_batch_size`` samples through ``table``'s layer;
     ``overheads``: the profile's `runtime_overhead_s`, ``model_overheads`` its
-    `model_overhead_s`, given for the model's last layer only (module docstring)."""
+    `model_overhead_s`, given for the model's last layer only (module docstring);
+    ``memory_traffic``: the stack's bytes of memory-bound ops per traced byte
+    (`CostOptions.memory_traffic`)."""
     b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
     weight_div = {"tp": t, "rep": 1, "expert": max(cfg.ep, t)}
     flop_div = {"tp": t * c, "rep": c, "expert": t * c}
@@ -112,7 +116,7 @@ def layer_time(
         io = op.io_bytes * b * act_scale / d
         attn_fwd += op_time_s(device, "attention", op.flops * b / d, io, dtype)
         attn_bwd += op_time_s(device, "attention", op.backward_flops * b / d, 2 * io, dtype)
-    mem = _memory_ops_time(table, cfg, device, act_scale)
+    mem = _memory_ops_time(table, cfg, device, act_scale * memory_traffic)
     host = runtime_overhead_s(overheads if table.kind == "block" else model_overheads, cfg)
     fwd += attn_fwd + mem + host / 3
     bwd += attn_bwd + 2 * mem + 2 * host / 3

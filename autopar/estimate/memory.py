@@ -16,7 +16,9 @@ Peak memory of a stage (`StageMemory.stage_memory`):
                   (`cost_models.memory.model_state_bytes`)
     activations   a_l under the layer's recompute policy, per micro-batch, times the
                   micro-batches in flight n, plus the largest a_l^none - a_l^policy (one layer
-                  recomputed at a time), plus the logits of the vocabulary on the last stage
+                  recomputed at a time), plus `CostOptions.logit_copies` logit-sized
+                  tensors on the last stage (2: the logits and their gradient); saved
+                  activations scaled by the stack's `activation_factor`
     buffers       ZeRO-3: twice the largest layer's parameters and gradients (the gathered
                   layer and the prefetched next); else two DDP buckets
     reserve       the allocator's share (`cost_models.memory.allocator_reserve_bytes`)
@@ -149,8 +151,8 @@ class StageMemory:
             kept, none = (self.activation_bytes(cfg, table, p) for p in (policy, "none"))
             per_mb += kept
             transient = max(transient, none - kept)
-            logits += table.vocab_logits_bytes * b / (t * c) * self.act_scale * 2
-        activations = per_mb * max(1.0, inflight) + transient + logits
+            logits += table.vocab_logits_bytes * b / (t * c) * self.act_scale
+        activations = per_mb * max(1.0, inflight) + transient + logits * self.options.logit_copies
         pbytes = PRECISION_BYTES[self.precision]
         if cfg.zero_stage == 3:
             largest = max((self.params(cfg, [x]) for x in layers), default=0.0)
@@ -177,5 +179,5 @@ class StageMemory:
                 # context parallelism all-gathers K and V: the backward keeps the whole
                 # sequence's, not the 1/c shard counted above (autopar.runtime.context_parallel)
                 kept += sum(op.kv_bytes for op in table.attention) * b / t * (1 - 1 / c)
-            self._activation_cache[key] = self.act_scale * kept
+            self._activation_cache[key] = self.act_scale * kept * self.options.activation_factor
         return self._activation_cache[key]

@@ -1,8 +1,14 @@
 """CostOptions: the knobs of the cost model that are properties of the training stack, not of
-the parallel config (which overlaps the framework performs, buffer sizes, reduction dtype)."""
+the parallel config: which overlaps the framework performs, buffer sizes, reduction dtype, and
+how its kernels compare with the ones the hardware profile's efficiencies were fitted to.
+
+A named software stack (`autopar.estimate.stacks`: autopar's own runtime, torchtitan, torch.compile,
+Megatron-Core with TransformerEngine, ...) is a sourced set of these values.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -36,9 +42,33 @@ class CostOptions:
     balance_stages: bool = False
     # Allocator reserve as a fraction of live memory (cost_models.memory).
     reserve_fraction: float = 0.05
+    # The stack's kernels against the ones the profile's efficiency curves describe: the
+    # achievable fraction of peak of matmuls and of attention (forward and backward) is scaled
+    # by these (capped at 1); the memory-bound ops move `memory_traffic` times the bytes the
+    # trace shows (fusion of norms, rotary, activations and residual adds moves fewer).
+    matmul_efficiency: float = 1.0
+    attention_efficiency: float = 1.0
+    memory_traffic: float = 1.0
+    # Saved activations as a multiple of what the trace's tensors saved for backward say
+    # (a compiler that recomputes cheap pointwise ops in the backward saves fewer).
+    activation_factor: float = 1.0
+    # Logit-sized tensors live at the loss's peak, in logits of the training precision: 2 is
+    # the logits and their gradient; a loss that upcasts to fp32 and keeps its log-softmax
+    # holds more, a fused or vocabulary-parallel one fewer.
+    logit_copies: float = 2.0
+    # The stack these values describe (`autopar.estimate.stacks`), recorded in the plan; ""
+    # for values of one's own, whose kernel factors then scale the profile's curves directly.
+    stack: str = ""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.tp_comm_overlap <= 1.0:
             raise ValueError(f"tp_comm_overlap must be in [0, 1], got {self.tp_comm_overlap}")
         if self.grad_bytes not in (2, 4):
             raise ValueError(f"grad_bytes must be 2 or 4, got {self.grad_bytes}")
+        for name in ("matmul_efficiency", "attention_efficiency", "memory_traffic",
+                     "activation_factor"):  # fmt: skip
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not (math.isfinite(self.logit_copies) and self.logit_copies >= 0):
+            raise ValueError(f"logit_copies must be a finite number >= 0, got {self.logit_copies}")

@@ -42,6 +42,7 @@ from autopar.estimate.layer_cost import LayerTime, layer_time
 from autopar.estimate.memory import OPTIMIZER_BYTES, PRECISION_BYTES, StageMemory, dispatched
 from autopar.estimate.mesh import MeshGroups
 from autopar.estimate.options import CostOptions
+from autopar.estimate.stacks import load_stack
 from autopar.estimate.stage_time import StageTimer
 from autopar.estimate.stages import (
     Chunks,
@@ -54,6 +55,7 @@ from autopar.estimate.stages import (
 )
 from autopar.estimate.tables import ModelTables
 from autopar.hardware import Cluster
+from cost_models.compute import DeviceSpec
 from cost_models.memory import PeakMemory, allocator_reserve_bytes
 from cost_models.pipeline import peak_inflight_microbatches
 
@@ -106,7 +108,7 @@ class Estimator:
             raise ConfigError(f"optimizer must be one of {', '.join(known)}, got {optimizer!r}")
         self.tables = tables
         self.cluster = cluster
-        self.device = cluster.profile.device
+        self.device = cluster.profile.device  # the stack's kernels scale it below
         self.precision = precision
         self.optimizer = optimizer
         self.options = options or CostOptions()
@@ -122,6 +124,15 @@ class Estimator:
                 overlap_param_gather=False,
                 fsdp_prefetch=False,
             )
+        # the stack's kernels against those of the stack the profile's curves describe
+        if not self.options.stack:  # one's own values: factors of the profile's curves
+            reference = CostOptions()
+        elif self.options.stack == cluster.profile.efficiency_stack:
+            reference = self.options
+        else:
+            reference = load_stack(cluster.profile.efficiency_stack).options
+        self.device = stack_device(self.device, self.options, reference)
+        self.memory_traffic = self.options.memory_traffic / reference.memory_traffic
         self.act_scale = PRECISION_BYTES[precision] / tables.traced_float_bytes
         common = dict(
             precision=precision, optimizer=optimizer, options=self.options, act_scale=self.act_scale
@@ -310,6 +321,7 @@ class Estimator:
                     self.options.tp_comm_overlap,
                     profile.runtime_overhead_s,
                     profile.model_overhead_s if model else None,
+                    memory_traffic=self.memory_traffic,
                 )
             out[table.name] = by_class[key]
         return out
@@ -339,3 +351,19 @@ class Estimator:
             return self._partition_cache[key]
 
         return split_chunks(self.tables.layers, cfg, balanced)
+
+
+def stack_device(device: DeviceSpec, options: CostOptions, reference: CostOptions) -> DeviceSpec:
+    """``device`` as ``options``' stack runs it, when its curves describe ``reference``'s: the
+    matmul and attention curves' achievable fraction of peak scaled by the ratio of the two
+    stacks' `matmul_efficiency` / `attention_efficiency` (capped at 1: no kernel beats the
+    peak)."""
+    matmul = options.matmul_efficiency / reference.matmul_efficiency
+    attention = options.attention_efficiency / reference.attention_efficiency
+    if matmul == 1.0 and attention == 1.0:
+        return device
+    return replace(
+        device,
+        matmul=replace(device.matmul, max=min(1.0, device.matmul.max * matmul)),
+        attention=replace(device.attention, max=min(1.0, device.attention.max * attention)),
+    )

@@ -56,6 +56,11 @@ class HardwareProfile:
     # The same per micro-batch for everything outside the repeated layers (embedding, head,
     # loss and their backward), by style; empty where not measured.
     model_overhead_s: Mapping[str, float] = field(default_factory=dict)
+    # The software stack the efficiency curves describe (`autopar.estimate.stacks`): a GPU or
+    # TPU profile's curves were fitted to published Megatron-LM and MosaicML runs
+    # ("megatron-lm"), a profile `autopar profile` measured describes autopar's own runtime
+    # ("autopar"). Pricing another stack scales the curves by the two stacks' kernel ratios.
+    efficiency_stack: str = "megatron-lm"
 
     def as_text(self) -> str:
         d = self.device
@@ -225,7 +230,16 @@ def _parse(f: _Fields, origin: str) -> HardwareProfile:
         runtime_overhead_s=_runtime_overheads(f, sources, "layer_overhead_s"),
         optimizer_overhead_s=_runtime_overheads(f, sources, "optimizer_overhead_s"),
         model_overhead_s=_runtime_overheads(f, sources, "model_overhead_s"),
+        efficiency_stack=_efficiency_stack(f, kind),
     )
+
+
+def _efficiency_stack(f: _Fields, kind: str) -> str:
+    """``device.efficiency.stack``, or by kind: "autopar" for a CPU profile (measured through
+    autopar's runtime by `autopar profile`), "megatron-lm" for the fitted GPU/TPU ones."""
+    if f.get("device.efficiency.stack", required=False) is None:
+        return "autopar" if kind == "cpu" else "megatron-lm"
+    return f.string("device.efficiency.stack")
 
 
 def _runtime_overheads(f: _Fields, sources: dict[str, str], key: str) -> dict[str, float]:

@@ -88,6 +88,7 @@ def plan_from_estimate(
         stages=stages,
         mesh=mesh_axes(cluster, estimate.config),
         communication=_communication(estimate, estimator),
+        stack=(estimator.options.stack or "custom") if estimator is not None else "custom",
     )
 
 

@@ -28,7 +28,7 @@ from autopar.hardware import Cluster, shipped_profile_names
 PRECISIONS = ("bf16", "fp16", "fp32")
 _INTEGERS = {"num_params": 0, "seq_len": 1, "num_nodes": 1, "world_size": 1}
 _INTEGERS |= {"global_batch_size": 1, "num_microbatches": 1, "schema_version": 1}
-_STRINGS = ("model", "cluster", "optimizer", "cluster_fingerprint")
+_STRINGS = ("model", "cluster", "optimizer", "cluster_fingerprint", "stack")
 # number fields: the smallest value allowed, and whether it must be exceeded
 _NUMBERS = {"memory_capacity_bytes": True, "step_time_s": True}
 _NUMBERS |= {"peak_memory_bytes": False, "mfu": False}

@@ -33,7 +33,8 @@ def summary_text(plan: Plan) -> str:
         f"  batch       {plan.global_batch_size} sequences = {plan.num_microbatches} "
         f"micro-batches of {cfg.micro_batch_size} x {cfg.data_parallel_size} data-parallel",
         f"  step time   {plan.step_time_s:.3f} s   MFU {plan.mfu:.1%}   "
-        f"{plan.tokens_per_s:,.0f} tokens/s   ({plan.precision}, {plan.optimizer})",
+        f"{plan.tokens_per_s:,.0f} tokens/s   ({plan.precision}, {plan.optimizer}, priced for "
+        f"the {plan.stack} stack)",
         f"  memory      peak {plan.peak_memory_bytes / GiB:.1f} GiB of "
         f"{plan.memory_capacity_bytes / GiB:.1f} GiB per device"
         + ("" if plan.fits else "   DOES NOT FIT"),

@@ -91,6 +91,8 @@ class Plan:
     # per stage, the collectives of one step on one of its ranks (part, kind, axis, count,
     # bytes, layer: `autopar.estimate.communication`), what the program is checked against
     communication: tuple[tuple[dict[str, Any], ...], ...] = ()
+    # the software stack the plan is priced for (`autopar.estimate.stacks`)
+    stack: str = "autopar"
     schema_version: int = field(default=SCHEMA_VERSION)
     # wall-clock figures of this run (trace, search, ILP seconds): shown by summary() and
     # explain() but not saved, so the same inputs give a byte-identical plan.json

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from autopar.estimate import CostOptions
+from autopar.estimate.stacks import default_cost_options
 from autopar.solve.refine import RefineOptions
 
 
@@ -14,7 +15,8 @@ from autopar.solve.refine import RefineOptions
 class PlanOptions:
     """How parallelize searches: the cost model's options and the search's own knobs."""
 
-    cost: CostOptions = field(default_factory=lambda: CostOptions(balance_stages=True))
+    # autopar's own runtime (`autopar.estimate.stacks`), stage boundaries balanced
+    cost: CostOptions = field(default_factory=lambda: default_cost_options(balance_stages=True))
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     max_alternatives: int = 5
     progress: Callable[[int, int], None] | None = field(default=None, compare=False)

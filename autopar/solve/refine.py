@@ -347,6 +347,7 @@ def _repriced(
             mesh.time,
             estimator.options.tp_comm_overlap,
             overheads,
+            memory_traffic=estimator.memory_traffic,
         )
 
     one = replace(cfg, tp=1, sequence_parallel=False, dp=cfg.dp * cfg.tp)

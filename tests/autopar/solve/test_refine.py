@@ -41,8 +41,10 @@ def _combined_layer_time(graph, cluster, precision, cache, float_bytes):
     the analytic price where the ILP is cheaper only by holding whole weights."""
     original = step_mod.layer_time
 
-    def priced(table, cfg, device, dtype, act_scale, comm, overlap, overheads=None, model=None):
-        now = original(table, cfg, device, dtype, act_scale, comm, overlap, overheads, model)
+    def priced(
+        table, cfg, device, dtype, act_scale, comm, overlap, overheads=None, model=None, **kw
+    ):
+        now = original(table, cfg, device, dtype, act_scale, comm, overlap, overheads, model, **kw)
         if table.kind != "block" or cfg.tp == 1 or cfg.cp > 1:
             return now
         opts = IntraOptions(
@@ -55,7 +57,7 @@ def _combined_layer_time(graph, cluster, precision, cache, float_bytes):
             graph, table.name, cluster, 1, options=replace(opts, sequence_parallel=False)
         )
         base_cfg = replace(cfg, tp=1, sequence_parallel=False)
-        one = original(table, base_cfg, device, dtype, act_scale, comm, overlap, overheads)
+        one = original(table, base_cfg, device, dtype, act_scale, comm, overlap, overheads, **kw)
         r = at_t.compute_s / at_1.compute_s
         tp = at_t.communication_s * (1 - overlap) / 2
         h1, h = runtime_overhead_s(overheads, base_cfg), runtime_overhead_s(overheads, cfg)

@@ -10,6 +10,7 @@ import autopar
 from autopar import Cluster, InfeasibleError
 from autopar.estimate import Estimator, build_tables
 from autopar.models import zoo
+from autopar.solve import PlanOptions
 from autopar.solve.limits import attention_heads
 from autopar.solve.space import (
     SpaceLimits,
@@ -39,7 +40,7 @@ def test_search_equals_exhaustive_enumeration(gpt, profile, num_nodes):
     model, graph = gpt
     cluster = Cluster.from_profile(profile, num_nodes, devices_per_node=8 // num_nodes)
     plan = autopar.parallelize(model, cluster, global_batch_size=32, graph=graph)
-    estimator = Estimator(build_tables(graph), cluster)
+    estimator = Estimator(build_tables(graph), cluster, options=PlanOptions().cost)  # the same
     limits = SpaceLimits(
         world_size=8,
         devices_per_node=8 // num_nodes,

@@ -1,0 +1,272 @@
+"""Predicted vs published step time and memory on the grids of data/published_grids.csv.
+
+Every BF16/FP16 row autopar can express is priced with `autopar.evaluate` on its shipped
+profile and its own software stack (`autopar.hardware.stacks`); the others are listed with the
+reason. Printed: per row the predicted and measured step time and error, predicted and
+measured peak memory where the source gives it, and whether a config that ran is predicted over
+its device's memory; per grid of >= 3 priced rows the Spearman rank correlation of predicted
+and measured device-seconds per token (rows of a grid may differ in devices and batch) and how
+far the row autopar predicts fastest measures from the grid's best; then three summary lines
+against issue 17's targets.
+
+    python3 benchmarks/published_grids.py [--grid PREFIX] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from published_grids_mapping import GiB, GridRun, read_grids  # noqa: E402
+
+import autopar  # noqa: E402
+
+TARGET_MEDIAN, TARGET_P90 = 0.08, 0.15
+TARGET_SPEARMAN, TARGET_PICK = 0.8, 0.05
+TARGET_MEMORY = 0.10
+# grids whose rows are different models (the source's note: "calibration, not a ranking grid")
+NOT_RANKING = {"MLM_H100_weak_scaling"}
+
+
+@dataclass
+class Priced:
+    id: str
+    grid: str
+    stack: str
+    config: str
+    measured_s: float | None
+    predicted_s: float | None = None
+    measured_memory: float | None = None
+    predicted_memory: float | None = None
+    capacity: float = 0.0
+    ran: bool = True
+    tokens_per_step: int = 0
+    num_devices: int = 0
+    breakdown: dict[str, float] | None = None
+    skipped: str | None = None
+
+    @property
+    def error(self) -> float | None:
+        if self.predicted_s is None or not self.measured_s:
+            return None
+        return self.predicted_s / self.measured_s - 1.0
+
+    def per_token(self, seconds: float) -> float:
+        """Device-seconds per token: what a grid's rows compare on."""
+        return seconds * self.num_devices / self.tokens_per_step
+
+
+def _model(run: GridRun):
+    from autopar.models import zoo
+
+    d = run.dims
+    if run.family == "llama":
+        overrides = dict(
+            num_layers=d.num_layers, hidden=d.hidden, ffn_hidden=d.ffn_hidden,
+            num_heads=d.num_heads, num_kv_heads=d.num_kv_heads, vocab_size=d.vocab_size,
+            seq_len=d.seq_len,
+        )  # fmt: skip
+        model = zoo.build("llama-8b", device="meta", **overrides)
+        return model, zoo.example_inputs("llama-8b", model)
+    model = zoo.build("gpt-tiny", device="meta", **d.gpt_overrides())
+    return model, zoo.example_inputs("gpt-tiny", model)
+
+
+def price(runs: list[GridRun], changes: dict | None = None) -> list[Priced]:
+    """Every run priced on its stack (with ``changes`` to the stacks' CostOptions)."""
+    return price_many(runs, [changes or {}])[0]
+
+
+def price_many(runs: list[GridRun], variants: list[dict]) -> list[list[Priced]]:
+    """The runs priced once per variant of the stacks' CostOptions, tracing each shape once."""
+    out_all: list[dict[str, Priced]] = [{} for _ in variants]
+    out: dict[str, Priced] = {}
+    groups: dict[tuple, list[GridRun]] = {}
+    for run in runs:
+        base = Priced(run.id, run.grid, run.stack, "", run.measured_step_s, ran=run.ran)
+        if run.skip:
+            out[run.id] = Priced(**{**asdict(base), "skipped": run.skip})
+            continue
+        groups.setdefault((run.family, run.dims), []).append(run)
+        out[run.id] = base
+    for i, ((_, dims), group) in enumerate(groups.items(), 1):
+        t0 = time.perf_counter()
+        model, inputs = _model(group[0])
+        graph = autopar.trace(model, inputs)
+        print(f"[{i}/{len(groups)}] traced {dims.as_text()} in {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr)  # fmt: skip
+        for run in group:
+            for i, changes in enumerate(variants):
+                out_all[i][run.id] = _evaluate(run, model, graph, out[run.id], changes)
+    for found in out_all:
+        for run_id, base in out.items():
+            found.setdefault(run_id, base)
+    return [[found[run.id] for run in runs] for found in out_all]
+
+
+def fit(runs: list[GridRun], stack: str) -> list[str]:
+    """The stack's kernel factors (matmul efficiency, memory-bound traffic) that minimise the
+    mean |log(predicted / measured)| over its rows: a grid search, every row of the stack at
+    once (no per-row values); prints the median and worst |error| of the best."""
+    mine = [r for r in runs if r.stack == stack and not r.skip and r.measured_step_s]
+    grid = [
+        {"matmul_efficiency": m / 100, "memory_traffic": t / 100}
+        for m in range(70, 131, 5)
+        for t in (50, 75, 100, 125, 150, 200, 250, 300, 400)
+    ]
+    priced = price_many(mine, grid)
+    scored = []
+    for changes, rows in zip(grid, priced, strict=True):
+        errors = [r.error for r in rows if r.error is not None]
+        loss = statistics.fmean(abs(math.log1p(e)) for e in errors)
+        scored.append((loss, changes, rows, sorted(abs(e) for e in errors)))
+    loss, best, rows, errors = min(scored, key=lambda x: x[0])
+    lines = [f"fit of {stack} over {len(mine)} rows: {best}: mean |log error| {loss:.3f}, "
+             f"median |error| {statistics.median(errors):.1%}, worst {errors[-1]:.1%}"]  # fmt: skip
+    lines += [f"  {r.id}: {r.error:+.1%}" for r in rows if r.error is not None]
+    return lines
+
+
+def _evaluate(run: GridRun, model, graph, base: Priced, changes: dict) -> Priced:
+    cluster = autopar.Cluster.from_profile(run.profile, num_devices=run.num_devices)
+    common = dict(
+        config=run.config.as_text(),
+        measured_memory=run.measured_memory_bytes,
+        capacity=cluster.profile.device.memory_bytes,
+        tokens_per_step=run.global_batch * run.dims.seq_len,
+        num_devices=run.num_devices,
+    )
+    options = autopar.load_stack(run.stack).options
+    options = replace(options, **{**dict(run.option_changes), **changes})
+    try:
+        plan = autopar.evaluate(
+            model,
+            cluster,
+            run.config,
+            global_batch_size=run.global_batch,
+            precision=run.precision,
+            graph=graph,
+            options=options,
+        )
+    except autopar.AutoparError as e:
+        return Priced(**{**asdict(base), **common, "skipped": str(e).splitlines()[0]})
+    return Priced(
+        **{
+            **asdict(base),
+            **common,
+            "predicted_s": plan.step_time_s,
+            "predicted_memory": plan.peak_memory_bytes,
+            "breakdown": dict(plan.breakdown),
+        }
+    )
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):  # ties share their mean rank
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else 1.0
+
+
+def report(rows: list[Priced]) -> list[str]:
+    lines = [
+        f"{'row':<36} {'stack':<18} {'config':<44} {'meas s':>8} {'pred s':>8} {'err':>7} "
+        f"{'mem GiB meas/pred/cap':>22}"
+    ]
+    for r in rows:
+        if r.skipped:
+            continue
+        err = f"{r.error:+.1%}" if r.error is not None else "-"
+        mem = (
+            "/".join(
+                f"{x / GiB:.1f}" if x else "-" for x in (r.measured_memory, r.predicted_memory)
+            )
+            + f"/{r.capacity / GiB:.0f}"
+        )
+        flag = " OVER (it ran)" if r.ran and r.predicted_memory > r.capacity else ""
+        meas = f"{r.measured_s:8.3f}" if r.measured_s else "  no run"
+        lines.append(
+            f"{r.id[:36]:<36} {r.stack:<18} {r.config[:44]:<44} {meas} "
+            f"{r.predicted_s:8.3f} {err:>7} {mem:>22}{flag}"
+        )
+    lines += ["", "not priced:"]
+    lines += [f"  {r.id}: {r.skipped}" for r in rows if r.skipped]
+    return lines
+
+
+def summary(rows: list[Priced]) -> list[str]:
+    priced = [r for r in rows if r.error is not None]
+    errors = sorted(abs(r.error) for r in priced)
+    median = statistics.median(errors) if errors else float("nan")
+    p90 = errors[min(len(errors) - 1, int(0.9 * len(errors)))] if errors else float("nan")
+    lines = [""]
+    grids: dict[str, list[Priced]] = {}
+    for r in priced:
+        grids.setdefault(r.grid, []).append(r)
+    rhos, picks = [], []
+    for grid, members in grids.items():
+        if len(members) < 3 or grid in NOT_RANKING:
+            continue
+        pred = [r.per_token(r.predicted_s) for r in members]
+        meas = [r.per_token(r.measured_s) for r in members]
+        rho = spearman(pred, meas)
+        pick = meas[pred.index(min(pred))] / min(meas) - 1
+        rhos.append(rho)
+        picks.append(pick)
+        lines.append(f"grid {grid}: {len(members)} rows, Spearman {rho:+.2f}, pick {pick:+.1%}")
+    memory = [r for r in priced if r.measured_memory]
+    mem_err = [abs(r.predicted_memory / r.measured_memory - 1) for r in memory]
+    over = [r for r in rows if not r.skipped and r.ran and r.predicted_memory > r.capacity]
+    lines += [
+        "",
+        f"step time: {len(priced)} rows, median |error| {median:.1%} (target <= "
+        f"{TARGET_MEDIAN:.0%}), p90 {p90:.1%} (<= {TARGET_P90:.0%})",
+        f"ranking: {len(rhos)} grids of >= 3 rows, Spearman min {min(rhos, default=0):+.2f} "
+        f"(>= {TARGET_SPEARMAN}), pick worst {max(picks, default=0):+.1%} (<= {TARGET_PICK:.0%})",
+        f"memory: {len(memory)} rows with a measured peak, worst |error| "
+        f"{max(mem_err, default=0):.1%} (<= {TARGET_MEMORY:.0%}); {len(over)} configs that ran "
+        "predicted over capacity (target 0)",
+    ]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grid", default="", help="only grids whose id starts with this")
+    parser.add_argument("--json", type=Path, help="write the priced rows here")
+    parser.add_argument("--fit", metavar="STACK", help="fit STACK's kernel factors to its rows")
+    args = parser.parse_args(argv)
+    runs = [r for r in read_grids() if r.grid.startswith(args.grid)]
+    if args.fit:
+        print("\n".join(fit(runs, args.fit)))
+        return 0
+    rows = price(runs)
+    print("\n".join(report(rows) + summary(rows)))
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

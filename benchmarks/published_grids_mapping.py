@@ -1,0 +1,282 @@
+"""Published grids (data/published_grids.csv) -> what autopar needs to price each row.
+
+In: the csv's rows (columns in data/README.md). Out: one frozen `GridRun` per row: the model's
+shape (`ModelDims`, a zoo GPT or Llama), the shipped hardware profile, the ParallelConfig,
+the global batch and sequence length, the software stack that ran it, and what was measured:
+seconds per step, and peak memory per device where the source gives it. A row autopar cannot
+express carries a `skip` reason instead of guessed degrees; every value not read from the row
+is listed in `assumptions`.
+
+Measured step time, by what the row measured (N devices, B global batch in sequences, s the
+sequence length):
+    tokens/s per device T              step = B s / (T N)
+    TFLOP/s per device R (Megatron)    step = F / (R 1e12 N), F = `megatron_core_2024_flops`
+    samples/s S (DeepSpeed autotuner)  step = B / S (the autotuner's fwd + bwd + step timers)
+Peak memory: torchtitan's `mem=` (GiB, the CUDA caching allocator's peak reserved bytes).
+
+This module imports autopar but not torch, so listing the rows needs no tracing.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from published_flops import ModelDims, megatron_core_2024_flops
+
+import autopar
+
+DEFAULT_CSV = Path(__file__).resolve().parents[1] / "data" / "published_grids.csv"
+GiB = 2**30
+
+# torchtitan's Llama 3 training length (torchtitan/models/llama3/train_configs: seq_len 8192),
+# what its benchmark tables ran where the row does not state it.
+TORCHTITAN_SEQ = 8192
+# DeepSpeedExamples' HF autotuning scripts: run_clm with block size 1024 for GPT-2 (their
+# README's command), the GPT-2 context.
+DSAT_GPT2_SEQ = 1024
+# The shapes of the MPT models llm-foundry benchmarks (mosaicml/llm-foundry scripts/train/yamls
+# /pretrain/mpt-*.yaml: d_model, n_layers, n_heads; expansion_ratio 4, vocab 50368, no biases,
+# ALiBi instead of position embeddings).
+MPT_VOCAB = 50368
+MPT_SHAPES = {
+    "mpt-1b": (24, 2048, 16),
+    "mpt-3b": (32, 2560, 32),
+    "mpt-7b": (32, 4096, 32),
+    "mpt-13b": (40, 5120, 40),
+    "mpt-30b": (48, 7168, 64),
+}
+GPT2_VOCAB = 50257
+
+PROFILES = (  # hardware text -> shipped profile (first match)
+    ("H100 96GB", "h100_grand_teton"),
+    ("H100 95GB", "h100_grand_teton"),
+    ("H100", "dgx_h100"),
+    ("A100 80GB", "dgx_a100_80g"),
+    ("A100 40GB", "dgx_a100_40g"),
+    ("V100", "dgx_v100"),
+)
+# source_id prefix -> the stack that ran the row (autopar/hardware/stacks.py)
+STACKS = {
+    "torchtitan": "torchtitan",
+    "megatron": "megatron-core",
+    "llmfoundry": "llm-foundry",
+    "ds_": "deepspeed",
+}
+
+
+@dataclass(frozen=True)
+class GridRun:
+    id: str
+    grid: str
+    source: str
+    trust: str
+    dims: ModelDims | None = None
+    family: str = "gpt"  # "gpt" (zoo GPT) or "llama" (zoo Llama)
+    profile: str = ""
+    num_devices: int = 0
+    config: autopar.ParallelConfig | None = None
+    global_batch: int = 0
+    precision: str = "bf16"
+    stack: str = ""
+    measured_step_s: float | None = None
+    measured_from: str = ""
+    measured_memory_bytes: float | None = None
+    ran: bool = True  # False: the source reports the config as not runnable
+    # settings the row states that differ from its stack's defaults (CostOptions fields)
+    option_changes: tuple[tuple[str, object], ...] = ()
+    assumptions: tuple[str, ...] = ()
+    skip: str | None = None
+
+    @property
+    def label(self) -> str:
+        cfg = self.config.as_text() if self.config else "-"
+        return f"{self.id}: {cfg} [{self.stack}]"
+
+
+def read_grids(path: Path = DEFAULT_CSV) -> list[GridRun]:
+    """Every row of the csv, interpreted, in file order; ids are grid_id#k."""
+    with open(path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    counts: dict[str, int] = {}
+    out = []
+    for row in rows:
+        counts[row["grid_id"]] = counts.get(row["grid_id"], 0) + 1
+        out.append(parse_row(row, f"{row['grid_id']}#{counts[row['grid_id']]}"))
+    return out
+
+
+def parse_row(row: dict[str, str], run_id: str) -> GridRun:
+    base = GridRun(run_id, row["grid_id"], row["source_id"], row["trust"])
+    skip = _unsupported(row)
+    if skip:
+        return GridRun(**{**base.__dict__, "skip": skip})
+    notes: list[str] = []
+    dims, family = _dims(row, notes)
+    num_devices = _int(row["hardware"].split("x")[0])
+    profile = next((p for key, p in PROFILES if key in row["hardware"]), "")
+    config, batch = _config(row, num_devices, notes)
+    stack = next(s for key, s in STACKS.items() if row["source_id"].startswith(key))
+    if "compile" in row["notes"].lower():
+        stack += "-compile"
+    step, how = _measured_step(row, dims, batch, num_devices)
+    memory = re.search(r"mem=([0-9.]+)GiB", row["measured"])
+    ran = not (row["source_id"].startswith("ds_") and step is None)
+    return GridRun(
+        **{
+            **base.__dict__,
+            "dims": dims,
+            "family": family,
+            "profile": profile,
+            "num_devices": num_devices,
+            "config": config,
+            "global_batch": batch,
+            "precision": "fp16" if "fp16" in row["precision"] else "bf16",
+            "stack": stack,
+            "measured_step_s": step,
+            "measured_from": how,
+            "measured_memory_bytes": float(memory.group(1)) * GiB if memory else None,
+            "ran": ran,
+            "option_changes": (("grad_bytes", 2),) if "PURE" in row["precision"] else (),
+            "assumptions": tuple(notes),
+        }
+    )
+
+
+def _unsupported(row: dict[str, str]) -> str | None:
+    precision = row["precision"].lower()
+    if any(k in precision for k in ("fp8", "float8", "nvfp4", "mxfp8")):
+        return f"precision {row['precision']!r}: FP8 and MX formats are not priced (issue 18)"
+    source = row["source_id"]
+    if "aceso" in source:
+        return "per-stage tensor-parallel degrees (Aceso's non-uniform stages): not expressible"
+    if source.startswith("maxtext"):
+        return "MaxText runs JAX/XLA: autopar prices PyTorch stacks only"
+    if "BERT" in row["model"]:
+        return "BERT is an encoder: the zoo has no masked-LM encoder to trace (issue 19)"
+    if "experts" in row["model"] or "DeepSeek" in row["model"]:
+        return "MoE with expert parallelism over Megatron's fold (issue 20)"
+    if not any(key in row["hardware"] for key, _ in PROFILES):
+        return f"no shipped profile for {row['hardware']!r}"
+    return None
+
+
+def _dims(row: dict[str, str], notes: list[str]) -> tuple[ModelDims, str]:
+    model = row["model"]
+    seq = _seq_len(row, notes)
+    shape = re.search(r"(\d+)L h(\d+)(?: ffn(\d+))? (\d+)H(?: (\d+)KV)?(?: vocab(\d+))?", model)
+    if model.startswith("MPT"):
+        name = "mpt-" + model.split()[0].split("-")[1].lower()
+        layers, hidden, heads = MPT_SHAPES[name]
+        notes.append(f"{name}: {layers}L h{hidden} {heads}H (llm-foundry's yaml), ALiBi as no PE")
+        dims = ModelDims(layers, hidden, 4 * hidden, heads, heads, MPT_VOCAB, seq, bias=False)
+        return dims, "gpt"
+    if shape is None:
+        raise ValueError(f"{row['grid_id']}: cannot read a shape from {model!r}")
+    layers, hidden, ffn, heads, kv, vocab = shape.groups()
+    layers, hidden, heads = int(layers), int(hidden), int(heads)
+    if "Llama" in model:
+        dims = ModelDims(layers, hidden, int(ffn), heads, int(kv), int(vocab), seq)
+        return dims, "llama"
+    if vocab is None:
+        vocab = GPT2_VOCAB
+        notes.append(f"vocab {GPT2_VOCAB} (GPT-2's)")
+    if ffn is None:
+        notes.append("ffn 4h")
+    hf_eager = row["source_id"].startswith("ds_")
+    if hf_eager:  # transformers' GPT2Model in 2022: attention step by step, GPT-2's dropout
+        notes.append("HF GPT-2: eager (math) attention, dropout 0.1 (GPT2Config defaults)")
+    megatron = row["source_id"].startswith("megatron")
+    if megatron:  # as benchmarks/published_runs_mapping.py prices Megatron's GPT recipes
+        notes.append("hidden and attention dropout 0.1 (Megatron-LM's GPT defaults)")
+    dims = ModelDims(
+        layers, hidden, int(ffn or 4 * hidden), heads, int(kv or heads), int(vocab), seq,
+        attention="math" if hf_eager else "flash",
+        dropout=0.1 if hf_eager or megatron else 0.0,
+    )  # fmt: skip
+    return dims, "gpt"
+
+
+def _seq_len(row: dict[str, str], notes: list[str]) -> int:
+    if row["seq_len"].isdigit():
+        return int(row["seq_len"])
+    if row["source_id"].startswith("torchtitan"):
+        notes.append(f"seq {TORCHTITAN_SEQ} (torchtitan's Llama 3 config)")
+        return TORCHTITAN_SEQ
+    notes.append(f"seq {DSAT_GPT2_SEQ} (the HF example's block size)")
+    return DSAT_GPT2_SEQ
+
+
+def _config(
+    row: dict[str, str], num_devices: int, notes: list[str]
+) -> tuple[autopar.ParallelConfig, int]:
+    tp, pp = _int(row["tp"]) or 1, _int(row["pp"]) or 1
+    cp = _int(row["cp"]) or 1
+    zero_text = row["fsdp_zero"]
+    sharded = zero_text.startswith(("FSDP", "ZeRO stage"))
+    zero = 0
+    if zero_text.startswith("FSDP"):
+        zero = 3
+    elif zero_text.startswith("ZeRO stage"):
+        zero = _int(zero_text.split("stage")[1])
+    data = num_devices // (tp * pp * cp)
+    if row["source_id"].startswith("megatron") and "overlap" in row["notes"]:
+        # --overlap-param-gather is a flag of Megatron's distributed optimizer: ZeRO-1 over
+        # the data-parallel ranks (megatron/core/optimizer/distrib_optimizer.py)
+        sharded, zero = True, 1
+        notes.append("distributed optimizer (ZeRO-1 over dp): the README's overlap flags")
+    fsdp, dp = (data, 1) if sharded and zero else (1, data)
+    mbs = _int(row["mbs"]) or 1
+    batch = _int(row["gbs"])
+    recompute = _recompute(row["recompute"], notes)
+    config = autopar.ParallelConfig(
+        dp=dp,
+        fsdp=fsdp,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        zero_stage=zero,
+        micro_batch_size=mbs,
+        schedule="1f1b",
+        recompute=recompute,
+        sequence_parallel=tp > 1,
+    )
+    if tp > 1:
+        notes.append("sequence parallelism with tp (Megatron's and torchtitan's default)")
+    return config, batch
+
+
+def _recompute(text: str, notes: list[str]) -> str:
+    text = text.lower()
+    if text.startswith(("full", "activation che")):
+        return "full"
+    if text.startswith("selective"):
+        return "selective"
+    if text.strip() in ("none", ""):
+        return "none"
+    notes.append(f"recompute {text!r}: none")
+    return "none"
+
+
+def _measured_step(
+    row: dict[str, str], dims: ModelDims, batch: int, n: int
+) -> tuple[float | None, str]:
+    text = row["measured"]
+    tokens = re.search(r"(?:TPS/GPU|WPS(?:\(tokens/s/GPU\))?|tokens/s/GPU)=([0-9.]+)", text)
+    if tokens:
+        return batch * dims.seq_len / (float(tokens.group(1)) * n), "tokens/s/GPU"
+    tflops = re.search(r"TFLOPs/GPU=([0-9.]+)", text)
+    if tflops:
+        flops = megatron_core_2024_flops(dims, batch)
+        return flops / (float(tflops.group(1)) * 1e12 * n), "TFLOP/s/GPU (Megatron-Core count)"
+    samples = re.search(r"\)=([0-9.]+)", text)
+    if samples and float(samples.group(1)) > 0:
+        return batch / float(samples.group(1)), "samples/s (autotuner fwd+bwd+step)"
+    return None, "not runnable (the source's 0)"
+
+
+def _int(text: str) -> int:
+    match = re.match(r"\s*(\d+)", text or "")
+    return int(match.group(1)) if match else 0

@@ -1,0 +1,177 @@
+"""Software stacks (autopar.estimate.stacks): data that loads or is refused by field, and
+prices through the mechanisms it names.
+
+- Every shipped stack loads and names a source per table; bad files are refused by field.
+- Kernel factors are relative to the stack the profile's curves describe: on dgx_h100
+  (fitted to Megatron-LM) the megatron-lm stack prices as one's own factor-1 options, and the
+  eager stacks' memory-bound ops take twice the traffic; on local_cpu (measured through
+  autopar's runtime) the autopar stack prices exactly as its measured curves.
+- `logit_copies` adds whole logit tensors on the last stage, nothing else.
+- The plan records and prints its stack; a stack and options together are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+import autopar
+from autopar.errors import AutoparError
+from autopar.estimate import CostOptions, Estimator, build_tables, load_stack, stack_names
+from autopar.estimate.layer_cost import _memory_ops_time
+from autopar.estimate.stacks import StackError
+from autopar.models import zoo
+
+GOOD = """schema_version = 1
+name = "{name}"
+description = "a test stack"
+[kernels]
+memory_traffic = 1.5
+source = "test"
+[memory]
+logit_copies = 3.0
+source = "test"
+[overlap]
+grad_bytes = 2
+source = "test"
+"""
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model = zoo.build("llama-tiny", device="meta", vocab_size=1024)
+    graph = autopar.trace(model, zoo.example_inputs("llama-tiny", model))
+    return model, graph
+
+
+def test_every_shipped_stack_loads_with_its_sources():
+    names = stack_names()
+    assert {"autopar", "megatron-lm", "megatron-core", "torchtitan"} <= set(names)
+    for name in names:
+        stack = load_stack(name)
+        assert stack.name == stack.options.stack == name
+        assert set(stack.sources) == {"kernels", "memory", "overlap"}
+        assert all(len(text) > 10 for text in stack.sources.values()), name
+
+
+def test_a_stack_file_of_ones_own(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text(GOOD.format(name="mine"))
+    stack = load_stack(path)
+    assert stack.options.memory_traffic == 1.5 and stack.options.logit_copies == 3.0
+    assert stack.options.grad_bytes == 2 and stack.options.stack == "mine"
+
+
+@pytest.mark.parametrize(
+    ("edit", "fragment"),
+    [
+        (("memory_traffic = 1.5", "memory_traffic = inf"), "kernels.memory_traffic: must be"),
+        (("memory_traffic = 1.5", "memory_traffic = 0.0"), "memory_traffic must be a finite"),
+        (("memory_traffic = 1.5", "warp_speed = 2.0"), "kernels.warp_speed: unknown"),
+        (('source = "test"\n[memory]', "[memory]"), "kernels.source: must name"),
+        (("grad_bytes = 2", "grad_bytes = true"), "overlap.grad_bytes: must be a finite int"),
+        (("grad_bytes = 2", "grad_bytes = 3"), "grad_bytes must be 2 or 4"),
+        (('name = "mine"', 'name = "other"'), "must equal the file stem 'mine'"),
+    ],
+)
+def test_bad_stack_files_are_refused_by_field(tmp_path, edit, fragment):
+    path = tmp_path / "mine.toml"
+    path.write_text(GOOD.format(name="mine").replace(*edit, 1))
+    with pytest.raises(StackError, match="mine.toml: field ") as err:
+        load_stack(path)
+    assert fragment in str(err.value)
+
+
+def test_an_unknown_stack_lists_the_shipped_ones():
+    with pytest.raises(StackError, match="unknown software stack 'jax'.*torchtitan"):
+        load_stack("jax")
+
+
+def _compute(graph, profile: str, options: CostOptions) -> float:
+    estimator = Estimator(
+        build_tables(graph), autopar.Cluster.from_profile(profile), options=options
+    )
+    est = estimator.evaluate(autopar.ParallelConfig(dp=estimator.cluster.world_size), 64)
+    return est.breakdown["compute_forward"] + est.breakdown["compute_backward"]
+
+
+def test_kernel_factors_are_relative_to_the_profiles_own_stack(llama):
+    _, graph = llama
+    own = _compute(graph, "dgx_h100", CostOptions())  # unnamed: the profile's curves
+    assert _compute(graph, "dgx_h100", load_stack("megatron-lm").options) == own
+    assert _compute(graph, "dgx_h100", load_stack("torchtitan-compile").options) == own
+    eager = _compute(graph, "dgx_h100", load_stack("torchtitan").options)
+    assert eager > own
+    # on the CPU profile, measured through autopar's runtime, autopar's stack is the curves
+    cpu_own = _compute(graph, "local_cpu", CostOptions())
+    assert _compute(graph, "local_cpu", load_stack("autopar").options) == cpu_own
+    assert _compute(graph, "local_cpu", load_stack("megatron-lm").options) < cpu_own
+
+
+def test_memory_traffic_prices_the_memory_bound_ops_with_more_bytes(llama):
+    _, graph = llama
+    tables = build_tables(graph)
+    cluster = autopar.Cluster.from_profile("dgx_h100")
+    block = next(t for t in tables.layers if t.kind == "block")
+    cfg = autopar.ParallelConfig(dp=8, micro_batch_size=4)
+    plain = Estimator(tables, cluster, options=CostOptions())
+    double = Estimator(tables, cluster, options=CostOptions(memory_traffic=2.0))
+    scale = plain.act_scale
+    extra = _memory_ops_time(block, cfg, plain.device, 2 * scale) - _memory_ops_time(
+        block, cfg, plain.device, scale
+    )
+    assert extra > 0
+    a = plain.layer_times(cfg, plain.mesh(cfg))[block.name]
+    b = double.layer_times(cfg, double.mesh(cfg))[block.name]
+    assert b.compute_forward_s - a.compute_forward_s == pytest.approx(extra)
+    assert b.compute_backward_s - a.compute_backward_s == pytest.approx(2 * extra)
+
+
+def test_logit_copies_add_whole_logit_tensors_on_the_last_stage(llama):
+    model, graph = llama
+    cluster = autopar.Cluster.from_profile("dgx_h100")
+    config = autopar.ParallelConfig(dp=4, pp=2, micro_batch_size=2, schedule="gpipe")
+    plans = {
+        copies: autopar.evaluate(
+            model, cluster, config, global_batch_size=16, graph=graph,
+            options=replace(CostOptions(), logit_copies=copies),
+        )
+        for copies in (2.0, 5.0)
+    }  # fmt: skip
+    first = [p.stages[0].memory_bytes["activations"] for p in plans.values()]
+    last = [p.stages[-1].memory_bytes["activations"] for p in plans.values()]
+    assert first[0] == first[1]  # the first stage holds no logits
+    seq, vocab = graph.input_shapes[0][-1], 1024
+    logits = 2 * seq * vocab * 2  # micro-batch 2, bf16
+    assert last[1] - last[0] == pytest.approx(3 * logits, rel=1e-9)
+
+
+def test_the_plan_records_and_prints_its_stack(llama):
+    model, graph = llama
+    cluster = autopar.Cluster.from_profile("dgx_h100")
+    plan = autopar.evaluate(
+        model, cluster, autopar.ParallelConfig(dp=8), global_batch_size=64, graph=graph,
+        stack="torchtitan",
+    )  # fmt: skip
+    assert plan.stack == "torchtitan"
+    assert "priced for the torchtitan stack" in plan.summary()
+    assert autopar.Plan.from_json(plan.to_json()).stack == "torchtitan"
+    default = autopar.evaluate(
+        model, cluster, autopar.ParallelConfig(dp=8), global_batch_size=64, graph=graph
+    )
+    assert default.stack == "autopar"
+    assert default.step_time_s > autopar.evaluate(
+        model, cluster, autopar.ParallelConfig(dp=8), global_batch_size=64, graph=graph,
+        stack="megatron-core",
+    ).step_time_s  # fmt: skip
+
+
+def test_a_stack_and_options_together_are_refused(llama):
+    model, graph = llama
+    cluster = autopar.Cluster.from_profile("dgx_h100")
+    with pytest.raises(AutoparError, match="give stack='torchtitan' or options, not both"):
+        autopar.evaluate(
+            model, cluster, autopar.ParallelConfig(dp=8), global_batch_size=64, graph=graph,
+            stack="torchtitan", options=CostOptions(),
+        )  # fmt: skip
