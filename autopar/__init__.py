@@ -10,6 +10,7 @@ The public API (docs/architecture.md draws the phases behind it):
     autopar.evaluate(model, cluster, config, example_inputs, *, global_batch_size) -> Plan
     autopar.parallelize(model, cluster, example_inputs=None, *, global_batch_size=None) -> Plan
     autopar.replan(plan, *, num_nodes=None, num_devices=None) -> Plan   (same model, new size)
+    autopar.export(plan, "torchtitan"|"megatron"|"deepspeed"|"accelerate", directory=None)
     plan.summary(), plan.explain(), plan.save(dir), plan.plot(kind, path), Plan.from_json(text)
     autopar.models.zoo / autopar.models.hf                     (built-in and Hugging Face models)
 
@@ -42,6 +43,7 @@ _LAZY = {
     "evaluate": "autopar.api",
     "parallelize": "autopar.api",
     "replan": "autopar.api",
+    "export": "autopar.api",
     "PlanOptions": "autopar.solve",
     "InfeasibleError": "autopar.solve",
     "Plan": "autopar.plan",
@@ -142,6 +144,7 @@ __all__ = [
     "evaluate",
     "parallelize",
     "replan",
+    "export",
     "load_profile",
     "load_stack",
     "shipped_profile_names",

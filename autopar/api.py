@@ -4,7 +4,8 @@
     evaluate     + cluster, a config         -> Plan              tracing, estimate, plan
     parallelize  + cluster                   -> the best Plan     tracing, estimate, solve, plan
     replan       a Plan, a new cluster size  -> Plan              plan.rebuild, then the above
-    save         a Plan, a directory         -> plan.json, train.py   plan, codegen
+    save         a Plan, a directory         -> plan.json, train.py, launchers   plan, codegen
+    export       a Plan, a framework         -> its config file   plan.rebuild, evaluate, codegen
     plot         a Plan, a kind, a path      -> PNG               plan.plots
 
 docs/architecture.md draws the phases and what flows between them. Helpers live with their
@@ -21,14 +22,22 @@ from typing import Any
 from torch import nn
 
 from autopar.codegen import program_text
+from autopar.codegen.export import TARGETS, Exported, Priced, export_plan, model_shape
+from autopar.codegen.launchers import LAUNCHERS
 from autopar.config import ParallelConfig
 from autopar.errors import ConfigError
 from autopar.estimate import CostOptions, Estimator, build_tables
 from autopar.estimate.stacks import load_stack, stack_options
-from autopar.hardware import Cluster
+from autopar.hardware import Cluster, Reliability
 from autopar.plan import Plan
-from autopar.plan.build import ModelFactory, plan_from_estimate, with_solution, with_sources
-from autopar.plan.files import directory_lock, write_atomic
+from autopar.plan.build import (
+    ModelFactory,
+    plan_from_estimate,
+    with_goodput,
+    with_solution,
+    with_sources,
+)
+from autopar.plan.files import directory_lock, ensure_directory, write_atomic
 from autopar.plan.rebuild import rebuild_model, replanned_note, resized_cluster, sample_inputs
 from autopar.solve import PlanOptions, solve
 from autopar.solve.limits import default_global_batch, space_limits
@@ -106,6 +115,7 @@ def parallelize(
     solution = solve(estimator, graph, cluster, limits, options)
     plan = plan_from_estimate(solution.best, graph, cluster, precision, optimizer, estimator)
     plan = with_sources(plan, model, model_factory, cluster)
+    plan = with_goodput(plan, cluster, options.reliability)
     timings = {"trace": trace_s, **solution.timings, "total": time.perf_counter() - start}
     return with_solution(plan, solution, limits, notes, timings)
 
@@ -123,6 +133,7 @@ def evaluate(
     graph: ModelGraph | None = None,
     model_factory: ModelFactory = None,
     stack: str | None = None,
+    reliability: Reliability | None = None,
 ) -> Plan:
     """Price one parallel configuration of ``model`` on ``cluster`` with autopar's cost model.
 
@@ -138,6 +149,8 @@ def evaluate(
             autopar's own runtime.
         stack: price the run on this software stack instead (`autopar.estimate.stacks`: a name
             such as "torchtitan" or "megatron-core", or a .toml path); not with ``options``.
+        reliability: failure rate, restart and checkpoint bandwidth for the plan's goodput
+            (`autopar.hardware.Reliability`); default: the profile's [reliability] table.
         graph: a ModelGraph already traced from this model and inputs (skips tracing).
         model_factory: as for `parallelize`: what the saved program calls to build the model.
 
@@ -166,7 +179,8 @@ def evaluate(
     )
     estimate = estimator.evaluate(config, global_batch_size)
     plan = plan_from_estimate(estimate, graph, cluster, precision, optimizer, estimator)
-    return with_sources(plan, model, model_factory, cluster)
+    plan = with_sources(plan, model, model_factory, cluster)
+    return with_goodput(plan, cluster, reliability)
 
 
 def replan(
@@ -243,14 +257,65 @@ def save(
 
     Run the program with ``torchrun --nproc-per-node=N directory/train.py``.
     """
-    text = None  # the program first: if its model does not build, nothing is written
+    files = {}  # the program first: if its model does not build, nothing is written
     if program and plan.model_source is not None:
-        text = program_text(plan, trust_factory=trust_factory)
-    with directory_lock(directory):  # another process saving here waits: one plan's pair
+        files["train.py"] = program_text(plan, trust_factory=trust_factory)
+        files.update({name: render(plan) for name, render in LAUNCHERS.items()})
+    with directory_lock(directory):  # another process saving here waits: one plan's files
         path = plan.write_json(directory)
-        if text is not None:
-            write_atomic(path.parent / "train.py", text)
+        for name, text in files.items():
+            write_atomic(path.parent / name, text)
     return path
+
+
+def export(
+    plan: Plan,
+    target: str,
+    directory: str | Path | None = None,
+    *,
+    price: bool = True,
+    trust_factory: bool = False,
+) -> Exported:
+    """``plan`` as the configuration of another framework: torchtitan's job TOML, Megatron-LM
+    arguments, a DeepSpeed JSON or an Accelerate config (`autopar.codegen.export`).
+
+    With the plan's model factory, the model is rebuilt on the meta device: its shape fills
+    the arguments of frameworks that build their own model (Megatron), and with ``price`` the
+    plan's config is priced again on the target's software stack (`autopar.estimate.stacks`),
+    both figures in the file's header. What the target cannot express is named there too.
+
+    Args:
+        plan: a Plan (`parallelize`, `evaluate`, or `Plan.load`).
+        target: "torchtitan", "megatron", "deepspeed" or "accelerate".
+        directory: write the file here (`Exported.filename`); None: only return it.
+        price: re-price on the target's stack (a trace of the model: seconds for 8B).
+        trust_factory: as for `save`, for a plan file naming a factory of its own.
+
+    Raises:
+        ValueError: an unknown target.
+        UntrustedFactoryError: the plan file's own factory, without ``trust_factory``.
+    """
+    if target not in TARGETS:
+        raise ValueError(f"no exporter for {target!r}: choose one of {', '.join(TARGETS)}")
+    shape = priced = None
+    if plan.model_source is not None:
+        model = rebuild_model(plan, trust_factory=trust_factory)
+        shape = model_shape(getattr(model, "config", None))
+        stack = TARGETS[target][1]
+        if price and stack != plan.stack:
+            again = replan(
+                plan,
+                num_nodes=plan.num_nodes,
+                num_devices=plan.world_size,
+                config=plan.config,
+                options=load_stack(stack).options,
+                trust_factory=trust_factory,
+            )
+            priced = Priced(stack, again.step_time_s, again.peak_memory_bytes)
+    exported = export_plan(plan, target, shape, priced)
+    if directory is not None:
+        write_atomic(ensure_directory(directory) / exported.filename, exported.text)
+    return exported
 
 
 def plot(plan: Plan, kind: str, path: str | Path) -> Path:

@@ -1,9 +1,11 @@
 """The ``autopar`` command line (also ``python -m autopar``).
 
 Verbs: ``demo`` (the README's main job), ``plan``, ``explain``, ``compare``, ``replan``,
-``generate``, ``list-models``, ``list-profiles``, ``cluster``, ``profile``; each planning verb
-lives in a module of `autopar.cli` and is imported only when it runs.
-Exit codes: 0 success, 2 a usage error (argparse), 1 a user error -- an autopar error (bad
+``generate``, ``export``, ``list-models``, ``list-profiles``, ``cluster``, ``profile``; each
+planning verb lives in a module of `autopar.cli` and is imported only when it runs.
+Every verb that sizes a cluster takes ``--nodes`` / ``--devices`` (``--num-nodes`` /
+``--num-devices`` still work). Exit codes: 0 success, 2 a usage error (argparse), 1 a user
+error -- an autopar error (bad
 profile, unknown model, a config that does not fit, ...), a file that cannot be read or written,
 a value that cannot be parsed -- with its message on stderr and no traceback (``--traceback``
 shows it), 130 interrupted. Output into a closed pipe (``autopar ... | head``) ends quietly.
@@ -31,11 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     demo = verbs.add_parser(
         "demo",
         help="trace a Hugging Face model on meta and plan it on a shipped cluster",
-        epilog="example: autopar demo --model llama3-8b --profile dgx_h100 --num-nodes 2",
+        epilog="example: autopar demo --model llama3-8b --profile dgx_h100 --nodes 2",
     )
     demo.add_argument("--model", default="llama3-8b", help="autopar.models.hf preset")
     demo.add_argument("--profile", default="dgx_h100", help="shipped profile or .toml path")
-    demo.add_argument("--num-nodes", type=int, default=2)
+    demo.add_argument("--nodes", "--num-nodes", dest="num_nodes", type=int, default=2)
     demo.add_argument("--seq-len", type=int, default=8192)
     demo.add_argument("--out", default="out", help="directory for plan.json")
 
@@ -48,11 +50,11 @@ def _parser() -> argparse.ArgumentParser:
     cluster = verbs.add_parser(
         "cluster",
         help="show a cluster built from a profile",
-        epilog="examples: autopar cluster dgx_h100 --num-nodes 4 | "
+        epilog="examples: autopar cluster dgx_h100 --nodes 4 | "
         "autopar cluster tpu_v5p --slice 4x4x8",
     )
     cluster.add_argument("profile", help="shipped profile name or .toml path")
-    cluster.add_argument("--num-nodes", type=int, default=1)
+    cluster.add_argument("--nodes", "--num-nodes", dest="num_nodes", type=int, default=1)
     cluster.add_argument("--slice", help="TPU slice shape, e.g. 4x4x4")
 
     prof = verbs.add_parser(
@@ -125,11 +127,15 @@ def _add_planning_verbs(verbs: argparse._SubParsersAction) -> None:
         "replan",
         help="plan a saved plan's model again for another cluster size; writes plan.json and "
         "train.py (resume from the old plan's checkpoints)",
-        epilog="example: autopar replan out/plan.json --num-nodes 2 -o out-2/",
+        epilog="example: autopar replan out/plan.json --nodes 2 -o out-2/",
     )
     replan.add_argument("plan", help="a plan.json (with a model factory)")
-    replan.add_argument("--num-nodes", type=int, help="nodes of the plan's profile")
-    replan.add_argument("--num-devices", type=int, help="total devices")
+    replan.add_argument(
+        "--nodes", "--num-nodes", dest="num_nodes", type=int, help="nodes of the plan's profile"
+    )
+    replan.add_argument(
+        "--devices", "--num-devices", dest="num_devices", type=int, help="total devices"
+    )
     replan.add_argument("--config", help="price this config instead of searching (key=value,...)")
     replan.add_argument("--profile", help="profile .toml path when the plan's is not shipped")
     replan.add_argument("-o", "--out", default="out", help="directory for plan.json + train.py")
@@ -145,6 +151,23 @@ def _add_planning_verbs(verbs: argparse._SubParsersAction) -> None:
     generate.add_argument("plan", help="a plan.json (with a model factory)")
     generate.add_argument("-o", "--out", required=True, help="directory for plan.json + train.py")
     generate.add_argument("--trust-factory", action="store_true", help=TRUST_HELP)
+
+    export = verbs.add_parser(
+        "export",
+        help="write a saved plan as another framework's configuration",
+        epilog="example: autopar export out/plan.json --to torchtitan  (writes "
+        "out/torchtitan.toml; megatron: megatron_args.sh, deepspeed: deepspeed.json, "
+        "accelerate: accelerate.yaml)",
+    )
+    export.add_argument("plan", help="a plan.json")
+    export.add_argument(
+        "--to", required=True, choices=("torchtitan", "megatron", "deepspeed", "accelerate")
+    )
+    export.add_argument("-o", "--out", help="directory for the file (default: the plan's)")
+    export.add_argument(
+        "--no-price", action="store_true", help="skip re-pricing on the target's stack"
+    )
+    export.add_argument("--trust-factory", action="store_true", help=TRUST_HELP)
 
     verbs.add_parser(
         "list-models",
@@ -192,6 +215,7 @@ _PLANNING_VERBS = {
     "list-models": "autopar.cli.models:run_list_models",
     "replan": "autopar.cli.replan:run_replan",
     "generate": "autopar.cli.generate:run_generate",
+    "export": "autopar.cli.generate:run_export",
 }
 
 

@@ -1,4 +1,4 @@
-"""`autopar replan plan.json --num-nodes N [--num-devices N] [--config k=v,...] -o DIR`.
+"""`autopar replan plan.json --nodes N [--devices N] [--config k=v,...] -o DIR`.
 
 In: parsed arguments (`autopar.cli.main`). Out: the new plan's summary (or its JSON with
 ``--json``); the new plan.json and its train.py written into DIR (`autopar.api.replan`).

@@ -74,13 +74,17 @@ every node, NODE0 being the first node's address (c10d rendezvous; any free port
 The world (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) comes from torchrun's environment;
 a world size other than {n} is refused.
 
-Options: --steps N, --data module:fn (fn(step, start, stop) -> (inputs, targets): samples
-[start, stop) of step's global batch; default: seeded synthetic data), --lr, --seed,
---precision fp32|bf16, --device cpu|cuda.
+Options: --steps N, --tokens FILE (a flat file of token ids, nanoGPT's .bin (uint16, or
+--tokens-dtype) or a .npy, memory-mapped and read by step: autopar.runtime.data), --data
+module:fn (fn(step, start, stop) -> (inputs, targets): samples [start, stop) of step's global
+batch); default: seeded synthetic data. --lr, --warmup-steps, --lr-schedule constant|cosine,
+--seed, --precision fp32|bf16, --device cpu|cuda. --metrics FILE: one JSON line per step
+(loss, tokens/s, MFU, memory beside the plan's); --tensorboard DIR: the same as scalars.
 Checkpoints (torch.distributed.checkpoint): --checkpoint-dir DIR saves model, optimizer, step
-and RNG states every --checkpoint-every N steps (default 100; --async-checkpoint: in the
-background) and resumes from the newest complete checkpoint in DIR, also one saved under
-another plan of this model (`autopar replan`). To restart after a failure, launch with
+and RNG states every --checkpoint-every N steps (default auto: the plan's Young/Daly interval
+for its failure rate, else 100; --async-checkpoint: in the background) and resumes from the
+newest complete checkpoint in DIR, also one saved under another plan of this model
+(`autopar replan`). To restart after a failure, launch with
 torchrun --max-restarts=K and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment
 (else a restarted group may read the failed group's addresses: pytorch/pytorch#135712).
 """'''
@@ -104,7 +108,8 @@ import torch.distributed as dist
 
 from autopar.config import ParallelConfig
 from autopar.plan import Plan
-from autopar.runtime.checkpoint import CheckpointOptions
+from autopar.runtime.checkpoint import CheckpointOptions, checkpoint_interval
+from autopar.runtime.data import TokenFile
 from autopar.runtime.mesh import build_mesh, init_distributed, shutdown_distributed
 from autopar.runtime.task import task_from_source
 from autopar.runtime.trainer import Prediction, TrainOptions, train
@@ -301,6 +306,8 @@ PREDICTION = Prediction(
     step_time_s=PLAN.step_time_s,
     stage_memory_bytes=tuple(s.memory_bytes for s in PLAN.stages),
     stage_peak_bytes=tuple(s.peak_memory_bytes for s in PLAN.stages),
+    mfu=PLAN.mfu,
+    tokens_per_step=PLAN.global_batch_size * PLAN.seq_len,
 )
 
 
@@ -308,12 +315,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--data", help="module:fn(step, start, stop) -> (inputs, targets)")
+    parser.add_argument("--tokens", help="a token file (.bin of uint16 ids, or .npy) to train on")
+    parser.add_argument("--tokens-dtype", default="uint16", help="a .bin file's id type")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup-steps", type=int, default=0)
+    parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")
+    parser.add_argument("--metrics", help="append one JSON line per step here (rank 0)")
+    parser.add_argument("--tensorboard", help="TensorBoard log directory (rank 0)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=("fp32", "bf16"), default={precision!r})
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None)
     parser.add_argument("--checkpoint-dir", help="save and resume checkpoints here")
-    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps; 0: resume only")
+    parser.add_argument(
+        "--checkpoint-every",
+        default="auto",
+        help="steps between checkpoints; 0: resume only; auto: the plan's best interval",
+    )
     parser.add_argument("--async-checkpoint", action="store_true", help="save in the background")
     args = parser.parse_args()
 
@@ -325,13 +342,16 @@ def main() -> None:
         FACTORY_KWARGS,
         global_batch_size=GLOBAL_BATCH_SIZE,
         seq_len=PLAN.seq_len,
-        data=args.data,
+        data=TokenFile(args.tokens, PLAN.seq_len, GLOBAL_BATCH_SIZE, args.tokens_dtype)
+        if args.tokens
+        else args.data,
         seed=args.seed,
     )
     checkpoint = None
     if args.checkpoint_dir:
+        every = checkpoint_interval(args.checkpoint_every, args.async_checkpoint, PLAN.goodput)
         checkpoint = CheckpointOptions(
-            args.checkpoint_dir, every=args.checkpoint_every, async_save=args.async_checkpoint
+            args.checkpoint_dir, every=every, async_save=args.async_checkpoint
         )
     options = TrainOptions(
         steps=args.steps,
@@ -339,6 +359,10 @@ def main() -> None:
         seed=args.seed,
         precision=args.precision,
         checkpoint=checkpoint,
+        warmup_steps=args.warmup_steps,
+        lr_schedule=args.lr_schedule,
+        metrics_path=args.metrics,
+        tensorboard_dir=args.tensorboard,
     )
     train(
         task,

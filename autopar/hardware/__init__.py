@@ -14,6 +14,7 @@ from autopar.hardware.cluster import Cluster
 from autopar.hardware.profile import (
     RUNTIME_STYLES,
     HardwareProfile,
+    Reliability,
     load_profile,
     profile_from_text,
     shipped_profile_names,
@@ -23,6 +24,7 @@ __all__ = [
     "RUNTIME_STYLES",
     "Cluster",
     "HardwareProfile",
+    "Reliability",
     "load_profile",
     "profile_from_text",
     "shipped_profile_names",

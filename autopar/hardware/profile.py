@@ -33,6 +33,27 @@ Kind = Literal["gpu", "tpu", "cpu"]
 
 
 @dataclass(frozen=True)
+class Reliability:
+    """How devices fail and how fast checkpoints move (the profile's [reliability] table).
+
+    failure_rate_per_device_hour: unexpected job interruptions per device per hour (the
+        job's mean time between failures is 1 / (devices x rate)).
+    restart_s: relaunching the job after a failure: scheduling, process start, rendezvous
+        and communicator setup (loading the checkpoint is priced from the bandwidth below).
+    storage_bytes_per_s_per_device: checkpoint write (and read) bandwidth per device (the
+        storage system's aggregate over the devices it serves).
+    host_copy_bytes_per_s: device-to-host copy per device (an asynchronous checkpoint's stall).
+    checkpoint_overhead_s: fixed cost of one checkpoint (planning, metadata, file creation).
+    """
+
+    failure_rate_per_device_hour: float
+    restart_s: float
+    storage_bytes_per_s_per_device: float
+    host_copy_bytes_per_s: float
+    checkpoint_overhead_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     name: str
     description: str
@@ -61,6 +82,8 @@ class HardwareProfile:
     # ("megatron-lm"), a profile `autopar profile` measured describes autopar's own runtime
     # ("autopar"). Pricing another stack scales the curves by the two stacks' kernel ratios.
     efficiency_stack: str = "megatron-lm"
+    # device failures and checkpoint bandwidth ([reliability]); None where the profile has none
+    reliability: Reliability | None = None
 
     def as_text(self) -> str:
         d = self.device
@@ -231,6 +254,20 @@ def _parse(f: _Fields, origin: str) -> HardwareProfile:
         optimizer_overhead_s=_runtime_overheads(f, sources, "optimizer_overhead_s"),
         model_overhead_s=_runtime_overheads(f, sources, "model_overhead_s"),
         efficiency_stack=_efficiency_stack(f, kind),
+        reliability=_reliability(f, sources),
+    )
+
+
+def _reliability(f: _Fields, sources: dict[str, str]) -> Reliability | None:
+    if f.get("reliability", required=False) is None:
+        return None
+    sources["reliability"] = f.string("reliability.source")
+    return Reliability(
+        failure_rate_per_device_hour=f.number("reliability.failure_rate_per_device_hour"),
+        restart_s=f.number("reliability.restart_s", strict=False),
+        storage_bytes_per_s_per_device=f.number("reliability.storage_bytes_per_s_per_device"),
+        host_copy_bytes_per_s=f.number("reliability.host_copy_bytes_per_s"),
+        checkpoint_overhead_s=f.number("reliability.checkpoint_overhead_s", strict=False),
     )
 
 

@@ -27,8 +27,9 @@ from torch import nn
 
 from autopar.estimate import Estimate, Estimator
 from autopar.estimate.communication import stage_communication
+from autopar.estimate.goodput import estimate_goodput
 from autopar.estimate.layout import mesh_axes
-from autopar.hardware import Cluster
+from autopar.hardware import Cluster, Reliability
 from autopar.models.source import model_fingerprint
 from autopar.plan.types import ModelSource, Plan, StagePlan
 from autopar.solve import Solution
@@ -108,6 +109,18 @@ def _communication(
         act_scale=estimator.act_scale,
     )
     return tuple(tuple(c.as_dict() for c in stage) for stage in per_stage)
+
+
+def with_goodput(plan: Plan, cluster: Cluster, reliability: Reliability | None) -> Plan:
+    """``plan`` with its goodput under failures (`autopar.estimate.goodput`), priced from
+    ``reliability`` or else the profile's; unchanged when neither has failure data."""
+    reliability = reliability or cluster.profile.reliability
+    if reliability is None:
+        return plan
+    est = estimate_goodput(
+        plan.num_params, plan.optimizer, plan.config, plan.step_time_s, cluster, reliability
+    )
+    return replace(plan, goodput=est.as_dict())
 
 
 def with_sources(plan: Plan, model: nn.Module, factory: ModelFactory, cluster: Cluster) -> Plan:

@@ -60,6 +60,8 @@ def plan_problems(data: dict[str, Any]) -> list[str]:
     for name in ("alternatives", "notes", "mesh", "sensitivity", "communication"):
         if name in data and not isinstance(data[name], list):
             out.append(f"{name} must be a list, got {type(data[name]).__name__}")
+    if data.get("goodput"):
+        out += _mapping_of_numbers("goodput", data["goodput"])
     for name in ("report", "placements"):
         if name in data and not isinstance(data[name], dict):
             out.append(f"{name} must be an object, got {type(data[name]).__name__}")

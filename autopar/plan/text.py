@@ -38,6 +38,7 @@ def summary_text(plan: Plan) -> str:
         f"  memory      peak {plan.peak_memory_bytes / GiB:.1f} GiB of "
         f"{plan.memory_capacity_bytes / GiB:.1f} GiB per device"
         + ("" if plan.fits else "   DOES NOT FIT"),
+        *_goodput_line(plan),
         "",
         "  step-time breakdown:",
     ]
@@ -111,6 +112,7 @@ def explain_text(plan: Plan) -> str:
         _bottleneck(plan),
         _binding(plan),
         _memory(plan),
+        _failures(plan),
     ]
     limits = plan.report.get("limits") if plan.report else None
     if plan.config.recompute_layers is not None:
@@ -134,6 +136,46 @@ def explain_text(plan: Plan) -> str:
     if plan.timings:
         lines.append("Timings: " + ", ".join(f"{k} {v:.2f} s" for k, v in plan.timings.items()))
     return "\n".join(lines)
+
+
+def duration(seconds: float) -> str:
+    """Seconds as a person reads them: s, min, h or days."""
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def _goodput_line(plan: Plan) -> list[str]:
+    g = plan.goodput
+    if not g:
+        return []
+    steps = int(g["async_interval_steps"])
+    return [
+        f"  goodput     {g['async_goodput']:.1%} checkpointing in the background every {steps} "
+        f"steps ({duration(steps * plan.step_time_s)}); {g['sync_goodput']:.1%} blocking every "
+        f"{int(g['sync_interval_steps'])}; MTBF {duration(g['mtbf_s'])}"
+    ]
+
+
+def _failures(plan: Plan) -> str:
+    g = plan.goodput
+    if not g:
+        return "Failures: not priced (the profile has no [reliability] table; pass reliability=)"
+    return (
+        f"Failures: MTBF {duration(g['mtbf_s'])} on {plan.world_size} devices "
+        f"({g['failure_rate_per_device_hour']:.3g} per device-hour); a checkpoint holds "
+        f"{g['checkpoint_bytes'] / 1e9:,.1f} GB: in the background it stalls training "
+        f"{duration(g['async_checkpoint_s'])} and is on disk {duration(g['commit_lag_s'])} "
+        f"later, blocking it stops training {duration(g['sync_checkpoint_s'])}; a restart costs "
+        f"{duration(g['restart_s'])}. Young/Daly intervals: every "
+        f"{int(g['async_interval_steps'])} steps in the background (goodput "
+        f"{g['async_goodput']:.2%}), every {int(g['sync_interval_steps'])} blocking "
+        f"({g['sync_goodput']:.2%}); train.py --checkpoint-every auto takes them."
+    )
 
 
 def _bottleneck(plan: Plan) -> str:

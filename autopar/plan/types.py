@@ -93,6 +93,10 @@ class Plan:
     communication: tuple[tuple[dict[str, Any], ...], ...] = ()
     # the software stack the plan is priced for (`autopar.estimate.stacks`)
     stack: str = "autopar"
+    # goodput under failures: checkpoint and restart cost, intervals in steps for synchronous
+    # and asynchronous checkpoints (`autopar.estimate.goodput.GoodputEstimate`); empty where
+    # the profile has no [reliability] data and none was given
+    goodput: dict[str, float] = field(default_factory=dict)
     schema_version: int = field(default=SCHEMA_VERSION)
     # wall-clock figures of this run (trace, search, ILP seconds): shown by summary() and
     # explain() but not saved, so the same inputs give a byte-identical plan.json

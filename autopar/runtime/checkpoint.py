@@ -9,7 +9,8 @@ the step just finished, `CheckpointOptions`. Out: a directory per saved step
                                     and every other file of the checkpoint with its size
         rng-rank<r>.pt              rank r's RNG states (torch CPU, and CUDA when present)
     <directory>/.partial-step-*/    being written (or left by a killed run): never resumed
-    <directory>/log.jsonl           one line per finished step: loss and grad norm, exact (hex)
+    <directory>/log.jsonl           one line per finished step: loss and grad norm, exact (hex),
+                                    the restart attempt and the wall-clock time
 
 Invariants:
 - A checkpoint directory exists under its final name only when complete: every rank's shards,
@@ -55,6 +56,8 @@ import json
 import os
 import re
 import shutil
+import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -313,6 +316,7 @@ class Checkpointer:
                 "loss": float(loss).hex(),
                 "grad_norm": float(grad_norm).hex(),
                 "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                "time": time.time(),  # wall clock at the step's end (goodput is measured so)
             }
             with open(self.root / "log.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
@@ -434,6 +438,21 @@ def _cause(error: BaseException) -> str:
     if "unexpected pos" in text:  # how torch.save's zip writer reports a short write
         text += " (a short write: the disk is full or the file too large)"
     return text
+
+
+def checkpoint_interval(text: str, async_save: bool, goodput: Mapping[str, float]) -> int:
+    """``--checkpoint-every``: a whole number of steps, or ``auto``: the plan's best interval
+    for the save mode (`autopar.estimate.goodput`; 100 where the plan priced no failures).
+
+    Raises:
+        ValueError: neither a count >= 0 nor auto.
+    """
+    if text == "auto":
+        key = "async_interval_steps" if async_save else "sync_interval_steps"
+        return int(goodput[key]) if goodput and key in goodput else 100
+    if not text.isdigit():
+        raise ValueError(f"--checkpoint-every takes a step count or auto, got {text!r}")
+    return int(text)
 
 
 def _bytes_of(state: Any) -> int:

@@ -13,8 +13,9 @@ One step, on every rank:
              (distinct shards of p) * pp / world counts every replica once (DTensor placements
              say which mesh axes shard p; a parameter lives on one pipeline stage)
     grads *= min(1, max_norm / (norm + 1e-6))   (torch.nn.utils.clip_grad_norm_'s formula)
-    AdamW step
-The loss printed is the global-batch mean: mean over micro-batches, then over data ranks.
+    AdamW step at the step's learning rate (`TrainOptions.lr_at`: warmup, constant or cosine)
+The loss printed is the global-batch mean: mean over micro-batches, then over data ranks;
+with `TrainOptions.metrics_path` rank 0 logs each step beside the plan (`runtime.metrics`).
 
 With pp > 1 (`autopar.runtime.pipeline`) the model is cut at the plan's stage boundaries into
 this rank's chunks, each parallelised as above (its own TP plan, recompute, FSDP); torch's
@@ -69,6 +70,7 @@ from autopar.config import ParallelConfig
 from autopar.models.source import check_fingerprint, model_fingerprint
 from autopar.runtime.checkpoint import CheckpointOptions, open_checkpointer
 from autopar.runtime.mesh import RuntimeMesh, build_mesh
+from autopar.runtime.metrics import Metrics
 from autopar.runtime.parallelize import ParallelModel, PipelineSpec, parallelize_model
 from autopar.runtime.task import Task
 from autopar.runtime.tensor_parallel import loss_context, reduce_partial_grads
@@ -91,6 +93,26 @@ class TrainOptions:
     log: bool = True
     # autopar.runtime.checkpoint: save every N steps, resume from the newest complete one
     checkpoint: CheckpointOptions | None = None
+    # learning rate: linear warmup over warmup_steps, then constant or cosine decay to
+    # min_lr_ratio x lr at the last step; a function of the step, so resuming needs no state
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # or "cosine"
+    min_lr_ratio: float = 0.1
+    # rank 0 appends one JSON line per step here (`Metrics`), and TensorBoard scalars to
+    # tensorboard_dir where the tensorboard package is installed
+    metrics_path: str | None = None
+    tensorboard_dir: str | None = None
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of 0-based step ``step``."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.lr_schedule == "constant":
+            return self.lr
+        span = max(1, self.steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        low = self.lr * self.min_lr_ratio
+        return low + (self.lr - low) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 @dataclass(frozen=True)
@@ -100,6 +122,8 @@ class Prediction:
     step_time_s: float | None = None
     stage_memory_bytes: tuple[dict[str, float], ...] = ()
     stage_peak_bytes: tuple[float, ...] = ()
+    mfu: float | None = None  # at the predicted step time; measured MFU scales by the ratio
+    tokens_per_step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -228,6 +252,7 @@ def train(
         if pm.pipeline is not None:
             print(f"[autopar] {pm.pipeline.as_text()}", flush=True)
     results = []
+    metrics = Metrics.open(options, prediction) if mesh.rank == 0 else None
     for step in range(first_step, options.steps):
         t0 = time.perf_counter()
         inputs, targets = task.batch(step, start, start + per_rank)
@@ -258,6 +283,9 @@ def train(
             for p in model.parameters():
                 if p.grad is not None:
                     _local(p.grad).mul_(coef)
+        lr = options.lr_at(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         optimizer.step()
         step_time = time.perf_counter() - t0
         memory = memory_of(model, optimizer)  # before zero_grad: gradients still held
@@ -265,10 +293,14 @@ def train(
         results.append(StepResult(step + 1, mean_loss, grad_norm, step_time, memory))
         if options.log and mesh.rank == 0:
             print(_step_line(results[-1], options.steps, prediction, mesh.pp_rank), flush=True)
+        if metrics is not None:
+            metrics.write(results[-1], lr)
         if ckpt:  # CHECKPOINT: log the step, save when due
             ckpt.after_step(step + 1, mean_loss, grad_norm)
     if ckpt:
         ckpt.close()  # completes a pending asynchronous save
+    if metrics is not None:
+        metrics.close()
     if options.log and results:
         _print_rank_memory(results[-1].memory_bytes, mesh, prediction)
     return results
@@ -387,6 +419,8 @@ def reference_run(
         loss = task.loss(task.forward(model, inputs), targets)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), options.max_grad_norm)
+        for group in optimizer.param_groups:
+            group["lr"] = options.lr_at(step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         results.append(

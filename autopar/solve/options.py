@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from autopar.estimate import CostOptions
 from autopar.estimate.stacks import default_cost_options
+from autopar.hardware import Reliability
 from autopar.solve.refine import RefineOptions
 
 
@@ -28,3 +29,5 @@ class PlanOptions:
     sensitivity: bool = True
     # the search's top configs re-priced by the intra-layer ILP (`autopar.solve.refine`)
     refine: RefineOptions = field(default_factory=RefineOptions)
+    # device failures and checkpoint bandwidth for the plan's goodput; None: the profile's
+    reliability: Reliability | None = None

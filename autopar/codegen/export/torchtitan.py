@@ -1,0 +1,143 @@
+"""A plan as torchtitan's job TOML (torchtitan 0.2: `torchtitan.config.JobConfig`, loaded by its
+ConfigManager with `--job.config_file`).
+
+    dp, fsdp, cp, tp, pp, ep    [parallelism] data_parallel_replicate_degree, _shard_degree,
+                                context_, tensor_, pipeline_, expert_parallel_degree
+    zero_stage                  fsdp_reshard_after_forward: 3 always, 1-2 never
+    micro-batches               [training] local_batch_size (per data-parallel rank and step:
+                                the pipeline's micro-batches x mbs with pp, else mbs) and
+                                global_batch_size (torchtitan accumulates the rest);
+                                pipeline_parallel_microbatch_size = mbs
+    schedule                    pipeline_parallel_schedule (torch's schedule names)
+    recompute                   [activation_checkpoint] mode none / selective (per op) / full
+    checkpoint interval         [checkpoint] interval: the plan's goodput interval
+"""
+
+from __future__ import annotations
+
+from autopar.codegen.export.common import (
+    Exported,
+    ModelShape,
+    Priced,
+    checkpoint_interval,
+    header_lines,
+    toml_value,
+)
+from autopar.config.parallel import DEFAULT_AXIS_ORDER
+from autopar.plan.types import Plan
+
+SCHEDULES = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved_1f1b": "Interleaved1F1B",
+    "zero_bubble": "InterleavedZeroBubble",
+    "dualpipe_v": "DualPipeV",
+}
+# autopar's Hugging Face presets that torchtitan defines as (model name, flavor)
+MODELS = {
+    "llama3-8b": ("llama3", "8B"),
+    "llama3-70b": ("llama3", "70B"),
+    "llama3-405b": ("llama3", "405B"),
+    "deepseek-v3": ("deepseek_v3", "671B"),
+}
+
+
+def export_torchtitan(plan: Plan, shape: ModelShape | None, priced: Priced | None) -> Exported:
+    del shape  # torchtitan builds its own model from [model] name and flavor
+    c = plan.config
+    gaps: list[str] = []
+    sections: dict[str, dict[str, object]] = {
+        "job": {"description": f"{plan.model} as planned by autopar ({c.as_text()})"}
+    }
+    name = (plan.model_source.kwargs.get("name") if plan.model_source else None) or ""
+    if name in MODELS:
+        sections["model"] = {"name": MODELS[name][0], "flavor": MODELS[name][1]}
+    else:
+        which = name or "a factory of your own"
+        gaps.append(
+            f"the model: torchtitan builds models it defines, and {plan.model} ({which}) is "
+            "not one autopar maps; set [model] name and flavor"
+        )
+    if plan.precision == "fp16":
+        gaps.append("fp16: torchtitan's mixed precision takes bfloat16 or float32; bfloat16 set")
+    training: dict[str, object] = {
+        "local_batch_size": c.micro_batch_size * (plan.num_microbatches if c.pp > 1 else 1),
+        "global_batch_size": plan.global_batch_size,
+        "seq_len": plan.seq_len,
+        "max_norm": 1.0,
+        "mixed_precision_param": "float32" if plan.precision == "fp32" else "bfloat16",
+    }
+    sections["training"] = training
+    parallelism: dict[str, object] = {
+        "data_parallel_replicate_degree": c.dp,
+        "data_parallel_shard_degree": c.fsdp,
+        "tensor_parallel_degree": c.tp,
+        "context_parallel_degree": c.cp,
+        "pipeline_parallel_degree": c.pp,
+        "expert_parallel_degree": c.ep,
+    }
+    if c.fsdp > 1:
+        parallelism["fsdp_reshard_after_forward"] = "always" if c.zero_stage == 3 else "never"
+        if c.zero_stage == 1:
+            gaps.append(
+                "zero_stage=1: FSDP2 reduce-scatters gradients (ZeRO-2), so each rank keeps "
+                "less gradient memory than planned"
+            )
+    if c.pp > 1:
+        parallelism["pipeline_parallel_schedule"] = SCHEDULES[c.schedule]
+        parallelism["pipeline_parallel_microbatch_size"] = c.micro_batch_size
+        if c.virtual_stages > 2:
+            gaps.append(
+                f"{c.virtual_stages} virtual stages: torchtitan's multi-stage schedules put 2 "
+                "stages on a rank unless pipeline_parallel_layers_per_stage says otherwise "
+                "(it counts the embedding and the head as layers): set it"
+            )
+        gaps.append(
+            "stage boundaries: torchtitan cuts stages by its own rule (the embedding and the "
+            "head counted as layers); the plan's stages hold "
+            + ", ".join(f"{len(s.layers)}" for s in plan.stages)
+            + " of autopar's layers"
+        )
+    if c.tp > 1 and not c.sequence_parallel:
+        gaps.append(
+            "tp without sequence parallelism: torchtitan always shards the norms' sequence "
+            "with tp (less activation memory, the same communication volume)"
+        )
+    if c.ep > 1:
+        gaps.append(
+            f"ep={c.ep}: torchtitan folds the experts over its dp_shard x cp ranks; the plan "
+            "folds them over the data-parallel replicas"
+        )
+    if c.axis_order is not None and c.axis_order != DEFAULT_AXIS_ORDER:
+        gaps.append(
+            f"axis order {','.join(c.axis_order)}: torchtitan's mesh is always "
+            "pp, dp_replicate, dp_shard, cp, tp (outermost first)"
+        )
+    sections["parallelism"] = parallelism
+    sections["activation_checkpoint"] = _recompute(plan, gaps)
+    checkpoint: dict[str, object] = {"enable": True, "folder": "checkpoint"}
+    interval = checkpoint_interval(plan, async_save=False)
+    if interval:
+        checkpoint["interval"] = interval
+    sections["checkpoint"] = checkpoint
+    lines = [f"# {line}" for line in header_lines(plan, "torchtitan", gaps, priced)]
+    if interval:
+        lines.append(f"# [checkpoint] interval: the plan's goodput interval ({interval} steps)")
+    for section, values in sections.items():
+        lines += ["", f"[{section}]"]
+        lines += [f"{key} = {toml_value(value)}" for key, value in values.items()]
+    return Exported("torchtitan", "torchtitan.toml", "\n".join(lines) + "\n", tuple(gaps))
+
+
+def _recompute(plan: Plan, gaps: list[str]) -> dict[str, object]:
+    c = plan.config
+    if c.recompute == "none":
+        return {"mode": "none"}
+    if c.recompute_layers is not None:
+        gaps.append(
+            f"recompute={c.recompute_text}: torchtitan applies recompute to every block (or "
+            f"every Nth), not the first {c.recompute_layers} of each chunk; every block set"
+        )
+    if c.recompute == "full":
+        return {"mode": "full"}
+    return {"mode": "selective", "selective_ac_option": "op"}
