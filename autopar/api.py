@@ -39,6 +39,7 @@ from autopar.plan.build import (
 )
 from autopar.plan.files import directory_lock, ensure_directory, write_atomic
 from autopar.plan.rebuild import rebuild_model, replanned_note, resized_cluster, sample_inputs
+from autopar.runtime.parts import has_parts
 from autopar.solve import PlanOptions, solve
 from autopar.solve.limits import default_global_batch, space_limits
 from autopar.solve.refine import RecordingEstimator
@@ -112,6 +113,12 @@ def parallelize(
         build_tables(graph), cluster, precision=precision, optimizer=optimizer, options=options.cost
     )
     limits = space_limits(model, graph, cluster, global_batch_size, options.micro_batch_sizes)
+    if not has_parts(model):  # the planner offers only what the runtime can run
+        limits = replace(limits, max_pp=1)
+        notes.append(
+            f"no pipeline plans: autopar's runtime cannot cut {type(model).__name__} into "
+            "stages (autopar.runtime.parts knows its zoo and Hugging Face decoder families)"
+        )
     solution = solve(estimator, graph, cluster, limits, options)
     plan = plan_from_estimate(solution.best, graph, cluster, precision, optimizer, estimator)
     plan = with_sources(plan, model, model_factory, cluster)

@@ -11,8 +11,10 @@ Known factories:
     autopar.models.hf:build    kwargs {"name": preset, **overrides}: next-token loss on
                                `.logits`, seeded counting sequences (learnable) of the plan's
                                sequence length
-    anything else              the user's factory; next-token loss on random token ids when the
-                               model's config has `vocab_size`, otherwise a data hook is needed
+    anything else              the user's factory; its output of any structure (a tensor, a
+                               tuple, a dict, a Hugging Face ModelOutput: `.logits`) gives the
+                               tensor the loss reads; next-token loss on random token ids when
+                               the model's config has `vocab_size`, otherwise a data hook
 
 Synthetic data: step `s`'s global batch is generated from seed `seed + s` alone, so every rank
 (and the single-process reference) sees the same samples; a rank slices its own rows.
@@ -52,6 +54,26 @@ class Task:
 
 def _call(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return model(*inputs)
+
+
+def _first_tensor(out: Any) -> torch.Tensor:
+    """The tensor a loss reads from a model's output of any structure: a tensor itself, a
+    Hugging Face ModelOutput's or a dict's ``logits`` (else its first value), a tuple's first
+    element."""
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(out, dict):
+        return _first_tensor(out["logits"] if "logits" in out else next(iter(out.values())))
+    if isinstance(out, tuple | list) and out:
+        return _first_tensor(out[0])
+    raise TypeError(f"the model returned {type(out).__name__}, which holds no tensor to train on")
+
+
+def _call_any(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return _first_tensor(model(*inputs))
 
 
 def _logits(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -96,7 +118,7 @@ def task_from_source(
     def build() -> nn.Module:
         return build_fn(**kwargs)
 
-    forward = _logits if factory == HF_FACTORY else _call
+    forward = _logits if factory == HF_FACTORY else _call_any
     if hook is not None:
         return Task(build, forward, zoo.lm_loss, hook, factory)
     with torch.device("meta"):

@@ -42,6 +42,9 @@ class SpaceLimits:
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     max_cp: int = 16
     min_seq_for_cp: int = 16384  # context parallelism only pays for long sequences
+    # 0: pp bounded by the repeated layers only; 1: the runtime cannot cut this model into
+    # pipeline stages (`autopar.runtime.parts`), so no pipeline plan is offered
+    max_pp: int = 0
 
 
 def shape_problems(cfg: ParallelConfig, lim: SpaceLimits) -> list[str]:
@@ -107,7 +110,7 @@ def degree_choices(lim: SpaceLimits) -> Iterator[tuple[int, int, int, int, int, 
         if lim.num_kv_heads and lim.num_kv_heads % tp:
             continue
         for pp in divisors(world // tp):
-            if pp > max(1, lim.num_blocks):
+            if pp > max(1, lim.num_blocks) or (lim.max_pp and pp > lim.max_pp):
                 continue
             for cp in divisors(world // (tp * pp)):
                 if cp > 1 and (

@@ -2,7 +2,8 @@
 
 `torch.export.export(strict=False)` traces with fake tensors, so a model built on the meta device
 is captured without allocating its weights. The model is put in training mode for the capture
-(dropout and friends appear as they will in training) and given back in the mode it had.
+(dropout and friends appear as they will in training), without a key/value cache, and given
+back as it was.
 When export fails, the model is run once more, eagerly under a FakeTensorMode with module hooks,
 to find the op and module path that failed, and the error says both.
 """
@@ -45,12 +46,21 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...]) -> torch.export.E
 
 @contextlib.contextmanager
 def _training_mode(model: nn.Module) -> Iterator[None]:
+    """Training mode, and no key/value cache: a Hugging Face model built by the user keeps
+    `config.use_cache=True`, whose DynamicCache output torch.export cannot flatten, and
+    training never reads the cache."""
     was_training = model.training
+    config = getattr(model, "config", None)
+    cached = getattr(config, "use_cache", None)
     model.train()
+    if cached:
+        config.use_cache = False
     try:
         yield
     finally:
         model.train(was_training)
+        if cached:
+            config.use_cache = cached
 
 
 def _locate_failure(model: nn.Module, example_inputs: tuple[Any, ...]) -> str | None:

@@ -92,6 +92,8 @@ def structural_hash(names: list[str], nodes: dict[str, RawNode]) -> str:
             continue  # alias: export's marker for a graph output, not part of the structure
         graph.add_node(name, label=f"{raw.op}|{raw.shapes}|{raw.dtypes}")
         for position, i in enumerate(raw.inputs):
+            while i in inside and nodes[i].op == "aten.alias.default" and nodes[i].inputs:
+                i = nodes[i].inputs[0]  # an alias is its input (skipped above)
             if i not in inside or nodes[i].kind != "call":
                 src = f"ext:{i}"
                 graph.add_node(
