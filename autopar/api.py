@@ -40,6 +40,7 @@ from autopar.plan.build import (
 from autopar.plan.files import directory_lock, ensure_directory, write_atomic
 from autopar.plan.rebuild import rebuild_model, replanned_note, resized_cluster, sample_inputs
 from autopar.runtime.parts import has_parts
+from autopar.runtime.tensor_parallel import splits_every_block
 from autopar.solve import PlanOptions, solve
 from autopar.solve.limits import default_global_batch, space_limits
 from autopar.solve.refine import RecordingEstimator
@@ -113,11 +114,18 @@ def parallelize(
         build_tables(graph), cluster, precision=precision, optimizer=optimizer, options=options.cost
     )
     limits = space_limits(model, graph, cluster, global_batch_size, options.micro_batch_sizes)
-    if not has_parts(model):  # the planner offers only what the runtime can run
+    # the planner offers only what the runtime can run
+    if not has_parts(model):
         limits = replace(limits, max_pp=1)
         notes.append(
             f"no pipeline plans: autopar's runtime cannot cut {type(model).__name__} into "
             "stages (autopar.runtime.parts knows its zoo and Hugging Face decoder families)"
+        )
+    if not splits_every_block(model, limits.num_blocks):
+        limits = replace(limits, max_tp=1)
+        notes.append(
+            f"no tensor-parallel plans: autopar's runtime would leave {type(model).__name__}'s "
+            "blocks replicated (it splits nn.Linear projections it can pair column/row)"
         )
     solution = solve(estimator, graph, cluster, limits, options)
     plan = plan_from_estimate(solution.best, graph, cluster, precision, optimizer, estimator)

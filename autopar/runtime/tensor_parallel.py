@@ -52,6 +52,7 @@ The styles and the collectives they imply (forward; the backward mirrors them):
 
 Public functions:
     tp_plan(model, config, placements=None, vocab_parallel=False) -> dict[str, str]
+    splits_every_block(model, num_blocks) -> bool   # what the planner may offer tp > 1 for
     apply_tensor_parallel(model, tp_mesh, plan) -> model   # re-ties a tied head
     loss_context(plan) -> context manager                   # loss_parallel() for a vocab head
     reduce_partial_grads(model) -> int  # SP norm weight grads: Partial -> Replicate
@@ -129,6 +130,18 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
             found += [(f"{path}.{name}", m) for name, m in items]
             taken.append(path)
     return found
+
+
+def splits_every_block(model: nn.Module, num_blocks: int) -> bool:
+    """Whether tensor parallelism shards something in each repeated block of ``model`` (the
+    traced graph found ``num_blocks``), as the estimator prices them: False where the blocks
+    hold no nn.Linear (GPT-2's Conv1D) or no projection the Megatron rule names, which would
+    run replicated while priced sharded. A model without blocks is a chain of linears."""
+    blocks = find_blocks(model)
+    if not blocks:
+        return num_blocks == 0
+    plan = tp_plan(model, ParallelConfig(tp=2))
+    return all(any(key.startswith(path + ".") for key in plan) for path, _ in blocks)
 
 
 def _has_linear(module: nn.Module) -> bool:

@@ -45,6 +45,8 @@ class SpaceLimits:
     # 0: pp bounded by the repeated layers only; 1: the runtime cannot cut this model into
     # pipeline stages (`autopar.runtime.parts`), so no pipeline plan is offered
     max_pp: int = 0
+    # likewise for tensor parallelism (`autopar.runtime.tensor_parallel.splits_every_block`)
+    max_tp: int = 0
 
 
 def shape_problems(cfg: ParallelConfig, lim: SpaceLimits) -> list[str]:
@@ -105,7 +107,7 @@ def degree_choices(lim: SpaceLimits) -> Iterator[tuple[int, int, int, int, int, 
     """(dp, fsdp, cp, tp, pp, ep) tuples that divide everything they must."""
     world = lim.world_size
     for tp in divisors(lim.devices_per_node):
-        if world % tp or (lim.num_heads and lim.num_heads % tp):
+        if world % tp or (lim.num_heads and lim.num_heads % tp) or (lim.max_tp and tp > lim.max_tp):
             continue
         if lim.num_kv_heads and lim.num_kv_heads % tp:
             continue

@@ -1,6 +1,7 @@
 """The planner offers only what the runtime can run (issue 19, first part): a model the runtime
-cannot cut into pipeline stages (`autopar.runtime.parts`) gets no pipeline plan, and the plan
-says why; a model it can cut still may."""
+cannot cut into pipeline stages (`autopar.runtime.parts`) gets no pipeline plan, one whose
+blocks it cannot split no tensor-parallel plan, and the plan says why; a model it can cut and
+split still may."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import torch
 from torch import nn
 
 import autopar
-from autopar.models import zoo
+from autopar.models import hf, zoo
 from autopar.runtime.parts import has_parts
+from autopar.runtime.tensor_parallel import splits_every_block
 
 
 class TinyTransformer(nn.Module):
@@ -58,3 +60,14 @@ def test_a_model_the_runtime_can_cut_keeps_pipeline_plans_in_the_space():
             "num_degree_choices"
         ]
     )
+
+
+def test_a_model_whose_blocks_the_runtime_cannot_split_gets_no_tensor_parallel_plan():
+    """GPT-2's projections are Conv1D, not nn.Linear: tp would run them replicated while the
+    estimate priced them sharded."""
+    model = hf.build("gpt2-tiny-hf")
+    assert not splits_every_block(model, 2)
+    plan = _plan(model, (torch.randint(0, 128, (1, 64)),), 4)
+    assert plan.config.tp == 1 and all(" tp=1 " in alt["config"] for alt in plan.alternatives)
+    assert any("blocks replicated" in note for note in plan.notes)
+    assert splits_every_block(hf.build("llama-tiny-hf"), 2)
