@@ -42,7 +42,12 @@ from autopar.plan.rebuild import rebuild_model, replanned_note, resized_cluster,
 from autopar.runtime.parts import has_parts
 from autopar.runtime.tensor_parallel import splits_every_block
 from autopar.solve import PlanOptions, solve
-from autopar.solve.limits import default_global_batch, space_limits
+from autopar.solve.limits import (
+    CPU_STEP_AT_PEAK_S,
+    DEFAULT_BATCH_TOKENS,
+    default_global_batch,
+    space_limits,
+)
 from autopar.solve.refine import RecordingEstimator
 from autopar.solve.space import shape_problems
 from autopar.tracing import ModelGraph, trace
@@ -104,12 +109,7 @@ def parallelize(
         graph = trace(model, example_inputs)
     trace_s = time.perf_counter() - start
     if global_batch_size is None:
-        seq_len = graph.input_shapes[0][-1] if graph.input_shapes else 1
-        global_batch_size = default_global_batch(seq_len)
-        notes.append(
-            f"global batch not given: {global_batch_size} sequences "
-            f"({global_batch_size * seq_len:,} tokens, about 4M)"
-        )
+        global_batch_size = _default_batch(graph, cluster, precision, notes)
     estimator = RecordingEstimator(
         build_tables(graph), cluster, precision=precision, optimizer=optimizer, options=options.cost
     )
@@ -133,6 +133,21 @@ def parallelize(
     plan = with_goodput(plan, cluster, options.reliability)
     timings = {"trace": trace_s, **solution.timings, "total": time.perf_counter() - start}
     return with_solution(plan, solution, limits, notes, timings)
+
+
+def _default_batch(graph: ModelGraph, cluster: Cluster, precision: str, notes: list[str]) -> int:
+    """`default_global_batch` for this model and cluster, and the note saying so."""
+    shapes = graph.input_shapes[0] if graph.input_shapes else (1,)
+    seq_len, traced = shapes[-1], shapes[0] if len(shapes) > 1 else 1
+    train_flops = sum(layer.forward_flops + layer.backward_flops for layer in graph.layers)
+    peaks = cluster.profile.device.peak_flops_per_s
+    peak = peaks.get(precision, peaks["fp32"]) * cluster.world_size * cluster.compute_share
+    cap = CPU_STEP_AT_PEAK_S if cluster.profile.kind == "cpu" else None
+    batch = default_global_batch(seq_len, cluster.world_size, train_flops / traced, peak, cap)
+    tokens = batch * seq_len
+    why = "about 4M" if tokens > DEFAULT_BATCH_TOKENS // 2 else "a step of seconds on CPU ranks"
+    notes.append(f"global batch not given: {batch} sequences ({tokens:,} tokens, {why})")
+    return batch
 
 
 def evaluate(

@@ -5,9 +5,12 @@ Out: `SpaceLimits` (`autopar.solve.space`): world size, devices per node, repeat
 (blocks), attention heads, sequence length, experts, global batch and micro-batch sizes. The
 space and `shape_problems` read only these, so the search never needs the model itself.
 
-`default_global_batch`: when the user gives no global batch, the power of two in sequences
-at most 4M tokens (Llama 2 pre-trained with 4M-token batches, Touvron et al. 2023, sec. 2.2;
-the plan states the choice in its notes).
+`default_global_batch`: when the user gives no global batch, at most 4M tokens (Llama 2
+pre-trained with 4M-token batches, Touvron et al. 2023, sec. 2.2); on CPU ranks, where 4M
+tokens is a training run's batch and not a demonstration's, fewer: a step of at most
+`CPU_STEP_AT_PEAK_S` at the cluster's peak (seconds, not minutes, once priced); a power of
+two times the world size's odd factor, so that the data-parallel ranks of 3 or 6 devices
+divide it. The plan states the choice in its notes.
 """
 
 from __future__ import annotations
@@ -21,13 +24,30 @@ from autopar.tracing import ModelGraph
 DEFAULT_BATCH_TOKENS = 4 * 2**20
 
 
-def default_global_batch(seq_len: int) -> int:
-    """The power of two in sequences nearest to 4M tokens (from below)."""
+CPU_STEP_AT_PEAK_S = 0.25
+
+
+def default_global_batch(
+    seq_len: int,
+    world_size: int = 1,
+    flops_per_sequence: float = 0.0,
+    cluster_flops_per_s: float = 0.0,
+    max_step_at_peak_s: float | None = None,
+) -> int:
+    """Sequences per step when none is given (module docstring): 2^k x the odd factor of
+    ``world_size``, the largest at most the target (4M tokens; with ``max_step_at_peak_s``,
+    no more than the cluster's peak trains in that time), and at least that odd factor (model
+    parallelism takes the devices a small batch leaves)."""
     target = max(1, DEFAULT_BATCH_TOKENS // max(seq_len, 1))
+    if max_step_at_peak_s and flops_per_sequence > 0 and cluster_flops_per_s > 0:
+        fast = int(max_step_at_peak_s * cluster_flops_per_s / flops_per_sequence)
+        target = min(target, max(1, fast))
+    odd = world_size // (world_size & -world_size)
+    target = max(target, odd)
     power = 1
-    while power * 2 <= target:
+    while power * 2 * odd <= target:
         power *= 2
-    return power
+    return power * odd
 
 
 def space_limits(
