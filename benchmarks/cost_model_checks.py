@@ -2,7 +2,7 @@
 
     python3 benchmarks/cost_model_checks.py
 
-Collectives: nccl-tests bus bandwidth on DGX H100 (shared/data/hardware_specs.csv notes).
+Collectives: nccl-tests bus bandwidth on DGX H100 (data/hardware_specs.csv notes).
 Activation memory: Korthikanti et al. 2022, sec 4 formulas, for the paper's model shapes.
 Pipeline: bubble fractions of the event simulation against the closed forms.
 The same comparisons are asserted by tests in tests/; this script shows the numbers.

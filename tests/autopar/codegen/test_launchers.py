@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[3]
 
 def _plan(profile: str, nodes: int, config: autopar.ParallelConfig, batch: int) -> Plan:
     model = zoo.build("gpt-tiny", device="meta")
-    cluster = autopar.Cluster.from_profile(profile, nodes)
+    devices = None if nodes > 1 else config.world_size
+    cluster = autopar.Cluster.from_profile(profile, nodes, num_devices=devices)
     inputs = zoo.example_inputs("gpt-tiny", model)
     return autopar.evaluate(
         model, cluster, config, inputs, global_batch_size=batch, precision="fp32"

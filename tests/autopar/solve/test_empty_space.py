@@ -26,11 +26,13 @@ def _plan(gpt, profile: str, batch: int | None, **size):
 
 def test_three_devices_and_a_power_of_two_batch(gpt):
     with pytest.raises(InfeasibleError) as err:
-        _plan(gpt, "local_cpu", None, num_devices=3)
+        _plan(gpt, "local_cpu", 1024, num_devices=3)
     text = str(err.value)
     assert "no parallel config exists for 3 devices (3 per node)" in text
-    assert "global batch of 131072 sequences" in text and "leave 3 data-parallel ranks" in text
+    assert "global batch of 1024 sequences" in text and "leave 3 data-parallel ranks" in text
     assert "a multiple of 3" in text
+    # the default batch is a multiple of the world's odd factor: three devices plan
+    assert _plan(gpt, "local_cpu", None, num_devices=3).global_batch_size % 3 == 0
 
 
 def test_sixteen_nodes_and_a_batch_of_sixteen():
