@@ -39,15 +39,9 @@ from autopar.plan.build import (
 )
 from autopar.plan.files import directory_lock, ensure_directory, write_atomic
 from autopar.plan.rebuild import rebuild_model, replanned_note, resized_cluster, sample_inputs
-from autopar.runtime.parts import has_parts
-from autopar.runtime.tensor_parallel import splits_every_block
+from autopar.runtime.capability import runtime_limits
 from autopar.solve import PlanOptions, solve
-from autopar.solve.limits import (
-    CPU_STEP_AT_PEAK_S,
-    DEFAULT_BATCH_TOKENS,
-    default_global_batch,
-    space_limits,
-)
+from autopar.solve.limits import default_batch_for, space_limits
 from autopar.solve.refine import RecordingEstimator
 from autopar.solve.space import shape_problems
 from autopar.tracing import ModelGraph, trace
@@ -109,45 +103,20 @@ def parallelize(
         graph = trace(model, example_inputs)
     trace_s = time.perf_counter() - start
     if global_batch_size is None:
-        global_batch_size = _default_batch(graph, cluster, precision, notes)
+        global_batch_size, note = default_batch_for(graph, cluster, precision)
+        notes.append(note)
     estimator = RecordingEstimator(
         build_tables(graph), cluster, precision=precision, optimizer=optimizer, options=options.cost
     )
     limits = space_limits(model, graph, cluster, global_batch_size, options.micro_batch_sizes)
-    # the planner offers only what the runtime can run
-    if not has_parts(model):
-        limits = replace(limits, max_pp=1)
-        notes.append(
-            f"no pipeline plans: autopar's runtime cannot cut {type(model).__name__} into "
-            "stages (autopar.runtime.parts knows its zoo and Hugging Face decoder families)"
-        )
-    if not splits_every_block(model, limits.num_blocks):
-        limits = replace(limits, max_tp=1)
-        notes.append(
-            f"no tensor-parallel plans: autopar's runtime would leave {type(model).__name__}'s "
-            "blocks replicated (it splits nn.Linear projections it can pair column/row)"
-        )
+    limits, bounded = runtime_limits(model, limits)  # only what the runtime can run
+    notes += bounded
     solution = solve(estimator, graph, cluster, limits, options)
     plan = plan_from_estimate(solution.best, graph, cluster, precision, optimizer, estimator)
     plan = with_sources(plan, model, model_factory, cluster)
     plan = with_goodput(plan, cluster, options.reliability)
     timings = {"trace": trace_s, **solution.timings, "total": time.perf_counter() - start}
     return with_solution(plan, solution, limits, notes, timings)
-
-
-def _default_batch(graph: ModelGraph, cluster: Cluster, precision: str, notes: list[str]) -> int:
-    """`default_global_batch` for this model and cluster, and the note saying so."""
-    shapes = graph.input_shapes[0] if graph.input_shapes else (1,)
-    seq_len, traced = shapes[-1], shapes[0] if len(shapes) > 1 else 1
-    train_flops = sum(layer.forward_flops + layer.backward_flops for layer in graph.layers)
-    peaks = cluster.profile.device.peak_flops_per_s
-    peak = peaks.get(precision, peaks["fp32"]) * cluster.world_size * cluster.compute_share
-    cap = CPU_STEP_AT_PEAK_S if cluster.profile.kind == "cpu" else None
-    batch = default_global_batch(seq_len, cluster.world_size, train_flops / traced, peak, cap)
-    tokens = batch * seq_len
-    why = "about 4M" if tokens > DEFAULT_BATCH_TOKENS // 2 else "a step of seconds on CPU ranks"
-    notes.append(f"global batch not given: {batch} sequences ({tokens:,} tokens, {why})")
-    return batch
 
 
 def evaluate(

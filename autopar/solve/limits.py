@@ -50,6 +50,20 @@ def default_global_batch(
     return power * odd
 
 
+def default_batch_for(graph: ModelGraph, cluster: Cluster, precision: str) -> tuple[int, str]:
+    """`default_global_batch` for this model and cluster, and the plan's note saying so."""
+    shapes = graph.input_shapes[0] if graph.input_shapes else (1,)
+    seq_len, traced = shapes[-1], shapes[0] if len(shapes) > 1 else 1
+    train_flops = sum(layer.forward_flops + layer.backward_flops for layer in graph.layers)
+    peaks = cluster.profile.device.peak_flops_per_s
+    peak = peaks.get(precision, peaks["fp32"]) * cluster.world_size * cluster.compute_share
+    cap = CPU_STEP_AT_PEAK_S if cluster.profile.kind == "cpu" else None
+    batch = default_global_batch(seq_len, cluster.world_size, train_flops / traced, peak, cap)
+    tokens = batch * seq_len
+    why = "about 4M" if tokens > DEFAULT_BATCH_TOKENS // 2 else "a step of seconds on CPU ranks"
+    return batch, f"global batch not given: {batch} sequences ({tokens:,} tokens, {why})"
+
+
 def space_limits(
     model: Any,
     graph: ModelGraph,
