@@ -301,14 +301,16 @@ def export(
         model = rebuild_model(plan, trust_factory=trust_factory)
         shape = model_shape(getattr(model, "config", None))
         stack = TARGETS[target][1]
-        if price and stack != plan.stack:
-            again = replan(
-                plan,
-                num_nodes=plan.num_nodes,
-                num_devices=plan.world_size,
-                config=plan.config,
-                options=load_stack(stack).options,
-                trust_factory=trust_factory,
+        if price and stack != plan.stack:  # the model built above, priced on the stack
+            again = evaluate(
+                model,
+                resized_cluster(plan, plan.num_nodes, plan.world_size, None),
+                plan.config,
+                sample_inputs(plan, model),
+                global_batch_size=plan.global_batch_size,
+                precision=plan.precision,
+                optimizer=plan.optimizer,
+                stack=stack,
             )
             priced = Priced(stack, again.step_time_s, again.peak_memory_bytes)
     exported = export_plan(plan, target, shape, priced)

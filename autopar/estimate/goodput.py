@@ -87,3 +87,10 @@ def estimate_goodput(
         async_interval_steps=async_steps,
         async_goodput=async_goodput,
     )
+
+
+def goodput_interval(goodput: dict[str, float], async_save: bool) -> int | None:
+    """A plan's best checkpoint interval in steps for the save mode (`Plan.goodput`, the
+    `GoodputEstimate` as a dict); None where the plan priced no failures."""
+    value = (goodput or {}).get("async_interval_steps" if async_save else "sync_interval_steps")
+    return int(value) if value else None

@@ -75,6 +75,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from autopar.errors import AutoparError
+from autopar.estimate.goodput import goodput_interval
 from autopar.models.source import model_fingerprint
 
 FORMAT_VERSION = 1
@@ -448,8 +449,7 @@ def checkpoint_interval(text: str, async_save: bool, goodput: Mapping[str, float
         ValueError: neither a count >= 0 nor auto.
     """
     if text == "auto":
-        key = "async_interval_steps" if async_save else "sync_interval_steps"
-        return int(goodput[key]) if goodput and key in goodput else 100
+        return goodput_interval(dict(goodput or {}), async_save) or 100
     if not text.isdigit():
         raise ValueError(f"--checkpoint-every takes a step count or auto, got {text!r}")
     return int(text)

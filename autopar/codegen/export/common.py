@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.estimate.goodput import goodput_interval
 from autopar.plan.types import Plan
 
 
@@ -113,6 +114,4 @@ def toml_value(value: object) -> str:
 
 def checkpoint_interval(plan: Plan, async_save: bool) -> int | None:
     """The plan's goodput interval in steps for the save mode (`autopar.estimate.goodput`)."""
-    key = "async_interval_steps" if async_save else "sync_interval_steps"
-    value = plan.goodput.get(key) if plan.goodput else None
-    return int(value) if value else None
+    return goodput_interval(plan.goodput, async_save)
