@@ -10,6 +10,7 @@ far the row autopar predicts fastest measures from the grid's best; then three s
 against issue 17's targets.
 
     python3 benchmarks/published_grids.py [--grid PREFIX] [--json FILE]
+    python3 benchmarks/published_grids.py --fit STACK [--fit-what kernels|interference]
 """
 
 from __future__ import annotations
@@ -111,16 +112,24 @@ def price_many(runs: list[GridRun], variants: list[dict]) -> list[list[Priced]]:
     return [[found[run.id] for run in runs] for found in out_all]
 
 
-def fit(runs: list[GridRun], stack: str) -> list[str]:
-    """The stack's kernel factors (matmul efficiency, memory-bound traffic) that minimise the
-    mean |log(predicted / measured)| over its rows: a grid search, every row of the stack at
-    once (no per-row values); prints the median and worst |error| of the best."""
-    mine = [r for r in runs if r.stack == stack and not r.skip and r.measured_step_s]
-    grid = [
+FIT_GRIDS = {
+    # the stack's kernel factors: matmul efficiency and memory-bound traffic
+    "kernels": [
         {"matmul_efficiency": m / 100, "memory_traffic": t / 100}
         for m in range(70, 131, 5)
         for t in (50, 75, 100, 125, 150, 200, 250, 300, 400)
-    ]
+    ],
+    # the compute hidden communication costs, the kernels as the stack's file has them
+    "interference": [{"comm_interference": k / 20} for k in range(21)],
+}
+
+
+def fit(runs: list[GridRun], stack: str, what: str = "kernels") -> list[str]:
+    """The stack's values in ``FIT_GRIDS[what]`` that minimise the mean |log(predicted /
+    measured)| over its rows: a grid search, every row of the stack at once (no per-row
+    values); prints the median and worst |error| of the best."""
+    mine = [r for r in runs if r.stack == stack and not r.skip and r.measured_step_s]
+    grid = FIT_GRIDS[what]
     priced = price_many(mine, grid)
     scored = []
     for changes, rows in zip(grid, priced, strict=True):
@@ -255,11 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", default="", help="only grids whose id starts with this")
     parser.add_argument("--json", type=Path, help="write the priced rows here")
-    parser.add_argument("--fit", metavar="STACK", help="fit STACK's kernel factors to its rows")
+    parser.add_argument("--fit", metavar="STACK", help="fit STACK's values to its rows")
+    parser.add_argument("--fit-what", choices=sorted(FIT_GRIDS), default="kernels",
+                        help="which of STACK's values --fit searches (default: kernels)")
     args = parser.parse_args(argv)
     runs = [r for r in read_grids() if r.grid.startswith(args.grid)]
     if args.fit:
-        print("\n".join(fit(runs, args.fit)))
+        print("\n".join(fit(runs, args.fit, args.fit_what)))
         return 0
     rows = price(runs)
     print("\n".join(report(rows) + summary(rows)))

@@ -33,6 +33,11 @@ class CostOptions:
     fsdp_list_copies: bool = False
     # DDP's default bucket (torch.nn.parallel.DistributedDataParallel bucket_cap_mb=25).
     ddp_bucket_bytes: float = 25 * 2**20
+    # Compute time lost per second of communication hidden behind it: NCCL's kernels occupy
+    # SMs and HBM bandwidth while they overlap a GEMM, and a GEMM sized to one wave of SMs
+    # spills into a second (Lee et al. 2025, arXiv 2507.03114: 18.9% average, 40% worst
+    # compute slowdown under overlap on A100/H100). 0 prices hidden communication as free.
+    comm_interference: float = 0.0
     # Bytes per gradient element in data-parallel reductions: fp32 main gradients (Megatron's
     # default accumulation and FSDP2's reduce dtype in mixed precision recipes).
     grad_bytes: int = 4
@@ -63,6 +68,8 @@ class CostOptions:
     def __post_init__(self) -> None:
         if not 0.0 <= self.tp_comm_overlap <= 1.0:
             raise ValueError(f"tp_comm_overlap must be in [0, 1], got {self.tp_comm_overlap}")
+        if not 0.0 <= self.comm_interference <= 1.0:
+            raise ValueError(f"comm_interference must be in [0, 1], got {self.comm_interference}")
         if self.grad_bytes not in (2, 4):
             raise ValueError(f"grad_bytes must be 2 or 4, got {self.grad_bytes}")
         for name in ("matmul_efficiency", "attention_efficiency", "memory_traffic",

@@ -21,7 +21,7 @@ Format (schema_version 1; every key of a table but ``source`` may be left out, t
     [kernels]    matmul_efficiency, attention_efficiency, memory_traffic, source
     [memory]     activation_factor, logit_copies, reserve_fraction, source
     [overlap]    tp_comm_overlap, overlap_grad_reduce, overlap_param_gather, fsdp_prefetch,
-                 fsdp_per_tensor, fsdp_list_copies, grad_bytes, source
+                 fsdp_per_tensor, fsdp_list_copies, grad_bytes, comm_interference, source
 
 Invariant: a stack that loads gives a valid CostOptions; errors name the file and the field.
 """
@@ -51,6 +51,7 @@ _TABLES = {
         "fsdp_per_tensor",
         "fsdp_list_copies",
         "grad_bytes",
+        "comm_interference",
     ),
 }
 
@@ -75,7 +76,8 @@ class Stack:
             f"  memory   activations x{o.activation_factor:g}, {o.logit_copies:g} logit copies "
             f"at the loss, reserve {o.reserve_fraction:.0%}\n"
             f"  overlap  tp {o.tp_comm_overlap:g}, grad reduce {o.overlap_grad_reduce}, param "
-            f"gather {o.overlap_param_gather}, fsdp prefetch {o.fsdp_prefetch}"
+            f"gather {o.overlap_param_gather}, fsdp prefetch {o.fsdp_prefetch}, compute lost "
+            f"to hidden communication {o.comm_interference:.0%}"
         )
 
 

@@ -27,7 +27,8 @@ Data parallel, per stage, gradients G bytes (params on the rank x grad bytes):
     Overlap (none on a CPU profile: gloo runs on the compute cores): gradient reduction
     hides behind the last micro-batch's backward except the last bucket; FSDP gathers are
     prefetched behind the previous layer's compute (exposed: what the stage's compute cannot
-    cover, plus the first gather).
+    cover, plus the first gather). Hidden communication still slows the compute it overlaps
+    by the stack's `comm_interference` of its time.
 Optimizer: memory bound, bytes per parameter by optimizer and precision (`OPTIMIZER_BYTES`),
 plus the runtime's per-block host time where the profile measured it.
 """
@@ -165,10 +166,16 @@ class StageTimer:
         bwd_compute = st["compute_backward"] + st["recompute"] + st["tp_comm"] / 2
         if not self.options.fsdp_prefetch:
             return sum(gathers), bwd_gathers + sum(scatters)
-        fwd = gathers[0] + max(0.0, sum(gathers[1:]) - fwd_compute)
-        bwd_comm = bwd_gathers + sum(scatters[:-1])
-        bwd = scatters[-1] + max(0.0, bwd_comm - bwd_compute)
+        fwd = gathers[0] + self._hidden(sum(gathers[1:]), fwd_compute)
+        bwd = scatters[-1] + self._hidden(bwd_gathers + sum(scatters[:-1]), bwd_compute)
         return fwd, bwd
+
+    def _hidden(self, comm_s: float, compute_s: float) -> float:
+        """What ``comm_s`` of communication overlapped with ``compute_s`` of compute adds to
+        it: the part compute cannot cover, and the compute the covered part slows
+        (`CostOptions.comm_interference`)."""
+        covered = min(comm_s, compute_s)
+        return comm_s - covered + self.options.comm_interference * covered
 
     def pipeline(
         self, cfg: ParallelConfig, m: int, per_stage: list[StageTimes], mesh: MeshGroups
@@ -236,7 +243,7 @@ class StageTimer:
             )
             gather = mesh.time("all_gather", pbytes, "fsdp")
             if self.options.overlap_param_gather:
-                gather = max(0.0, gather - st["forward"])
+                gather = self._hidden(gather, st["forward"])
             sync = self._overlapped(reduce, grad, st) + gather
         elif cfg.zero_stage == 3 and cfg.dp > 1:
             sync = self._overlapped(mesh.time("all_reduce", grad / cfg.fsdp, "dp"), grad, st)
@@ -268,7 +275,7 @@ class StageTimer:
         if not self.options.overlap_grad_reduce or nbytes <= 0:
             return comm_s
         last_bucket = comm_s * min(1.0, self.options.ddp_bucket_bytes / nbytes)
-        return max(last_bucket, comm_s - st["backward"])
+        return last_bucket + self._hidden(comm_s - last_bucket, st["backward"])
 
     @staticmethod
     def breakdown(

@@ -7,6 +7,8 @@ prices through the mechanisms it names.
   eager stacks' memory-bound ops take twice the traffic; on local_cpu (measured through
   autopar's runtime) the autopar stack prices exactly as its measured curves.
 - `logit_copies` adds whole logit tensors on the last stage, nothing else.
+- `comm_interference` adds its fraction of the FSDP traffic the compute hid, and nothing to
+  a config with no hidden communication.
 - The plan records and prints its stack; a stack and options together are refused.
 """
 
@@ -72,6 +74,7 @@ def test_a_stack_file_of_ones_own(tmp_path):
         (('source = "test"\n[memory]', "[memory]"), "kernels.source: must name"),
         (("grad_bytes = 2", "grad_bytes = true"), "overlap.grad_bytes: must be a finite int"),
         (("grad_bytes = 2", "grad_bytes = 3"), "grad_bytes must be 2 or 4"),
+        (("grad_bytes = 2", "comm_interference = 1.5"), "comm_interference must be in [0, 1]"),
         (('name = "mine"', 'name = "other"'), "must equal the file stem 'mine'"),
     ],
 )
@@ -126,6 +129,40 @@ def test_memory_traffic_prices_the_memory_bound_ops_with_more_bytes(llama):
     b = double.layer_times(cfg, double.mesh(cfg))[block.name]
     assert b.compute_forward_s - a.compute_forward_s == pytest.approx(extra)
     assert b.compute_backward_s - a.compute_backward_s == pytest.approx(2 * extra)
+
+
+def test_hidden_fsdp_traffic_slows_compute_by_the_interference(llama):
+    _, graph = llama
+    tables = build_tables(graph)
+    cluster = autopar.Cluster.from_profile("dgx_h100")
+    # ZeRO-3 over 8 ranks: every gather but the first, and every scatter but the last, hide
+    # behind the compute they can; the covered part is recomputed from the collectives' prices
+    cfg = autopar.ParallelConfig(fsdp=8, zero_stage=3, micro_batch_size=4)
+    runs = {}
+    for k in (0.0, 0.5):
+        est = Estimator(tables, cluster, options=CostOptions(comm_interference=k))
+        mesh = est.mesh(cfg)
+        layers = [t for t in tables.layers if est.memory.params(cfg, [t])]
+        st = est.timer.stage_times(cfg, mesh, layers, est.layer_times(cfg, mesh))
+        runs[k] = (est, mesh, layers, st)
+    est, mesh, layers, st = runs[0.0]
+    gathers = [mesh.time("all_gather", est.memory.params(cfg, [t]) * 2, "fsdp") for t in layers]
+    scatters = [mesh.time("reduce_scatter", est.memory.params(cfg, [t]) * 4, "fsdp")
+                for t in layers]  # fmt: skip
+    fwd_covered = min(sum(gathers[1:]), st["compute_forward"])
+    bwd_covered = min(sum(gathers) + sum(scatters[:-1]), st["compute_backward"])
+    assert fwd_covered > 0 and bwd_covered > 0
+    extra = runs[0.5][3]["fsdp_comm"] - st["fsdp_comm"]
+    assert extra == pytest.approx(0.5 * (fwd_covered + bwd_covered), rel=1e-9)
+    # plain data parallelism with exposed reduction hides nothing: no change
+    dp = autopar.ParallelConfig(dp=8)
+    steps = [
+        Estimator(tables, cluster, options=CostOptions(comm_interference=k,
+                                                       overlap_grad_reduce=False))
+        .evaluate(dp, 64).step_time_s
+        for k in (0.0, 1.0)
+    ]  # fmt: skip
+    assert steps[0] == steps[1]
 
 
 def test_logit_copies_add_whole_logit_tensors_on_the_last_stage(llama):
