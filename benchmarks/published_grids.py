@@ -265,8 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid", default="", help="only grids whose id starts with this")
     parser.add_argument("--json", type=Path, help="write the priced rows here")
     parser.add_argument("--fit", metavar="STACK", help="fit STACK's values to its rows")
-    parser.add_argument("--fit-what", choices=sorted(FIT_GRIDS), default="kernels",
-                        help="which of STACK's values --fit searches (default: kernels)")
+    parser.add_argument(
+        "--fit-what",
+        choices=sorted(FIT_GRIDS),
+        default="kernels",
+        help="which of STACK's values --fit searches (default: kernels)",
+    )
     args = parser.parse_args(argv)
     runs = [r for r in read_grids() if r.grid.startswith(args.grid)]
     if args.fit:
