@@ -57,11 +57,13 @@ PROFILES = (  # hardware text -> shipped profile (first match)
     ("A100 80GB", "dgx_a100_80g"),
     ("A100 40GB", "dgx_a100_40g"),
     ("V100", "dgx_v100"),
+    ("DGX-GB200", "gb200_nvl72"),
 )
 # source_id prefix -> the stack that ran the row (autopar/hardware/stacks.py)
 STACKS = {
     "torchtitan": "torchtitan",
     "megatron": "megatron-core",
+    "mbridge": "megatron-bridge",  # NeMo 2 / Megatron-Bridge containers
     "llmfoundry": "llm-foundry",
     "ds_": "deepspeed",
 }
@@ -112,15 +114,20 @@ def parse_row(row: dict[str, str], run_id: str) -> GridRun:
     base = GridRun(run_id, row["grid_id"], row["source_id"], row["trust"])
     skip = _unsupported(row)
     if skip:
-        return GridRun(**{**base.__dict__, "skip": skip})
+        return GridRun(**{**base.__dict__, "skip": skip, "precision": _precision(row["precision"])})
     notes: list[str] = []
     dims, family = _dims(row, notes)
     num_devices = _int(row["hardware"].split("x")[0])
     profile = next((p for key, p in PROFILES if key in row["hardware"]), "")
     config, batch = _config(row, num_devices, notes)
     stack = next(s for key, s in STACKS.items() if row["source_id"].startswith(key))
-    if "compile" in row["notes"].lower():
+    if "compile" in (row["notes"] + row["precision"]).lower():
         stack += "-compile"
+    elif stack == "torchtitan" and _precision(row["precision"]) != "bf16":
+        # torchtitan's docs/float8.md: --training.compile is "required for competitive
+        # performance" (it fuses the float8 scaling and casts)
+        stack += "-compile"
+        notes.append("Float8 under torch.compile (torchtitan's float8 docs require it)")
     step, how = _measured_step(row, dims, batch, num_devices)
     memory = re.search(r"mem=([0-9.]+)GiB", row["measured"])
     ran = not (row["source_id"].startswith("ds_") and step is None)
@@ -133,22 +140,49 @@ def parse_row(row: dict[str, str], run_id: str) -> GridRun:
             "num_devices": num_devices,
             "config": config,
             "global_batch": batch,
-            "precision": "fp16" if "fp16" in row["precision"] else "bf16",
+            "precision": _precision(row["precision"]),
             "stack": stack,
             "measured_step_s": step,
             "measured_from": how,
             "measured_memory_bytes": float(memory.group(1)) * GiB if memory else None,
             "ran": ran,
-            "option_changes": (("grad_bytes", 2),) if "PURE" in row["precision"] else (),
+            "option_changes": _option_changes(row, notes),
             "assumptions": tuple(notes),
         }
     )
 
 
+# torchtitan's async TP (torch._micro_pipeline_tp) splits each TP matmul and its all-gather /
+# reduce-scatter into tp steps and overlaps them, as TransformerEngine's userbuffers do: the
+# same hidden fraction as Megatron-Core's --tp-comm-overlap (the megatron-core stack's 0.8)
+ASYNC_TP_OVERLAP = 0.8
+
+
+def _option_changes(row: dict[str, str], notes: list[str]) -> tuple[tuple[str, object], ...]:
+    """Settings the row states that differ from its stack's defaults."""
+    changes: list[tuple[str, object]] = []
+    if "PURE" in row["precision"]:
+        changes.append(("grad_bytes", 2))
+    if "async" in (row["precision"] + row["notes"]).lower() and _int(row["tp"]) > 1:
+        changes.append(("tp_comm_overlap", ASYNC_TP_OVERLAP))
+        notes.append(f"async TP: {ASYNC_TP_OVERLAP:.0%} of the TP collectives hidden")
+    return tuple(changes)
+
+
+def _precision(text: str) -> str:
+    """The row's precision as autopar names it (`autopar.config.precision`)."""
+    text = text.lower()
+    if "nvfp4" in text:
+        return "nvfp4"
+    if "mxfp8" in text or "fp8-mx" in text:
+        return "mxfp8"
+    if "fp8" in text or "float8" in text:
+        # torchtitan's Float8 default and TransformerEngine's delayed / current scaling
+        return "fp8-tensorwise"
+    return "fp16" if "fp16" in text else "bf16"
+
+
 def _unsupported(row: dict[str, str]) -> str | None:
-    precision = row["precision"].lower()
-    if any(k in precision for k in ("fp8", "float8", "nvfp4", "mxfp8")):
-        return f"precision {row['precision']!r}: FP8 and MX formats are not priced (issue 18)"
     source = row["source_id"]
     if "aceso" in source:
         return "per-stage tensor-parallel degrees (Aceso's non-uniform stages): not expressible"
@@ -215,10 +249,12 @@ def _config(
     tp, pp = _int(row["tp"]) or 1, _int(row["pp"]) or 1
     cp = _int(row["cp"]) or 1
     zero_text = row["fsdp_zero"]
-    sharded = zero_text.startswith(("FSDP", "ZeRO stage"))
+    sharded = zero_text.startswith(("FSDP", "ZeRO stage", "Megatron-FSDP", "dist-optimizer"))
     zero = 0
-    if zero_text.startswith("FSDP"):
+    if zero_text.startswith(("FSDP", "Megatron-FSDP")):
         zero = 3
+    elif zero_text.startswith("dist-optimizer"):
+        zero = 1  # Megatron's distributed optimizer: ZeRO-1 over the data-parallel ranks
     elif zero_text.startswith("ZeRO stage"):
         zero = _int(zero_text.split("stage")[1])
     data = num_devices // (tp * pp * cp)
@@ -231,6 +267,8 @@ def _config(
     mbs = _int(row["mbs"]) or 1
     batch = _int(row["gbs"])
     recompute = _recompute(row["recompute"], notes)
+    vp = _int(row["vp"]) or 1
+    schedule = "interleaved_1f1b" if pp > 1 and vp > 1 else "1f1b"
     config = autopar.ParallelConfig(
         dp=dp,
         fsdp=fsdp,
@@ -239,7 +277,8 @@ def _config(
         cp=cp,
         zero_stage=zero,
         micro_batch_size=mbs,
-        schedule="1f1b",
+        schedule=schedule,
+        virtual_stages=vp if schedule == "interleaved_1f1b" else 1,
         recompute=recompute,
         sequence_parallel=tp > 1,
     )

@@ -29,8 +29,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
-Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
+# mxfp8 / nvfp4: Blackwell's block-scaled tensor-core formats (their own rates)
+DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4")
+Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4"]
 OpClass = Literal["matmul", "attention", "elementwise", "reduction"]
 OP_CLASSES = ("matmul", "attention", "elementwise", "reduction")
 

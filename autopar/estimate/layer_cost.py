@@ -16,6 +16,11 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
         backward reduce-scatters dK and dV, the same sizes.
     EP: two all-to-alls of tokens x top_k x hidden forward (dispatch, combine), two backward,
         over the ep group, tokens b s / (t c) per rank.
+    low precision (a recipe of `autopar.config.precision`, on the blocks it converts): each
+        linear's three GEMMs run at the recipe's rate (its `gemm_dtype` peak on the matmul
+        curve, FLOPs over `gemm_efficiency`); its scaling, casts and transposes are one
+        memory-bound op forward and one backward of `cast_forward` / `cast_backward` x the
+        linear's activation and weight bytes, times the stack's `cast_traffic`.
     recompute: full re-runs the forward (compute and its collectives); selective re-runs the
         memory-bound ops (the matmul and attention outputs are kept).
     runtime overhead (profiles measured by `autopar profile`, [runtime]): o per repeated layer
@@ -43,6 +48,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from autopar.config import SPLIT_BACKWARD, ParallelConfig
+from autopar.config.precision import Recipe
 from autopar.estimate.tables import LayerTable
 from cost_models.compute import DeviceSpec, op_time_s
 
@@ -89,25 +95,37 @@ def layer_time(
     model_overheads: Mapping[str, float] | None = None,
     *,
     memory_traffic: float = 1.0,
+    recipe: Recipe | None = None,
+    cast_traffic: float = 1.0,
 ) -> LayerTime:
     """One micro-batch of ``cfg.micro_batch_size`` samples through ``table``'s layer;
     ``overheads``: the profile's `runtime_overhead_s`, ``model_overheads`` its
     `model_overhead_s`, given for the model's last layer only (module docstring);
     ``memory_traffic``: the stack's bytes of memory-bound ops per traced byte
-    (`CostOptions.memory_traffic`)."""
+    (`CostOptions.memory_traffic`); ``recipe``: the low-precision recipe its linears run in
+    (`autopar.config.precision`), their GEMMs at its rate plus its casts' traffic, times
+    ``cast_traffic`` (`CostOptions.cast_traffic`)."""
     b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
     weight_div = {"tp": t, "rep": 1, "expert": max(cfg.ep, t)}
     flop_div = {"tp": t * c, "rep": c, "expert": t * c}
     fwd = bwd = wgrad = 0.0
+    cast_f = cast_b = 0.0  # a recipe's scaling, casts and transposes (module docstring)
     for op in table.matmuls:
         d = flop_div[op.shard]
-        io = (
-            op.activation_bytes * b * act_scale / d
-            + op.weight_bytes * act_scale / weight_div[op.shard]
-        )
-        fwd += op_time_s(device, "matmul", op.flops * b / d, io, dtype)
-        back = op_time_s(device, "matmul", op.backward_flops * b / d, 2 * io, dtype)
+        acts = op.activation_bytes * b * act_scale / d
+        weights = op.weight_bytes * act_scale / weight_div[op.shard]
+        io = acts + weights
+        low = recipe is not None and op.weight_bytes > 0  # a linear layer, not a bmm
+        gemm, scale = (recipe.gemm_dtype, 1 / recipe.gemm_efficiency) if low else (dtype, 1.0)
+        fwd += op_time_s(device, "matmul", op.flops * b / d * scale, io, gemm)
+        back = op_time_s(device, "matmul", op.backward_flops * b / d * scale, 2 * io, gemm)
         bwd += back
+        if low:
+            (fa, fw), (ba, bw) = recipe.cast_forward, recipe.cast_backward
+            cast_f += op_time_s(device, "elementwise", 0.0, (fa * acts + fw * weights)
+                                * cast_traffic, "fp32")  # fmt: skip
+            cast_b += op_time_s(device, "elementwise", 0.0, (ba * acts + bw * weights)
+                                * cast_traffic, "fp32")  # fmt: skip
         if op.backward_flops:
             wgrad += back * op.weight_grad_flops / op.backward_flops
     attn_fwd = attn_bwd = 0.0
@@ -118,8 +136,8 @@ def layer_time(
         attn_bwd += op_time_s(device, "attention", op.backward_flops * b / d, 2 * io, dtype)
     mem = _memory_ops_time(table, cfg, device, act_scale * memory_traffic)
     host = runtime_overhead_s(overheads if table.kind == "block" else model_overheads, cfg)
-    fwd += attn_fwd + mem + host / 3
-    bwd += attn_bwd + 2 * mem + 2 * host / 3
+    fwd += attn_fwd + mem + host / 3 + cast_f
+    bwd += attn_bwd + 2 * mem + 2 * host / 3 + cast_b
     tp_f = _tp_comm(table, cfg, act_scale, comm) * (1 - tp_overlap)
     cp_f, cp_b = _cp_comm(table, cfg, act_scale, comm)
     ep = _ep_comm(table, cfg, act_scale, comm)

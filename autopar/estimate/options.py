@@ -38,6 +38,9 @@ class CostOptions:
     # spills into a second (Lee et al. 2025, arXiv 2507.03114: 18.9% average, 40% worst
     # compute slowdown under overlap on A100/H100). 0 prices hidden communication as free.
     comm_interference: float = 0.0
+    # ZeRO-3 gathers a low-precision recipe's linear weights already cast to FP8 (torchao's
+    # enable_fsdp_float8_all_gather, per-tensor scales only), halving their traffic.
+    fp8_all_gather: bool = False
     # Bytes per gradient element in data-parallel reductions: fp32 main gradients (Megatron's
     # default accumulation and FSDP2's reduce dtype in mixed precision recipes).
     grad_bytes: int = 4
@@ -54,6 +57,10 @@ class CostOptions:
     matmul_efficiency: float = 1.0
     attention_efficiency: float = 1.0
     memory_traffic: float = 1.0
+    # A low-precision recipe's scaling and casts move `cast_traffic` times the bytes of one
+    # fused amax-cast(-transpose) kernel per operand (TransformerEngine's, or torch.compile's
+    # of torchao's); eager torchao runs the amax and the cast as separate kernels.
+    cast_traffic: float = 1.0
     # Saved activations as a multiple of what the trace's tensors saved for backward say
     # (a compiler that recomputes cheap pointwise ops in the backward saves fewer).
     activation_factor: float = 1.0
@@ -73,7 +80,7 @@ class CostOptions:
         if self.grad_bytes not in (2, 4):
             raise ValueError(f"grad_bytes must be 2 or 4, got {self.grad_bytes}")
         for name in ("matmul_efficiency", "attention_efficiency", "memory_traffic",
-                     "activation_factor"):  # fmt: skip
+                     "cast_traffic", "activation_factor"):  # fmt: skip
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")

@@ -18,10 +18,11 @@ Format (schema_version 1; every key of a table but ``source`` may be left out, t
     schema_version = 1
     name = "torchtitan"                 # the file stem
     description = "..."
-    [kernels]    matmul_efficiency, attention_efficiency, memory_traffic, source
+    [kernels]    matmul_efficiency, attention_efficiency, memory_traffic, cast_traffic, source
     [memory]     activation_factor, logit_copies, reserve_fraction, source
     [overlap]    tp_comm_overlap, overlap_grad_reduce, overlap_param_gather, fsdp_prefetch,
-                 fsdp_per_tensor, fsdp_list_copies, grad_bytes, comm_interference, source
+                 fsdp_per_tensor, fsdp_list_copies, grad_bytes, comm_interference,
+                 fp8_all_gather, source
 
 Invariant: a stack that loads gives a valid CostOptions; errors name the file and the field.
 """
@@ -41,7 +42,7 @@ from autopar.estimate.options import CostOptions
 
 DEFAULT_STACK = "autopar"
 _TABLES = {
-    "kernels": ("matmul_efficiency", "attention_efficiency", "memory_traffic"),
+    "kernels": ("matmul_efficiency", "attention_efficiency", "memory_traffic", "cast_traffic"),
     "memory": ("activation_factor", "logit_copies", "reserve_fraction"),
     "overlap": (
         "tp_comm_overlap",
@@ -52,6 +53,7 @@ _TABLES = {
         "fsdp_list_copies",
         "grad_bytes",
         "comm_interference",
+        "fp8_all_gather",
     ),
 }
 

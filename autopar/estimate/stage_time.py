@@ -76,6 +76,9 @@ class StageTimer:
         self.options = options
         self.act_scale = act_scale
         self.pipeline_timer = PipelineTimer()
+        # per layer, its ZeRO-3 gather's bytes against the precision's: FSDP gathers a low-
+        # precision recipe's linears already cast (1 byte, not 2) where the stack does so
+        self.gather_scale: dict[str, float] = {}
 
     def stage_times(
         self,
@@ -144,11 +147,13 @@ class StageTimer:
             size = self.memory.params(cfg, [table]) * pbytes
             if not size:
                 continue
+            scatter_size = size
+            size *= self.gather_scale.get(table.name, 1.0)
             # one collective per layer (FSDP units), or one per parameter tensor (ZeRO-3 as
             # DeepSpeed ran it in 2021), each paying the group's latency
             calls = table.num_param_tensors if self.options.fsdp_per_tensor else 1
             gather = size / calls
-            scatter = gather * grad_ratio
+            scatter = scatter_size / calls * grad_ratio
             gathers.append(calls * timed("all_gather", gather))
             scatters.append(calls * timed("reduce_scatter", scatter))
             if recomputed is None or table.name in recomputed:

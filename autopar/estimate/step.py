@@ -37,6 +37,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from autopar.config import ParallelConfig
+from autopar.config.precision import (
+    Recipe,
+    base_precision,
+    canonical,
+    check_recipe,
+    recipe_of,
+)
 from autopar.errors import ConfigError
 from autopar.estimate.layer_cost import LayerTime, layer_time
 from autopar.estimate.memory import OPTIMIZER_BYTES, PRECISION_BYTES, StageMemory, dispatched
@@ -101,8 +108,13 @@ class Estimator:
         optimizer: str = "adamw",
         options: CostOptions | None = None,
     ) -> None:
-        if precision not in PRECISION_BYTES:
-            raise ConfigError(f"precision must be one of bf16, fp16, fp32, got {precision!r}")
+        self.recipe = recipe_of(precision)  # ConfigError for an unknown precision
+        if self.recipe is not None:
+            profile = cluster.profile
+            check_recipe(self.recipe, profile.name, profile.device.name, profile.kind,
+                         profile.device.peak_flops_per_s)  # fmt: skip
+        self.precision_name = canonical(precision)
+        precision = base_precision(precision)
         if (optimizer, True) not in OPTIMIZER_BYTES:
             known = sorted({k for k, _ in OPTIMIZER_BYTES})
             raise ConfigError(f"optimizer must be one of {', '.join(known)}, got {optimizer!r}")
@@ -138,7 +150,12 @@ class Estimator:
             precision=precision, optimizer=optimizer, options=self.options, act_scale=self.act_scale
         )
         self.memory = StageMemory(tables, **common)
+        self.converted = converted_layers(tables, self.recipe)
         self.timer = StageTimer(tables, cluster, self.memory, **common)
+        if self.recipe and self.recipe.fp8_all_gather and self.options.fp8_all_gather:
+            self.timer.gather_scale = {
+                name: 1 - fraction / 2 for name, fraction in self.converted.items()
+            }
         # the runtime overheads tell FSDP2 ZeRO-3 from ZeRO-1/2 (`_times_key`)
         self._zero3_apart = bool(cluster.profile.runtime_overhead_s)
         self.peak_flops = self.device.peak(precision)
@@ -309,7 +326,8 @@ class Estimator:
             # the model's last layer also carries the runtime's host work outside the
             # repeated layers, once per micro-batch
             model = table.name == last and bool(profile.model_overhead_s)
-            key = (table.class_id, model)
+            recipe = self.recipe if table.name in self.converted else None
+            key = (table.class_id, model, recipe is not None)
             if key not in by_class:
                 by_class[key] = layer_time(
                     dispatched(cfg, table),
@@ -323,6 +341,8 @@ class Estimator:
                     profile.runtime_overhead_s,
                     profile.model_overhead_s if model else None,
                     memory_traffic=self.memory_traffic,
+                    recipe=recipe,
+                    cast_traffic=self.options.cast_traffic,
                 )
             out[table.name] = by_class[key]
         return out
@@ -352,6 +372,22 @@ class Estimator:
             return self._partition_cache[key]
 
         return split_chunks(self.tables.layers, cfg, balanced)
+
+
+def converted_layers(tables: ModelTables, recipe: Recipe | None) -> dict[str, float]:
+    """The blocks ``recipe`` runs in low precision (all but its BF16 edge blocks), each with
+    the fraction of its parameter bytes in the converted linears (their weights)."""
+    if recipe is None:
+        return {}
+    blocks = [t for t in tables.layers if t.kind == "block"]
+    keep = recipe.edge_blocks_in_bf16
+    inner = blocks[keep : len(blocks) - keep] if len(blocks) > 2 * keep else []
+    out = {}
+    for t in inner:
+        params = (t.params_tp + t.params_rep + t.params_expert) * tables.traced_float_bytes
+        linear = sum(op.weight_bytes for op in t.matmuls)
+        out[t.name] = min(1.0, linear / params) if params else 0.0
+    return out
 
 
 def stack_device(device: DeviceSpec, options: CostOptions, reference: CostOptions) -> DeviceSpec:
