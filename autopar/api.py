@@ -25,6 +25,7 @@ from autopar.codegen import program_text
 from autopar.codegen.export import TARGETS, Exported, Priced, export_plan, model_shape
 from autopar.codegen.launchers import LAUNCHERS
 from autopar.config import ParallelConfig
+from autopar.config.precision import base_precision, canonical
 from autopar.errors import ConfigError
 from autopar.estimate import CostOptions, Estimator, build_tables
 from autopar.estimate.stacks import load_stack, stack_options
@@ -39,7 +40,11 @@ from autopar.plan.build import (
 )
 from autopar.plan.files import directory_lock, ensure_directory, write_atomic
 from autopar.plan.rebuild import rebuild_model, replanned_note, resized_cluster, sample_inputs
-from autopar.runtime.capability import runtime_limits
+from autopar.runtime.capability import (
+    low_precision_limits,
+    precision_candidates,
+    runtime_limits,
+)
 from autopar.solve import PlanOptions, solve
 from autopar.solve.limits import default_batch_for, space_limits
 from autopar.solve.refine import RecordingEstimator
@@ -71,7 +76,9 @@ def parallelize(
         example_inputs: one sample's inputs; inferred (token ids of the model's context length)
             for Hugging Face causal LMs and the zoo's language models when omitted.
         global_batch_size: sequences per step; default about 4M tokens (stated in the plan).
-        precision, optimizer: as for `evaluate`.
+        precision, optimizer: as for `evaluate`; precision "auto" plans BF16 and every
+            recipe the device (and the stack's runtime) runs, returns the fastest and notes
+            what it bought, or why BF16 is the only choice.
         options: PlanOptions (cost-model options, micro-batch sizes, progress callback).
         graph: a ModelGraph already traced from this model and inputs.
         model_factory: how the generated program builds the model: "module:function", or
@@ -103,20 +110,62 @@ def parallelize(
         graph = trace(model, example_inputs)
     trace_s = time.perf_counter() - start
     if global_batch_size is None:
-        global_batch_size, note = default_batch_for(graph, cluster, precision)
+        base = "bf16" if precision == "auto" else base_precision(precision)
+        global_batch_size, note = default_batch_for(graph, cluster, base)
         notes.append(note)
+    if precision == "auto":
+        return _parallelize_auto(
+            model, cluster, graph, global_batch_size, optimizer, options, model_factory, notes
+        )
+    precision = canonical(precision)
     estimator = RecordingEstimator(
         build_tables(graph), cluster, precision=precision, optimizer=optimizer, options=options.cost
     )
     limits = space_limits(model, graph, cluster, global_batch_size, options.micro_batch_sizes)
     limits, bounded = runtime_limits(model, limits)  # only what the runtime can run
-    notes += bounded
+    limits, more = low_precision_limits(limits, precision, options.cost.stack)
+    notes += bounded + more
     solution = solve(estimator, graph, cluster, limits, options)
     plan = plan_from_estimate(solution.best, graph, cluster, precision, optimizer, estimator)
     plan = with_sources(plan, model, model_factory, cluster)
     plan = with_goodput(plan, cluster, options.reliability)
     timings = {"trace": trace_s, **solution.timings, "total": time.perf_counter() - start}
     return with_solution(plan, solution, limits, notes, timings)
+
+
+def _parallelize_auto(
+    model: nn.Module,
+    cluster: Cluster,
+    graph: ModelGraph,
+    global_batch_size: int,
+    optimizer: str,
+    options: PlanOptions,
+    model_factory: ModelFactory,
+    notes: list[str],
+) -> Plan:
+    """``precision="auto"``: the fastest plan over BF16 and the recipes the device and the
+    stack run (`runtime.capability.precision_candidates`), with a note of what it bought."""
+    names, why_not = precision_candidates(cluster.profile, options.cost.stack)
+    plans = {
+        name: parallelize(
+            model, cluster, global_batch_size=global_batch_size, precision=name,
+            optimizer=optimizer, options=options, graph=graph, model_factory=model_factory,
+        )
+        for name in names
+    }  # fmt: skip
+    best = min(plans.values(), key=lambda p: p.step_time_s)
+    bf16 = plans["bf16"].step_time_s
+    if why_not:
+        said = f"precision auto: bf16, {why_not}"
+    else:
+        others = ", ".join(
+            f"{name} {bf16 / p.step_time_s:.2f}x" for name, p in plans.items() if name != "bf16"
+        )
+        said = (
+            f"precision auto: {best.precision}, {bf16 / best.step_time_s:.2f}x the speed of bf16 "
+            f"({best.step_time_s:.3f} s against {bf16:.3f} s a step; {others})"
+        )
+    return replace(best, notes=(*notes, said, *best.notes))
 
 
 def evaluate(
@@ -142,7 +191,10 @@ def evaluate(
         config: the degrees, schedule, recompute policy, micro-batch size to price.
         example_inputs: one sample's inputs (batch 1); not needed when ``graph`` is given.
         global_batch_size: sequences per optimizer step.
-        precision: "bf16", "fp16" or "fp32" (training dtype; fp32 master weights otherwise).
+        precision: "bf16", "fp16" or "fp32" (training dtype; fp32 master weights otherwise), or
+            a low-precision recipe for the blocks' linears on BF16 (`autopar.config.precision`:
+            "fp8" = "fp8-tensorwise", "fp8-rowwise", "mxfp8", "nvfp4"); a device without its
+            tensor cores is refused naming both.
         optimizer: "adamw", "adam", "sgd", "sgd_momentum".
         options: framework behaviour (overlaps, buffer sizes, kernels); default: the stack
             autopar's own runtime.
@@ -173,6 +225,7 @@ def evaluate(
             + "; ".join(problems)
         )
     options = stack_options(stack, options)
+    precision = canonical(precision)
     estimator = Estimator(
         build_tables(graph), cluster, precision=precision, optimizer=optimizer, options=options
     )

@@ -92,7 +92,16 @@ def _add_planning_verbs(verbs: argparse._SubParsersAction) -> None:
     plan.add_argument("--devices", type=int, help="total devices instead of --nodes")
     plan.add_argument("--batch", type=int, help="global batch in sequences (default ~4M tokens)")
     plan.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
-    plan.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    plan.add_argument(
+        "--precision",
+        default="bf16",
+        choices=PRECISIONS,
+        help="training dtype, a low-precision recipe for the linears (fp8 = fp8-tensorwise, "
+        "fp8-rowwise, mxfp8, nvfp4), or auto: the fastest the device runs (default bf16)",
+    )
+    plan.add_argument(
+        "--stack", help="software stack that will run the plan (default: autopar's runtime)"
+    )
     plan.add_argument("--time-limit", type=float, help="search time limit in seconds")
     plan.add_argument("-o", "--out", default="out", help="directory for plan.json (default out/)")
     plan.add_argument("--json", action="store_true", help="print the plan's JSON only")

@@ -12,9 +12,11 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from autopar.config.precision import PRECISIONS as _KNOWN
 from autopar.errors import AutoparError
 
-PRECISIONS = ("bf16", "fp16", "fp32")
+# "auto": the planner picks BF16 or a low-precision recipe the device runs (`parallelize`)
+PRECISIONS = (*_KNOWN, "auto")
 
 
 def cluster_from_args(profile: str, nodes: int | None, devices: int | None):  # -> Cluster
@@ -61,6 +63,7 @@ def run_plan(args: argparse.Namespace) -> str:
         precision=args.precision,
         options=options,
         model_factory=loaded.factory,
+        stack=args.stack,
     )
     path = plan.save(Path(args.out), program=False)
     written = [str(path)]

@@ -16,6 +16,7 @@ from torch import nn
 
 from autopar.models.source import build_from_source
 from autopar.plan import Plan
+from autopar.runtime.low_precision import RUNTIME_PRECISIONS
 from autopar.runtime.parallelize import pipeline_tp_plan
 from autopar.runtime.pipeline import SCHEDULES, layout_for
 from autopar.runtime.tensor_parallel import collectives_of, find_blocks, tp_plan
@@ -78,8 +79,9 @@ Options: --steps N, --tokens FILE (a flat file of token ids, nanoGPT's .bin (uin
 --tokens-dtype) or a .npy, memory-mapped and read by step: autopar.runtime.data), --data
 module:fn (fn(step, start, stop) -> (inputs, targets): samples [start, stop) of step's global
 batch); default: seeded synthetic data. --lr, --warmup-steps, --lr-schedule constant|cosine,
---seed, --precision fp32|bf16, --device cpu|cuda. --metrics FILE: one JSON line per step
-(loss, tokens/s, MFU, memory beside the plan's); --tensorboard DIR: the same as scalars.
+--seed, --precision fp32|bf16|fp8-tensorwise|fp8-rowwise (default: the plan's), --device
+cpu|cuda. --metrics FILE: one JSON line per step (loss, tokens/s, MFU, memory beside the
+plan's); --tensorboard DIR: the same as scalars.
 Checkpoints (torch.distributed.checkpoint): --checkpoint-dir DIR saves model, optimizer, step
 and RNG states every --checkpoint-every N steps (default auto: the plan's Young/Daly interval
 for its failure rate, else 100; --async-checkpoint: in the background) and resumes from the
@@ -295,7 +297,8 @@ def _recompute(plan: Plan, model: nn.Module) -> str:
 
 
 def _main(plan: Plan) -> str:
-    precision = "fp32" if plan.precision == "fp32" else "bf16"
+    # the plan's recipe (fp8-tensorwise, ...) or dtype; fp16 plans train in bf16 here
+    precision = plan.precision if plan.precision in RUNTIME_PRECISIONS else "bf16"
     pred = {
         "step_time_s": plan.step_time_s,
         "peak GiB per stage": [round(s.peak_memory_bytes / GiB, 3) for s in plan.stages],
@@ -323,7 +326,7 @@ def main() -> None:
     parser.add_argument("--metrics", help="append one JSON line per step here (rank 0)")
     parser.add_argument("--tensorboard", help="TensorBoard log directory (rank 0)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--precision", choices=("fp32", "bf16"), default={precision!r})
+    parser.add_argument("--precision", choices={RUNTIME_PRECISIONS!r}, default={precision!r})
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None)
     parser.add_argument("--checkpoint-dir", help="save and resume checkpoints here")
     parser.add_argument(

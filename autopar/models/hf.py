@@ -37,6 +37,7 @@ from torch import nn
 
 from autopar.errors import AutoparError
 from autopar.models.hf_presets import HF_PRESETS, HFPreset
+from autopar.models.quiet import import_torchao
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -57,6 +58,7 @@ _BASE_KWARGS = frozenset({"attn_implementation", "experts_implementation", "dtyp
 
 
 def _transformers() -> Any:
+    import_torchao()  # transformers imports it while building a model: without its noise
     try:
         import transformers
     except ImportError as err:

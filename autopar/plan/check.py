@@ -22,10 +22,10 @@ import math
 from typing import Any
 
 from autopar.config import ParallelConfig
+from autopar.config.precision import PRECISIONS
 from autopar.errors import AutoparError
 from autopar.hardware import Cluster, shipped_profile_names
 
-PRECISIONS = ("bf16", "fp16", "fp32")
 _INTEGERS = {"num_params": 0, "seq_len": 1, "num_nodes": 1, "world_size": 1}
 _INTEGERS |= {"global_batch_size": 1, "num_microbatches": 1, "schema_version": 1}
 _STRINGS = ("model", "cluster", "optimizer", "cluster_fingerprint", "stack")

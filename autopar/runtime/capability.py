@@ -7,9 +7,11 @@ carries them):
     pipeline stages     `autopar.runtime.parts` has no cut for the model's class -> pp = 1
     tensor parallelism  `tensor_parallel.splits_every_block` finds a block it would leave
                         replicated while the estimate prices it sharded -> tp = 1
+    low precision       an FP8 recipe, for autopar's runtime: tp = 1 (torchao's Float8 TP
+                        styles are not applied: `low_precision_limits`)
 
 Invariant: the search offers no config the generated program would refuse or run otherwise
-than priced, for these two axes.
+than priced, for these axes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import replace
 
 from torch import nn
 
+from autopar.config.precision import canonical, recipe_of, supported_recipes
 from autopar.runtime.parts import has_parts
 from autopar.runtime.tensor_parallel import splits_every_block
 from autopar.solve.space import SpaceLimits
@@ -40,3 +43,35 @@ def runtime_limits(model: nn.Module, limits: SpaceLimits) -> tuple[SpaceLimits, 
             "replicated (it splits nn.Linear projections it can pair column/row)"
         )
     return limits, notes
+
+
+def low_precision_limits(
+    limits: SpaceLimits, precision: str, stack: str
+) -> tuple[SpaceLimits, list[str]]:
+    """``limits`` for a plan in ``precision`` run by ``stack``: autopar's runtime (stack
+    "autopar", or values of one's own) converts FP8 linears with torchao but applies no Float8
+    tensor-parallel styles, so its FP8 plans keep tp = 1; other stacks are priced as they run."""
+    if recipe_of(precision) is None or stack not in ("autopar", "") or limits.max_tp == 1:
+        return limits, []
+    return replace(limits, max_tp=1), [
+        f"no tensor-parallel plans in {canonical(precision)}: autopar's runtime converts the "
+        "linears with torchao but does not apply its Float8 tensor-parallel styles yet"
+    ]
+
+
+def precision_candidates(profile, stack: str) -> tuple[list[str], str]:  # profile: HardwareProfile
+    """What ``precision="auto"`` chooses among on ``profile`` for ``stack``: BF16 and every
+    recipe the device has tensor cores for (for autopar's runtime, those torchao trains), and
+    why there is nothing else where there is not."""
+    peaks = profile.device.peak_flops_per_s
+    recipes = supported_recipes(profile.kind, peaks)
+    if stack in ("autopar", ""):
+        recipes = [r for r in recipes if r.torchao_recipe is not None]
+    names = ["bf16", *(r.name for r in recipes)]
+    if recipes:
+        return names, ""
+    if profile.kind != "gpu":
+        why = f"{profile.name} is a {profile.kind.upper()} profile: no FP8 training GEMMs"
+    else:
+        why = f"{profile.name} ({profile.device.name}) has no FP8 tensor cores"
+    return names, why

@@ -67,13 +67,15 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.config import ParallelConfig
+from autopar.config.precision import recipe_of
 from autopar.models.source import check_fingerprint, model_fingerprint
 from autopar.runtime.checkpoint import CheckpointOptions, open_checkpointer
+from autopar.runtime.low_precision import apply_low_precision
 from autopar.runtime.mesh import RuntimeMesh, build_mesh
 from autopar.runtime.metrics import Metrics
 from autopar.runtime.parallelize import ParallelModel, PipelineSpec, parallelize_model
 from autopar.runtime.task import Task
-from autopar.runtime.tensor_parallel import loss_context, reduce_partial_grads
+from autopar.runtime.tensor_parallel import find_blocks, loss_context, reduce_partial_grads
 
 MiB = 2**20
 
@@ -88,7 +90,10 @@ class TrainOptions:
     betas: tuple[float, float] = (0.9, 0.95)
     max_grad_norm: float = 1.0
     seed: int = 0
-    precision: str = "fp32"  # "fp32", or "bf16": autocast forward, fp32 master weights
+    # "fp32"; "bf16": autocast forward, fp32 master weights; a low-precision recipe
+    # (`autopar.config.precision`, "fp8-tensorwise", "fp8-rowwise"): bf16, with the blocks'
+    # linears converted by torchao (`autopar.runtime.low_precision`)
+    precision: str = "fp32"
     device: str | None = None  # None: cuda when available, else cpu
     log: bool = True
     # autopar.runtime.checkpoint: save every N steps, resume from the newest complete one
@@ -232,6 +237,7 @@ def train(
     model = task.build().to(device)
     check_fingerprint(model, fingerprint)
     fingerprint = fingerprint or model_fingerprint(model)  # the whole model's, before any cut
+    low = apply_low_precision(model, find_blocks(model), options.precision, config, device)
     spec = PipelineSpec(num_micro, task.loss, stage_layers, schedule) if config.pp > 1 else None
     pm = parallelize_model(model, mesh, config, placements, tp, spec)
     model = pm.model  # pp > 1: this rank's chunks (the rest of the model is dropped)
@@ -251,6 +257,8 @@ def train(
         print(f"[autopar] {mesh.as_text()}; {pm.data_parallel.as_text()}", flush=True)
         if pm.pipeline is not None:
             print(f"[autopar] {pm.pipeline.as_text()}", flush=True)
+        if low is not None:
+            print(f"[autopar] {low.describe()}", flush=True)
     results = []
     metrics = Metrics.open(options, prediction) if mesh.rank == 0 else None
     for step in range(first_step, options.steps):
@@ -363,10 +371,12 @@ def _global_norm_and_loss(
 
 
 def _autocast(device: torch.device, precision: str) -> Any:
-    if precision == "bf16":
+    if precision != "fp32" and (precision == "bf16" or recipe_of(precision) is not None):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     if precision != "fp32":
-        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+        raise ValueError(
+            f"precision must be fp32, bf16 or a low-precision recipe, got {precision!r}"
+        )
     return contextlib.nullcontext()
 
 

@@ -4,7 +4,7 @@ with Accelerate's parallelism config (dp_replicate x dp_shard x tp x cp).
     dp, fsdp, tp, cp     parallelism_config_dp_replicate_size, _dp_shard_size, _tp_size, _cp_size
     zero_stage           fsdp_reshard_after_forward: true for 3, false for 1-2
     recompute            fsdp_activation_checkpointing (every block, full)
-    precision            mixed_precision bf16 / fp16 / no
+    precision            mixed_precision bf16 / fp16 / fp8 (a low-precision recipe) / no
 
 Accelerate has no pipeline or expert parallelism for training: a plan with pp > 1 has its
 pipeline ranks folded into the shard axis, and the file says so.
@@ -13,6 +13,7 @@ pipeline ranks folded into the shard axis, and the file says so.
 from __future__ import annotations
 
 from autopar.codegen.export.common import Exported, ModelShape, Priced, header_lines
+from autopar.config.precision import recipe_of
 from autopar.plan.types import Plan
 
 
@@ -43,7 +44,10 @@ def export_accelerate(plan: Plan, shape: ModelShape | None, priced: Priced | Non
             f"per-device batch of {c.micro_batch_size} to the data loader (not in this file)"
         )
     sharded = shard > 1 or c.tp > 1 or c.cp > 1
+    # accelerate's "fp8" runs TransformerEngine or torchao (its fp8 backend kwargs)
     precision = {"bf16": "bf16", "fp16": "fp16"}.get(plan.precision, "no")
+    if recipe_of(plan.precision) is not None:
+        precision = "fp8"
     config: dict[str, object] = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "FSDP" if sharded else "MULTI_GPU",

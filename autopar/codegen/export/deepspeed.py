@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 
 from autopar.codegen.export.common import Exported, ModelShape, Priced, header_lines
+from autopar.config.precision import recipe_of
 from autopar.plan.types import Plan
 
 
@@ -36,6 +37,12 @@ def deepspeed_config(plan: Plan, gaps: list[str]) -> dict[str, object]:
     }
     if plan.precision in ("bf16", "fp16"):
         config[plan.precision] = {"enabled": True}
+    elif recipe_of(plan.precision) is not None:
+        config["bf16"] = {"enabled": True}
+        gaps.append(
+            f"{plan.precision}: DeepSpeed's config has no FP8 recipe; bf16 set (convert the "
+            "linears with TransformerEngine or torchao in the model to get FP8)"
+        )
     stage = c.zero_stage if c.fsdp > 1 else 0
     if c.pp > 1 and stage > 1:  # DeepSpeed's pipeline engine refuses ZeRO stages 2-3
         gaps.append(

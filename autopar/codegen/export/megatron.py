@@ -28,6 +28,7 @@ from autopar.codegen.export.common import (
     checkpoint_interval,
     header_lines,
 )
+from autopar.config.precision import recipe_of
 from autopar.plan.types import Plan
 
 # Megatron's rank order, innermost first (tp-cp-ep-dp-pp): autopar's default order
@@ -57,8 +58,7 @@ def megatron_args(plan: Plan, shape: ModelShape | None, gaps: list[str]) -> list
     args += _sharding(plan, shape, gaps)
     args += _schedule(plan, gaps)
     args += _recompute(plan, gaps)
-    if plan.precision in ("bf16", "fp16"):
-        args.append(f"--{plan.precision}")
+    args += _precision(plan, gaps)
     if c.axis_order is not None and c.axis_order != _MEGATRON_ORDER:
         gaps.append(
             f"axis order {','.join(c.axis_order)}: Megatron orders ranks tp-cp-ep-dp-pp "
@@ -189,3 +189,23 @@ def _model(plan: Plan, shape: ModelShape | None, gaps: list[str]) -> list[str]:
     if not shape.bias:
         out.append("--disable-bias-linear")
     return out
+
+
+# autopar's recipe -> Megatron-LM's arguments (TransformerEngine runs them)
+_MEGATRON_RECIPES = {
+    "fp8-tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"],
+    "mxfp8": ["--fp8-format", "e4m3", "--fp8-recipe", "mxfp8"],
+    "nvfp4": ["--fp4-format", "e2m1", "--fp4-recipe", "nvfp4"],
+}
+
+
+def _precision(plan: Plan, gaps: list[str]) -> list[str]:
+    if plan.precision in ("bf16", "fp16"):
+        return [f"--{plan.precision}"]
+    recipe = recipe_of(plan.precision)
+    if recipe is None:
+        return []
+    if recipe.name not in _MEGATRON_RECIPES:
+        gaps.append(f"{recipe.name}: Megatron-LM has no such recipe; per-tensor FP8 set")
+        return ["--bf16", *_MEGATRON_RECIPES["fp8-tensorwise"]]
+    return ["--bf16", *_MEGATRON_RECIPES[recipe.name]]

@@ -24,6 +24,7 @@ from autopar.codegen.export.common import (
     toml_value,
 )
 from autopar.config.parallel import DEFAULT_AXIS_ORDER
+from autopar.config.precision import recipe_of
 from autopar.plan.types import Plan
 
 SCHEDULES = {
@@ -115,6 +116,7 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None, priced: Priced | Non
         )
     sections["parallelism"] = parallelism
     sections["activation_checkpoint"] = _recompute(plan, gaps)
+    _low_precision(plan, sections, gaps)
     checkpoint: dict[str, object] = {"enable": True, "folder": "checkpoint"}
     interval = checkpoint_interval(plan, async_save=False)
     if interval:
@@ -141,3 +143,31 @@ def _recompute(plan: Plan, gaps: list[str]) -> dict[str, object]:
     if c.recompute == "full":
         return {"mode": "full"}
     return {"mode": "selective", "selective_ac_option": "op"}
+
+
+def _low_precision(plan: Plan, sections: dict[str, dict[str, object]], gaps: list[str]) -> None:
+    """An FP8 / MXFP8 recipe as torchtitan's model converters (quantize.linear.*)."""
+    recipe = recipe_of(plan.precision)
+    if recipe is None:
+        return
+    model = sections.setdefault("model", {})
+    if recipe.gemm_dtype == "fp8":
+        model["converters"] = ["quantize.linear.float8"]
+        tensorwise = recipe.torchao_recipe == "tensorwise"
+        sections["quantize.linear.float8"] = {
+            "recipe_name": recipe.torchao_recipe,
+            "enable_fsdp_float8_all_gather": tensorwise and plan.config.fsdp > 1,
+            "precompute_float8_dynamic_scale_for_fsdp": tensorwise and plan.config.fsdp > 1,
+        }
+    elif recipe.gemm_dtype == "mxfp8":
+        model["converters"] = ["quantize.linear.mx"]
+        sections["quantize.linear.mx"] = {"recipe_name": "mxfp8_cublas"}
+    else:
+        gaps.append(f"{recipe.name}: torchtitan has no converter for it; bfloat16 set")
+        return
+    sections.setdefault("compile", {})["enable"] = True
+    gaps.append(
+        f"{recipe.name}: torchtitan converts every aligned nn.Linear but the output head "
+        "(filter_fqns to keep others in bfloat16), and needs torch.compile to fuse the casts "
+        "(set: [compile] enable)"
+    )

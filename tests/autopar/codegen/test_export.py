@@ -299,3 +299,39 @@ def test_cli_plan_llama3_8b_then_export_to_torchtitan(tmp_path):
 def test_every_target_has_a_stack_that_prices_it():
     names = set(autopar.stack_names())
     assert all(stack in names for _, stack in TARGETS.values())
+
+
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-rowwise", "mxfp8", "nvfp4"])
+def test_low_precision_plans_reach_torchtitan_and_megatron_as_their_own_recipes(
+    tiny, tmp_path, recipe
+):
+    model, graph = tiny
+    profile = "dgx_h100" if recipe.startswith("fp8") else "dgx_b200"
+    cluster = autopar.Cluster.from_profile(profile, num_devices=8)
+    config = autopar.ParallelConfig(fsdp=8, zero_stage=3, micro_batch_size=1)
+    plan = autopar.evaluate(
+        model, cluster, config, global_batch_size=8, graph=graph, precision=recipe
+    )
+    args = _megatron_parser().parse_args(_megatron_argv(export_plan(plan, "megatron").text))
+    assert args.bf16
+    if recipe == "nvfp4":
+        assert (args.fp4_format, args.fp4_recipe) == ("e2m1", "nvfp4")
+    else:
+        want = {"fp8-tensorwise": "tensorwise", "fp8-rowwise": "tensorwise", "mxfp8": "mxfp8"}
+        assert args.fp8_recipe == want[recipe]
+    if importlib.util.find_spec("torchtitan") is None:
+        return
+    done = export_plan(plan, "torchtitan")
+    (tmp_path / done.filename).write_text(done.text)
+    job = _torchtitan_load(tmp_path / done.filename)
+    converters = job["model"]["converters"]
+    if recipe.startswith("fp8"):
+        float8 = job["quantize"]["linear"]["float8"]
+        assert converters == ["quantize.linear.float8"]
+        assert float8["recipe_name"] == recipe.split("-")[1]
+        assert float8["enable_fsdp_float8_all_gather"] is (recipe == "fp8-tensorwise")
+        assert job["compile"]["enable"]
+    elif recipe == "mxfp8":
+        assert converters == ["quantize.linear.mx"]
+    else:
+        assert converters == [] and any("no converter" in gap for gap in done.gaps)

@@ -1,0 +1,41 @@
+"""Importing torchao without its noise on a CPU-only torch.
+
+torchao (which Hugging Face transformers imports while building a model, when it is installed)
+logs a warning for each CUDA extension it cannot load on a CPU build of torch, and torch logs
+deprecation warnings for the enums torchao registers: none of it concerns a planning run or a
+CPU test. `import_torchao` imports it once with those two loggers raised to ERROR, so later
+imports find it loaded and print nothing. Warnings and errors of anything else are untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import logging
+import sys
+
+_NOISY = ("torchao", "torch.utils._pytree")
+
+
+def import_torchao() -> bool:
+    """Import torchao quietly if it is installed; whether it is."""
+    if "torchao" in sys.modules:
+        return True
+    if importlib.util.find_spec("torchao") is None:
+        return False
+    loggers = [logging.getLogger(name) for name in _NOISY]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        import torchao  # noqa: F401
+
+        # the modules that register the enums torch warns about (transformers imports them)
+        for name in ("torchao.float8", "torchao.prototype.mx_formats"):
+            with contextlib.suppress(ImportError):  # another release: nothing to quiet there
+                importlib.import_module(name)
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+    return True

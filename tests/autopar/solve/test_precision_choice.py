@@ -1,0 +1,68 @@
+"""precision as a searched dimension (parallelize(precision="auto")) and FP8 plans as data.
+
+- On DGX H100 "auto" returns the fastest of BF16 and the torchao recipes, an FP8 one for a
+  model whose linears dominate, with the speed-up in its notes, and tp = 1 (this runtime
+  applies no Float8 TP styles); the recipe's plan is the same as planning it directly.
+- On DGX A100 it returns BF16 and says why; an explicit FP8 request there is refused.
+- An FP8 plan's JSON loads back; its precision is the recipe's full name.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import autopar
+from autopar.errors import ConfigError
+from autopar.models import zoo
+from autopar.plan.check import plan_problems
+
+
+@pytest.fixture(scope="module")
+def wide():
+    model = zoo.build("llama-8b", device="meta", num_layers=4)
+    return model, autopar.trace(model, zoo.example_inputs("llama-8b", model))
+
+
+def _plan(wide, profile: str, precision: str) -> autopar.Plan:
+    model, graph = wide
+    cluster = autopar.Cluster.from_profile(profile, num_nodes=2)
+    return autopar.parallelize(
+        model, cluster, global_batch_size=64, precision=precision, graph=graph
+    )
+
+
+def test_auto_on_h100_picks_the_fastest_recipe_and_says_what_it_bought(wide):
+    auto = _plan(wide, "dgx_h100", "auto")
+    bf16 = _plan(wide, "dgx_h100", "bf16")
+    assert auto.precision.startswith("fp8-") and auto.config.tp == 1
+    assert auto.step_time_s < bf16.step_time_s
+    said = next(n for n in auto.notes if n.startswith("precision auto:"))
+    assert f"{bf16.step_time_s / auto.step_time_s:.2f}x the speed of bf16" in said
+    assert "fp8-rowwise" in said and "fp8-tensorwise" in said
+    direct = _plan(wide, "dgx_h100", auto.precision)
+    assert direct.config == auto.config and direct.step_time_s == auto.step_time_s
+
+
+def test_auto_on_a100_stays_bf16_and_says_why(wide):
+    auto = _plan(wide, "dgx_a100_80g", "auto")
+    assert auto.precision == "bf16"
+    assert any("no FP8 tensor cores" in n for n in auto.notes)
+    with pytest.raises(ConfigError, match="cannot run on dgx_a100_80g"):
+        _plan(wide, "dgx_a100_80g", "fp8")
+
+
+def test_an_fp8_plan_round_trips_through_json(wide):
+    model, graph = wide
+    cluster = autopar.Cluster.from_profile("dgx_h100")
+    plan = autopar.evaluate(
+        model, cluster, autopar.ParallelConfig(fsdp=8, zero_stage=3), global_batch_size=8,
+        precision="fp8", graph=graph,
+    )  # fmt: skip
+    assert plan.precision == "fp8-tensorwise" and "(fp8-tensorwise," in plan.summary()
+    back = autopar.Plan.from_json(plan.to_json())
+    assert back.precision == "fp8-tensorwise" and back.step_time_s == plan.step_time_s
+    assert plan_problems(json.loads(plan.to_json())) == []
+    assert "precision must be one of" in plan_problems({**json.loads(plan.to_json()),
+                                                        "precision": "int4"})[0]  # fmt: skip
