@@ -9,6 +9,10 @@ FP8 rows' step-time errors, then two summary lines against issue 18's targets (r
 
     python3 benchmarks/fp8_ratio.py [--grid PREFIX]
     python3 benchmarks/fp8_ratio.py --fit RECIPE     # its gemm_efficiency over the pairs
+    python3 benchmarks/fp8_ratio.py --auto           # Llama 3.1 70B, precision="auto"
+
+--auto plans Llama 3.1 70B (the Hugging Face preset, 4M tokens a step) on 8 DGX H100 and on
+8 DGX A100 nodes with precision="auto" and prints what each picked and why (about 80 s).
 
 The fit is one number per recipe over every pair at once (a grid search of the mean |log|
 ratio error), never a per-row value.
@@ -138,11 +142,35 @@ def fit(runs: list[GridRun], recipe: str) -> list[str]:
     return lines
 
 
+def auto_choice() -> list[str]:
+    """Llama 3.1 70B with precision="auto" on 8 DGX H100 and 8 DGX A100 nodes."""
+    import autopar
+    from autopar.cli.models import load_model
+
+    loaded = load_model("llama3-70b")
+    graph = autopar.trace(loaded.model, loaded.inputs)
+    lines = []
+    for profile in ("dgx_h100", "dgx_a100_80g"):
+        cluster = autopar.Cluster.from_profile(profile, num_nodes=8)
+        plan = autopar.parallelize(loaded.model, cluster, precision="auto", graph=graph)
+        said = next(n for n in plan.notes if n.startswith("precision auto:"))
+        lines += [
+            f"{profile} x 8: {plan.precision}, {plan.config.as_text()}, step "
+            f"{plan.step_time_s:.3f} s, MFU {plan.mfu:.1%}",
+            f"  {said}",
+        ]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", default="", help="only grids whose id starts with this")
     parser.add_argument("--fit", metavar="RECIPE", choices=LOW, help="fit RECIPE's GEMM efficiency")
+    parser.add_argument("--auto", action="store_true", help="Llama 3.1 70B with precision auto")
     args = parser.parse_args(argv)
+    if args.auto:
+        print("\n".join(auto_choice()))
+        return 0
     runs = [r for r in read_grids() if r.grid.startswith(args.grid)]
     print("\n".join(fit(runs, args.fit) if args.fit else report(runs)))
     return 0

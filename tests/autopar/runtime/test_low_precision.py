@@ -3,9 +3,10 @@
 - The conversion swaps exactly the blocks' aligned nn.Linear layers for torchao's Float8Linear
   (the embedding and the head stay), gathers FP8 weights under ZeRO-3 with tensorwise scales
   only, and refuses what the runtime cannot run (MXFP8/NVFP4, tp > 1) by name.
-- Numerics: FSDP2 ZeRO-3 on 2 gloo ranks, 3 steps of llama-tiny in bf16 and in each torchao
-  recipe (FP8 GEMMs emulated on the CPU): losses within 1% and gradient norms within 5% of
-  the BF16 run's (measured 2026-11-24: 1e-4 and 3.4e-3 relative).
+- Numerics: FSDP2 ZeRO-3 and a 2-stage pipeline on 2 gloo ranks, 3 steps of llama-tiny in
+  bf16 and in the torchao recipes (FP8 GEMMs emulated on the CPU): losses within 1% and
+  gradient norms within 5% of the BF16 run's (measured 2026-11-24: at most 1e-4 and 3.4e-3
+  relative).
 - A plan priced in FP8 for an H100 writes a train.py whose default precision is the recipe;
   run on 2 CPU ranks it converts the linears and trains.
 """
@@ -90,27 +91,33 @@ def test_nvfp4_would_keep_its_edge_blocks():
     assert not any(p.startswith((f"{first}.", f"{last}.")) for p in paths)
 
 
-def _train_precisions(precisions: tuple[str, ...]) -> dict[str, list[tuple[float, float]]]:
+PIPELINE = autopar.ParallelConfig(pp=2, micro_batch_size=1)
+
+
+def _train_precisions(runs: tuple[tuple[str, autopar.ParallelConfig, str], ...]) -> dict:
     torch.set_num_threads(1)
     out = {}
-    for precision in precisions:
+    for label, config, precision in runs:
         task = task_from_source(
             "autopar.models.zoo:build", {"name": "llama-tiny", "seed": 0},
             global_batch_size=4, seq_len=32,
         )  # fmt: skip
-        steps = train(task, ZERO3, 4, options=TrainOptions(steps=3, precision=precision, log=False))
-        out[precision] = [(r.loss, r.grad_norm) for r in steps]
+        options = TrainOptions(steps=3, precision=precision, log=False)
+        out[label] = [(r.loss, r.grad_norm) for r in train(task, config, 4, options=options)]
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_fp8_under_fsdp2_trains_within_a_stated_bound_of_bf16():
-    runs = run_ranks(2, _train_precisions, ("bf16", "fp8-tensorwise", "fp8-rowwise"))
-    assert runs[0] == runs[1]  # every rank reports the same global loss and norm
-    bf16 = runs[0]["bf16"]
-    for recipe in ("fp8-tensorwise", "fp8-rowwise"):
-        fp8 = runs[0][recipe]
+def test_fp8_under_fsdp2_and_pp_trains_within_a_stated_bound_of_bf16():
+    runs = [(f"fsdp {p}", ZERO3, p) for p in ("bf16", "fp8-tensorwise", "fp8-rowwise")]
+    runs += [(f"pp {p}", PIPELINE, p) for p in ("bf16", "fp8-tensorwise")]
+    ranks = run_ranks(2, _train_precisions, tuple(runs))
+    assert ranks[0] == ranks[1]  # every rank reports the same global loss and norm
+    got = ranks[0]
+    for style, recipe in (("fsdp", "fp8-tensorwise"), ("fsdp", "fp8-rowwise"),
+                          ("pp", "fp8-tensorwise")):  # fmt: skip
+        fp8, bf16 = got[f"{style} {recipe}"], got[f"{style} bf16"]
         assert fp8 != bf16  # the GEMMs did run in FP8
         for (loss, norm), (ref_loss, ref_norm) in zip(fp8, bf16, strict=True):
             assert math.isfinite(loss) and abs(loss / ref_loss - 1) < 0.01
