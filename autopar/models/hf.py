@@ -14,7 +14,9 @@ Mixture-of-experts presets set `experts_implementation="batched_mm"`. transforme
 "grouped_mm" by default where `torch._grouped_mm` dispatches and falls back to "eager"
 otherwise; "eager" loops over the experts that received tokens, which is data-dependent and
 fails `torch.export` under fake/meta tensors (GuardOnDataDependentSymNode). "grouped_mm"
-exports, but its FLOPs hide in one op that FLOP counters do not see as matmuls. "batched_mm"
+exports, and its grouped GEMM (`aten._grouped_mm`, or transformers' `grouped_mm_fallback` on the
+CPU and meta device) is counted by the FLOP formulas `autopar.tracing.ops` registers, so a
+user's own MoE model traces with its routed FLOPs either way. "batched_mm"
 gathers each (token, expert) pair's weights and runs `aten.bmm`, so the traced graph holds the
 ROUTED expert FLOPs (tokens * top_k, not * num_experts) and counts them as matmuls. (Its
 `aten.index` gathers a `[tokens * top_k, F, H]` weight copy: that node's bytes are an artefact,

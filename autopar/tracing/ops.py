@@ -23,14 +23,15 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
 
 from autopar.tracing.graph import OpClass
 
 _MATMUL = {
     "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "einsum", "_grouped_mm", "addbmm",
     "convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
-    "conv_transpose2d", "conv_transpose3d", "_scaled_mm",
+    "conv_transpose2d", "conv_transpose3d", "_scaled_mm", "grouped_mm_fallback",
+    "grouped_mm_fallback_backward",
 }  # fmt: skip
 _ATTENTION = {
     "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
@@ -46,9 +47,54 @@ _REDUCTION = {
 }  # fmt: skip
 
 
+def _grouped_mm_flops(a_shape, b_shape, *_args, out_shape=None, **_kwargs) -> int:
+    """FLOPs of ``aten._grouped_mm(a, b, offs)``: each row of the ragged operand meets one
+    group's matrix, so the count is the dense product's over the rows actually present, not
+    over every group (torch's FLOP registry has no formula for the op; without one the
+    experts of a grouped-GEMM MoE count zero).
+
+        a [T, K],    b [G, K, N]  (offs splits T over G)   2 T K N   (the experts' forward)
+        a [G, M, K], b [G, K, N]                            2 G M K N
+        a [K, T],    b [T, N]     (offs splits T)           2 K T N   (the weight gradient)
+        a [G, M, K], b [K, T]     (offs splits T)           2 M K T
+    """
+    k = a_shape[-1]
+    if len(a_shape) == 3 and len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * k * b_shape[2]
+    if len(a_shape) == 2 and len(b_shape) == 3:
+        return 2 * a_shape[0] * k * b_shape[2]
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * k * b_shape[1]
+    return 2 * a_shape[1] * k * b_shape[-1]
+
+
+def _register_grouped_mm() -> None:
+    """Give torch's FLOP counter the grouped GEMMs it lacks: ``aten._grouped_mm`` and
+    transformers' ``grouped_mm_fallback`` (the same contract; the custom op its grouped_mm
+    experts call where ``_grouped_mm`` does not dispatch, as on the CPU and meta device). The
+    custom op exists once transformers' MoE integration is imported, so this runs per probe."""
+    formulas = (
+        ("aten", "_grouped_mm", _grouped_mm_flops),
+        ("transformers", "grouped_mm_fallback", _grouped_mm_flops),
+        ("transformers", "grouped_mm_fallback_backward", _grouped_mm_backward_flops),
+    )
+    for namespace, name, formula in formulas:
+        space = getattr(torch.ops, namespace) if hasattr(torch.ops, namespace) else None
+        packet = getattr(space, name, None) if space is not None else None
+        if packet is not None and packet not in flop_registry:
+            register_flop_formula(packet)(formula)
+
+
+def _grouped_mm_backward_flops(a_shape, b_shape, *_args, out_shape=None, **_kwargs) -> int:
+    """transformers' ``grouped_mm_fallback_backward(input, weight, offs, grad_output)``: the
+    input gradient and the weight gradient, each the forward's FLOPs."""
+    return 2 * _grouped_mm_flops(a_shape, b_shape)
+
+
 def op_class_of(op_name: str, is_view: bool, floating_output: bool) -> OpClass:
     """Class of an op for the compute model, from its packet name ("aten.mm" -> "mm")."""
-    base = op_name.split(".")[1] if op_name.startswith("aten.") else op_name
+    # "aten.mm.default" -> "mm"; a custom op "transformers.grouped_mm_fallback.default" too
+    base = op_name.split(".")[1] if op_name.count(".") >= 2 else op_name
     if is_view:
         return "view"
     if base in _MATMUL:
@@ -112,6 +158,7 @@ class OpProber:
 
         meta_args, meta_kwargs = tree_map(to_meta, (args, kwargs))
         saved: list[torch.Tensor] = []
+        _register_grouped_mm()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             saved.append(t)
