@@ -121,6 +121,8 @@ FIT_GRIDS = {
     ],
     # the compute hidden communication costs, the kernels as the stack's file has them
     "interference": [{"comm_interference": k / 20} for k in range(21)],
+    # the host time of a per-tensor ZeRO hook event, 0 to 300 us
+    "param-hooks": [{"param_hook_s": k * 25e-6} for k in range(13)],
 }
 
 

@@ -38,6 +38,11 @@ class CostOptions:
     # spills into a second (Lee et al. 2025, arXiv 2507.03114: 18.9% average, 40% worst
     # compute slowdown under overlap on A100/H100). 0 prices hidden communication as free.
     comm_interference: float = 0.0
+    # Host time of one per-parameter-tensor hook event (DeepSpeed's ZeRO runs Python hooks per
+    # tensor): ZeRO-2 has one per micro-batch (the gradient copied into its reduction bucket),
+    # ZeRO-3 five (gather and release in the forward, again in the backward, and the gradient);
+    # 0 where sharding works per layer without per-tensor hooks (FSDP, DDP buckets).
+    param_hook_s: float = 0.0
     # ZeRO-3 gathers a low-precision recipe's linear weights already cast to FP8 (torchao's
     # enable_fsdp_float8_all_gather, per-tensor scales only), halving their traffic.
     fp8_all_gather: bool = False
@@ -75,6 +80,8 @@ class CostOptions:
     def __post_init__(self) -> None:
         if not 0.0 <= self.tp_comm_overlap <= 1.0:
             raise ValueError(f"tp_comm_overlap must be in [0, 1], got {self.tp_comm_overlap}")
+        if not (math.isfinite(self.param_hook_s) and self.param_hook_s >= 0):
+            raise ValueError(f"param_hook_s must be a finite number >= 0, got {self.param_hook_s}")
         if not 0.0 <= self.comm_interference <= 1.0:
             raise ValueError(f"comm_interference must be in [0, 1], got {self.comm_interference}")
         if self.grad_bytes not in (2, 4):

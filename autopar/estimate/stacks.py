@@ -22,7 +22,7 @@ Format (schema_version 1; every key of a table but ``source`` may be left out, t
     [memory]     activation_factor, logit_copies, reserve_fraction, source
     [overlap]    tp_comm_overlap, overlap_grad_reduce, overlap_param_gather, fsdp_prefetch,
                  fsdp_per_tensor, fsdp_list_copies, grad_bytes, comm_interference,
-                 fp8_all_gather, source
+                 fp8_all_gather, param_hook_s, source
 
 Invariant: a stack that loads gives a valid CostOptions; errors name the file and the field.
 """
@@ -54,6 +54,7 @@ _TABLES = {
         "grad_bytes",
         "comm_interference",
         "fp8_all_gather",
+        "param_hook_s",
     ),
 }
 

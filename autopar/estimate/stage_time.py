@@ -29,6 +29,9 @@ Data parallel, per stage, gradients G bytes (params on the rank x grad bytes):
     prefetched behind the previous layer's compute (exposed: what the stage's compute cannot
     cover, plus the first gather). Hidden communication still slows the compute it overlaps
     by the stack's `comm_interference` of its time.
+A stack whose ZeRO hooks run per parameter tensor (`param_hook_s`, DeepSpeed) adds that host
+time per hook event per tensor to each micro-batch: one event under ZeRO-2 (the gradient's
+bucket copy), five under ZeRO-3 (`PARAM_HOOK_EVENTS`).
 Optimizer: memory bound, bytes per parameter by optimizer and precision (`OPTIMIZER_BYTES`),
 plus the runtime's per-block host time where the profile measured it.
 """
@@ -51,6 +54,9 @@ from autopar.hardware import Cluster
 from cost_models.compute import list_collective_time_s, op_time_s
 
 StageTimes = dict[str, float]
+# per-tensor hook events per micro-batch by ZeRO stage (CostOptions.param_hook_s): stage 2 the
+# gradient's; stage 3 also a gather and a release before and after the forward and backward
+PARAM_HOOK_EVENTS = {2: 1, 3: 5}
 
 
 class StageTimer:
@@ -115,6 +121,12 @@ class StageTimer:
             split *= sum(t.kind == "block" and t.name not in first for t in layers)
             for key in ("compute_backward", "weight_grad", "backward"):
                 out[key] += split
+        events = PARAM_HOOK_EVENTS.get(cfg.zero_stage, 0) if cfg.fsdp > 1 else 0
+        if events and self.options.param_hook_s:
+            # per-tensor hook events (CostOptions.param_hook_s), host time in the backward
+            hooks = events * self.options.param_hook_s * sum(t.num_param_tensors for t in layers)
+            for key in ("compute_backward", "backward"):
+                out[key] += hooks
         fsdp_f, fsdp_b = self._fsdp_exposed(cfg, mesh, layers, out, recomputed)
         out["fsdp_comm"] = fsdp_f + fsdp_b
         out["forward"] += fsdp_f

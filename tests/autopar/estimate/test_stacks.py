@@ -9,6 +9,8 @@ prices through the mechanisms it names.
 - `logit_copies` adds whole logit tensors on the last stage, nothing else.
 - `comm_interference` adds its fraction of the FSDP traffic the compute hid, and nothing to
   a config with no hidden communication.
+- `param_hook_s` adds one hook event per parameter tensor per micro-batch under ZeRO-2, five
+  under ZeRO-3, none under ZeRO-1.
 - The plan records and prints its stack; a stack and options together are refused.
 """
 
@@ -75,6 +77,7 @@ def test_a_stack_file_of_ones_own(tmp_path):
         (("grad_bytes = 2", "grad_bytes = true"), "overlap.grad_bytes: must be a finite int"),
         (("grad_bytes = 2", "grad_bytes = 3"), "grad_bytes must be 2 or 4"),
         (("grad_bytes = 2", "comm_interference = 1.5"), "comm_interference must be in [0, 1]"),
+        (("grad_bytes = 2", "param_hook_s = -1.0"), "param_hook_s must be a finite number >= 0"),
         (('name = "mine"', 'name = "other"'), "must equal the file stem 'mine'"),
     ],
 )
@@ -163,6 +166,23 @@ def test_hidden_fsdp_traffic_slows_compute_by_the_interference(llama):
         for k in (0.0, 1.0)
     ]  # fmt: skip
     assert steps[0] == steps[1]
+
+
+def test_per_tensor_hooks_cost_host_time_by_zero_stage(llama):
+    _, graph = llama
+    tables = build_tables(graph)
+    cluster = autopar.Cluster.from_profile("dgx_h100")
+    tensors = sum(t.num_param_tensors for t in tables.layers)
+    for stage, events in ((1, 0), (2, 1), (3, 5)):
+        cfg = autopar.ParallelConfig(fsdp=8, zero_stage=stage, micro_batch_size=2)
+        backward = []
+        for hook in (0.0, 1e-4):
+            est = Estimator(tables, cluster, options=CostOptions(param_hook_s=hook))
+            mesh = est.mesh(cfg)
+            layers = list(tables.layers)
+            st = est.timer.stage_times(cfg, mesh, layers, est.layer_times(cfg, mesh))
+            backward.append(st["compute_backward"])
+        assert backward[1] - backward[0] == pytest.approx(events * 1e-4 * tensors, abs=1e-12)
 
 
 def test_logit_copies_add_whole_logit_tensors_on_the_last_stage(llama):

@@ -13,6 +13,7 @@ from autopar import ProfileError, load_profile, shipped_profile_names
 SPECS = Path(__file__).resolve().parents[3] / "data" / "hardware_specs.csv"
 REQUIRED = {
     "dgx_v100",
+    "dgx2_v100",
     "dgx_a100_40g",
     "dgx_a100_80g",
     "dgx_h100",
