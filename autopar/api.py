@@ -67,6 +67,7 @@ def parallelize(
     graph: ModelGraph | None = None,
     model_factory: ModelFactory = None,
     stack: str | None = None,
+    loss_fn: str | None = None,
 ) -> Plan:
     """Find the fastest parallel configuration of ``model`` on ``cluster`` that fits in memory.
 
@@ -89,6 +90,9 @@ def parallelize(
             or a .toml path): its kernels, memory and overlaps replace those of
             ``options.cost`` (its stage balancing is kept). Default: ``options.cost``'s, which
             is autopar's own runtime unless set.
+        loss_fn: the loss the generated program trains with, "module:function" called as
+            ``loss(outputs, targets)`` -> scalar (recorded with the factory); default: the
+            factory's (next-token cross-entropy for causal language models).
 
     Returns:
         The best Plan, with `alternatives` (why each lost) and `report` (the search's figures).
@@ -114,8 +118,9 @@ def parallelize(
         global_batch_size, note = default_batch_for(graph, cluster, base)
         notes.append(note)
     if precision == "auto":
+        source = (model_factory, loss_fn)
         return _parallelize_auto(
-            model, cluster, graph, global_batch_size, optimizer, options, model_factory, notes
+            model, cluster, graph, global_batch_size, optimizer, options, source, notes
         )
     precision = canonical(precision)
     estimator = RecordingEstimator(
@@ -127,7 +132,7 @@ def parallelize(
     notes += bounded + more
     solution = solve(estimator, graph, cluster, limits, options)
     plan = plan_from_estimate(solution.best, graph, cluster, precision, optimizer, estimator)
-    plan = with_sources(plan, model, model_factory, cluster)
+    plan = with_sources(plan, model, model_factory, cluster, loss_fn)
     plan = with_goodput(plan, cluster, options.reliability)
     timings = {"trace": trace_s, **solution.timings, "total": time.perf_counter() - start}
     return with_solution(plan, solution, limits, notes, timings)
@@ -140,7 +145,7 @@ def _parallelize_auto(
     global_batch_size: int,
     optimizer: str,
     options: PlanOptions,
-    model_factory: ModelFactory,
+    source: tuple[ModelFactory, str | None],
     notes: list[str],
 ) -> Plan:
     """``precision="auto"``: the fastest plan over BF16 and the recipes the device and the
@@ -149,7 +154,8 @@ def _parallelize_auto(
     plans = {
         name: parallelize(
             model, cluster, global_batch_size=global_batch_size, precision=name,
-            optimizer=optimizer, options=options, graph=graph, model_factory=model_factory,
+            optimizer=optimizer, options=options, graph=graph, model_factory=source[0],
+            loss_fn=source[1],
         )
         for name in names
     }  # fmt: skip
@@ -182,6 +188,7 @@ def evaluate(
     model_factory: ModelFactory = None,
     stack: str | None = None,
     reliability: Reliability | None = None,
+    loss_fn: str | None = None,
 ) -> Plan:
     """Price one parallel configuration of ``model`` on ``cluster`` with autopar's cost model.
 
@@ -204,6 +211,7 @@ def evaluate(
             (`autopar.hardware.Reliability`); default: the profile's [reliability] table.
         graph: a ModelGraph already traced from this model and inputs (skips tracing).
         model_factory: as for `parallelize`: what the saved program calls to build the model.
+        loss_fn: as for `parallelize`: the loss the saved program trains with.
 
     Returns:
         A Plan with the predicted step time, its breakdown, memory per stage and MFU.
@@ -231,7 +239,7 @@ def evaluate(
     )
     estimate = estimator.evaluate(config, global_batch_size)
     plan = plan_from_estimate(estimate, graph, cluster, precision, optimizer, estimator)
-    plan = with_sources(plan, model, model_factory, cluster)
+    plan = with_sources(plan, model, model_factory, cluster, loss_fn)
     return with_goodput(plan, cluster, reliability)
 
 
@@ -288,6 +296,7 @@ def replan(
         optimizer=plan.optimizer,
         options=options,
         model_factory=(source.factory, source.kwargs),
+        loss_fn=source.loss,
     )
     if config is not None:
         new = evaluate(model, cluster, config, inputs, **common)

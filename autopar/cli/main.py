@@ -102,6 +102,9 @@ def _add_planning_verbs(verbs: argparse._SubParsersAction) -> None:
     plan.add_argument(
         "--stack", help="software stack that will run the plan (default: autopar's runtime)"
     )
+    plan.add_argument(
+        "--loss", metavar="MODULE:FN", help="the loss to train with, fn(outputs, targets)"
+    )
     plan.add_argument("--time-limit", type=float, help="search time limit in seconds")
     plan.add_argument("-o", "--out", default="out", help="directory for plan.json (default out/)")
     plan.add_argument("--json", action="store_true", help="print the plan's JSON only")

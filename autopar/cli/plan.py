@@ -64,6 +64,7 @@ def run_plan(args: argparse.Namespace) -> str:
         options=options,
         model_factory=loaded.factory,
         stack=args.stack,
+        loss_fn=args.loss,
     )
     path = plan.save(Path(args.out), program=False)
     written = [str(path)]

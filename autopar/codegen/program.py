@@ -78,7 +78,8 @@ a world size other than {n} is refused.
 Options: --steps N, --tokens FILE (a flat file of token ids, nanoGPT's .bin (uint16, or
 --tokens-dtype) or a .npy, memory-mapped and read by step: autopar.runtime.data), --data
 module:fn (fn(step, start, stop) -> (inputs, targets): samples [start, stop) of step's global
-batch); default: seeded synthetic data. --lr, --warmup-steps, --lr-schedule constant|cosine,
+batch); default: seeded synthetic data. --loss module:fn (fn(outputs, targets) -> scalar;
+default: the plan's, else the factory's). --lr, --warmup-steps, --lr-schedule constant|cosine,
 --seed, --precision fp32|bf16|fp8-tensorwise|fp8-rowwise (default: the plan's), --device
 cpu|cuda. --metrics FILE: one JSON line per step (loss, tokens/s, MFU, memory beside the
 plan's); --tensorboard DIR: the same as scalars.
@@ -174,7 +175,12 @@ def _model(plan: Plan) -> str:
     return f"""# ---- the model: built identically (seeded) on every rank, then sharded below
 FACTORY = {s.factory!r}
 FACTORY_KWARGS = {pprint.pformat(s.kwargs, sort_dicts=True, width=88)}
-FINGERPRINT = {s.fingerprint!r}  # parameter names and shapes: the factory's model is checked"""
+FINGERPRINT = {s.fingerprint!r}  # parameter names and shapes: the factory's model is checked
+LOSS = {s.loss!r}  # loss(outputs, targets) -> scalar; None: the factory's default
+# where the factory's module imports from: on sys.path, so torchrun needs no PYTHONPATH
+IMPORT_ROOT = {s.import_root!r}
+if IMPORT_ROOT and os.path.isdir(IMPORT_ROOT) and IMPORT_ROOT not in sys.path:
+    sys.path.insert(0, IMPORT_ROOT)"""
 
 
 def _tensor_parallel(plan: Plan, model: nn.Module) -> str:
@@ -318,6 +324,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--data", help="module:fn(step, start, stop) -> (inputs, targets)")
+    parser.add_argument("--loss", default=LOSS, help="module:fn(outputs, targets) -> scalar")
     parser.add_argument("--tokens", help="a token file (.bin of uint16 ids, or .npy) to train on")
     parser.add_argument("--tokens-dtype", default="uint16", help="a .bin file's id type")
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -349,6 +356,7 @@ def main() -> None:
         if args.tokens
         else args.data,
         seed=args.seed,
+        loss=args.loss,
     )
     checkpoint = None
     if args.checkpoint_dir:

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import inspect
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,6 +78,30 @@ def resolve_callable(path: str) -> Any:
             raise ValueError(f"{module_name!r} has no attribute {attr!r} (from {path!r})")
         obj = getattr(obj, part)
     return obj
+
+
+def import_root(*paths: str | None) -> str | None:
+    """The directory from which the first user module of the "module:function" ``paths``
+    imports: its top-level package's parent (where "mypkg.models" lives in
+    /home/me/proj/mypkg/models.py, /home/me/proj). None for autopar's own factories and for
+    modules installed in site-packages, which import under torchrun as they are."""
+    for path in paths:
+        if not path or path.startswith("autopar."):
+            continue
+        module = path.partition(":")[0]
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            continue
+        if spec is None or not spec.origin or not spec.has_location:
+            continue
+        root = Path(spec.origin).resolve().parent
+        for _ in range(module.count(".") + (spec.origin.endswith("__init__.py"))):
+            root = root.parent
+        if "site-packages" in root.parts or "dist-packages" in root.parts:
+            continue
+        return str(root)
+    return None
 
 
 def model_fingerprint(model: nn.Module) -> str:

@@ -30,7 +30,7 @@ from autopar.estimate.communication import stage_communication
 from autopar.estimate.goodput import estimate_goodput
 from autopar.estimate.layout import mesh_axes
 from autopar.hardware import Cluster, Reliability
-from autopar.models.source import model_fingerprint
+from autopar.models.source import import_root, model_fingerprint, resolve_callable
 from autopar.plan.types import ModelSource, Plan, StagePlan
 from autopar.solve import Solution
 from autopar.solve.refine import RefineResult
@@ -123,7 +123,13 @@ def with_goodput(plan: Plan, cluster: Cluster, reliability: Reliability | None) 
     return replace(plan, goodput=est.as_dict())
 
 
-def with_sources(plan: Plan, model: nn.Module, factory: ModelFactory, cluster: Cluster) -> Plan:
+def with_sources(
+    plan: Plan,
+    model: nn.Module,
+    factory: ModelFactory,
+    cluster: Cluster,
+    loss: str | None = None,
+) -> Plan:
     """``plan`` with its model_source (factory, JSON kwargs, fingerprint) and the cluster's
     fingerprint. ``factory`` None takes the one the zoo and Hugging Face builders record on
     the model (`model.autopar_factory`); a model without one gets no model_source.
@@ -145,7 +151,9 @@ def with_sources(plan: Plan, model: nn.Module, factory: ModelFactory, cluster: C
         kwargs = json.loads(json.dumps(kwargs))  # JSON values only; tuples become lists
     except TypeError as e:
         raise ValueError(f"model_factory kwargs must be JSON values: {e}") from None
-    source = ModelSource(path, kwargs, model_fingerprint(model))
+    if loss is not None:
+        resolve_callable(loss)  # ValueError now, not on the cluster: a loss that imports
+    source = ModelSource(path, kwargs, model_fingerprint(model), loss, import_root(path, loss))
     # the user handed over this model or factory: its program may call the factory
     return replace(plan, model_source=source, cluster_fingerprint=cluster_fp, trusted_factory=True)
 

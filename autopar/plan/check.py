@@ -185,4 +185,10 @@ def _model_source(value: Any) -> list[str]:
         out.append(f"model_source.kwargs must be an object, got {value.get('kwargs')!r}")
     if not isinstance(value.get("fingerprint"), str):
         out.append(f"model_source.fingerprint must be a string, got {value.get('fingerprint')!r}")
+    loss = value.get("loss")
+    if loss is not None and (not isinstance(loss, str) or ":" not in loss):
+        out.append(f"model_source.loss must be 'module:function' or null, got {loss!r}")
+    root = value.get("import_root")
+    if root is not None and not isinstance(root, str):
+        out.append(f"model_source.import_root must be a path or null, got {root!r}")
     return out

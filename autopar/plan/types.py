@@ -49,10 +49,17 @@ class ModelSource:
     factory: str
     kwargs: dict[str, Any]
     fingerprint: str
+    # the user's loss, "module:function" called as loss(outputs, targets) -> scalar; None: the
+    # factory's default (next-token cross-entropy for causal LMs)
+    loss: str | None = None
+    # the directory the factory's (and the loss's) top-level module imports from, put on
+    # sys.path by the generated program so torchrun needs no PYTHONPATH; None: importable
+    import_root: str | None = None
 
     def as_text(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
-        return f"{self.factory}({args})  [fingerprint {self.fingerprint}]"
+        loss = f", loss {self.loss}" if self.loss else ""
+        return f"{self.factory}({args}){loss}  [fingerprint {self.fingerprint}]"
 
 
 @dataclass(frozen=True)

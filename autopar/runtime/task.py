@@ -19,17 +19,20 @@ Known factories:
 Synthetic data: step `s`'s global batch is generated from seed `seed + s` alone, so every rank
 (and the single-process reference) sees the same samples; a rank slices its own rows.
 
+Loss: the plan's recorded `module:function` (or `--loss`) replaces the default, called as
+`loss(outputs, targets) -> scalar` on the tensor the forward gives and the batch's targets.
+
 Data hook: `--data module:fn` names `fn(step, start, stop) -> (inputs, targets)`, returning
 samples [start, stop) of the step's global batch (inputs a tuple of tensors, batch first).
 
 Public functions (the factory and fingerprint helpers come from `autopar.models.source`):
-    task_from_source(factory, kwargs, seq_len=None, data=None, seed=0) -> Task
+    task_from_source(factory, kwargs, seq_len=None, data=None, seed=0, loss=None) -> Task
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -88,6 +91,7 @@ def task_from_source(
     seq_len: int | None = None,
     data: str | Callable[[int, int, int], Batch] | None = None,
     seed: int = 0,
+    loss: str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> Task:
     """The Task of a recorded model factory (see the module docstring).
 
@@ -98,8 +102,25 @@ def task_from_source(
         seq_len: token-id length for synthetic language-model data (the plan's).
         data: a data hook (callable or "module:fn"); replaces synthetic data.
         seed: synthetic data's base seed.
+        loss: the user's loss ("module:function" or a callable), ``loss(outputs, targets)``
+            -> scalar, replacing the factory's default.
     """
     kwargs = dict(kwargs or {})
+    task = _task(factory, kwargs, global_batch_size, seq_len, data, seed)
+    if loss is None:
+        return task
+    fn = resolve_callable(loss) if isinstance(loss, str) else loss
+    return replace(task, loss=fn, description=f"{task.description}, loss {loss}")
+
+
+def _task(
+    factory: str,
+    kwargs: dict[str, Any],
+    global_batch_size: int,
+    seq_len: int | None,
+    data: str | Callable[[int, int, int], Batch] | None,
+    seed: int,
+) -> Task:
     hook = resolve_callable(data) if isinstance(data, str) else data
     if factory == ZOO_FACTORY:
         name = kwargs["name"]
