@@ -12,7 +12,8 @@ tied weight, T / tp elements (`tied_elements`; autopar.runtime.pipeline: the las
 its gradients summed with the first stage's after the backward): `StageMemory.stage_params`.
 
 Peak memory of a stage (`StageMemory.stage_memory`):
-    model state   parameters, gradients, optimizer state by ZeRO stage over fsdp ranks
+    model state   parameters, gradients, optimizer state by ZeRO stage over fsdp ranks (fsdp x
+                  cp where the stack shards over the context-parallel ranks too)
                   (`cost_models.memory.model_state_bytes`)
     activations   a_l under the layer's recompute policy, per micro-batch, times the
                   micro-batches in flight n, plus the largest a_l^none - a_l^policy (one layer
@@ -140,7 +141,7 @@ class StageMemory:
             precision=self.precision,  # type: ignore[arg-type]
             optimizer=self.optimizer,  # type: ignore[arg-type]
             zero_stage=cfg.zero_stage,
-            shard_degree=cfg.fsdp,
+            shard_degree=cfg.fsdp * (cfg.cp if self.options.fsdp_over_cp else 1),
         )
         b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
         per_mb = transient = logits = 0.0

@@ -27,7 +27,7 @@ from cost_models.comm import collective_time
 
 
 def axis_ranks(cfg: ParallelConfig) -> dict[str, tuple[int, ...]]:
-    """Per axis (dp, fsdp, cp, tp, pp, ep, expert_dp), the ranks of its group that holds
+    """Per axis (dp, fsdp, cp, tp, pp, ep, expert_dp, fsdp_cp), the ranks of its group that holds
     rank 0."""
     strides = cfg.strides
     out = {
@@ -36,6 +36,8 @@ def axis_ranks(cfg: ParallelConfig) -> dict[str, tuple[int, ...]]:
     }
     out["ep"] = expert_ranks(cfg)
     out["expert_dp"] = expert_data_ranks(cfg)
+    # FSDP over the fsdp and cp ranks together (CostOptions.fsdp_over_cp)
+    out["fsdp_cp"] = tuple(sorted(f + c for f in out["fsdp"] for c in out["cp"]))
     return out
 
 

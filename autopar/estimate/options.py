@@ -38,6 +38,11 @@ class CostOptions:
     # spills into a second (Lee et al. 2025, arXiv 2507.03114: 18.9% average, 40% worst
     # compute slowdown under overlap on A100/H100). 0 prices hidden communication as free.
     comm_interference: float = 0.0
+    # FSDP / the distributed optimizer shard over the data and context-parallel ranks together
+    # (torchtitan's dp_shard_cp mesh, Megatron's data-parallel-with-cp group): the model state
+    # is split fsdp x cp ways and the context-parallel gradient sum is part of the
+    # reduce-scatter; False: over fsdp only, with an all-reduce over cp (autopar's runtime).
+    fsdp_over_cp: bool = False
     # Host time of one per-parameter-tensor hook event (DeepSpeed's ZeRO runs Python hooks per
     # tensor): ZeRO-2 has one per micro-batch (the gradient copied into its reduction bucket),
     # ZeRO-3 five (gather and release in the forward, again in the backward, and the gradient);

@@ -22,7 +22,7 @@ Format (schema_version 1; every key of a table but ``source`` may be left out, t
     [memory]     activation_factor, logit_copies, reserve_fraction, source
     [overlap]    tp_comm_overlap, overlap_grad_reduce, overlap_param_gather, fsdp_prefetch,
                  fsdp_per_tensor, fsdp_list_copies, grad_bytes, comm_interference,
-                 fp8_all_gather, param_hook_s, source
+                 fp8_all_gather, param_hook_s, fsdp_over_cp, source
 
 Invariant: a stack that loads gives a valid CostOptions; errors name the file and the field.
 """
@@ -55,6 +55,7 @@ _TABLES = {
         "comm_interference",
         "fp8_all_gather",
         "param_hook_s",
+        "fsdp_over_cp",
     ),
 }
 

@@ -148,12 +148,14 @@ class StageTimer:
         grad_ratio = self.options.grad_bytes / pbytes
         gathers, scatters, regathers = [], [], []
 
+        axis, ways = self._shard_group(cfg)
+
         def timed(collective: str, nbytes: float) -> float:
-            t = mesh.time(collective, nbytes, "fsdp")
+            t = mesh.time(collective, nbytes, axis)
             if not self.options.fsdp_list_copies:
                 return t
             first = collective == "reduce_scatter"
-            return list_collective_time_s(self.device, t, nbytes, cfg.fsdp, copies_first=first)
+            return list_collective_time_s(self.device, t, nbytes, ways, copies_first=first)
 
         for table in layers:
             size = self.memory.params(cfg, [table]) * pbytes
@@ -255,10 +257,11 @@ class StageTimer:
         elif cfg.zero_stage == 0 and cfg.dp > 1:
             sync = self._overlapped(mesh.time("all_reduce", grad, "dp"), grad, st)
         elif cfg.zero_stage in (1, 2):
-            reduce = mesh.time("reduce_scatter", grad, "fsdp") + mesh.time(
-                "all_reduce", grad / cfg.fsdp, "dp"
+            axis, ways = self._shard_group(cfg)
+            reduce = mesh.time("reduce_scatter", grad, axis) + mesh.time(
+                "all_reduce", grad / ways, "dp"
             )
-            gather = mesh.time("all_gather", pbytes, "fsdp")
+            gather = mesh.time("all_gather", pbytes, axis)
             if self.options.overlap_param_gather:
                 gather = self._hidden(gather, st["forward"])
             sync = self._overlapped(reduce, grad, st) + gather
@@ -269,11 +272,12 @@ class StageTimer:
             # (Pipeline.sync_tied_gradients, after the backward): priced on the last stage
             g = tied * self.options.grad_bytes / (cfg.fsdp if cfg.zero_stage >= 1 else 1)
             sync += mesh.time("all_reduce", g, "pp")
-        if cfg.cp > 1:  # each cp rank holds its sequence shard's gradient terms: the runtime
-            # sums this rank's (FSDP-sharded) gradients over cp after the backward, one
-            # all-reduce (autopar.runtime.context_parallel.sync_gradients)
+        over_cp = self.options.fsdp_over_cp and cfg.zero_stage >= 1
+        if cfg.cp > 1 and not over_cp:  # each cp rank holds its sequence shard's gradient
+            # terms: the runtime sums this rank's (FSDP-sharded) gradients over cp after the
+            # backward, one all-reduce (autopar.runtime.context_parallel.sync_gradients)
             sync += mesh.time("all_reduce", grad / cfg.fsdp, "cp")
-        sharded = params / (cfg.fsdp if cfg.zero_stage >= 1 else 1)
+        sharded = params / (self._shard_group(cfg)[1] if cfg.zero_stage >= 1 else 1)
         opt_bytes = sharded * OPTIMIZER_BYTES[(self.optimizer, self.precision != "fp32")]
         blocks = sum(t.kind == "block" for t in layers)
         optimizer = (
@@ -286,6 +290,13 @@ class StageTimer:
             "all_reduce", 4, "world"
         )
         return {"dp_comm": sync, "optimizer": optimizer, "grad_clip": clip}
+
+    def _shard_group(self, cfg: ParallelConfig) -> tuple[str, int]:
+        """The group ZeRO shards over and its size: fsdp, or fsdp x cp where the stack shards
+        over the context-parallel ranks too (`CostOptions.fsdp_over_cp`)."""
+        if self.options.fsdp_over_cp and cfg.cp > 1:
+            return "fsdp_cp", cfg.fsdp * cfg.cp
+        return "fsdp", cfg.fsdp
 
     def _overlapped(self, comm_s: float, nbytes: float, st: StageTimes) -> float:
         """The part of a gradient reduction the last micro-batch's backward cannot hide."""

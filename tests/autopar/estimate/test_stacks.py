@@ -11,6 +11,8 @@ prices through the mechanisms it names.
   a config with no hidden communication.
 - `param_hook_s` adds one hook event per parameter tensor per micro-batch under ZeRO-2, five
   under ZeRO-3, none under ZeRO-1.
+- `fsdp_over_cp` shards the model state fsdp x cp ways and drops the separate cp gradient
+  all-reduce (torchtitan's and Megatron's layout); autopar's own stack keeps both apart.
 - The plan records and prints its stack; a stack and options together are refused.
 """
 
@@ -183,6 +185,25 @@ def test_per_tensor_hooks_cost_host_time_by_zero_stage(llama):
             st = est.timer.stage_times(cfg, mesh, layers, est.layer_times(cfg, mesh))
             backward.append(st["compute_backward"])
         assert backward[1] - backward[0] == pytest.approx(events * 1e-4 * tensors, abs=1e-12)
+
+
+def test_sharding_over_the_context_parallel_ranks(llama):
+    _, graph = llama
+    tables = build_tables(graph)
+    cluster = autopar.Cluster.from_profile("dgx_h100")
+    cfg = autopar.ParallelConfig(fsdp=2, cp=4, zero_stage=3, micro_batch_size=1)
+    plans = {
+        over: Estimator(tables, cluster, options=CostOptions(fsdp_over_cp=over)).evaluate(cfg, 8)
+        for over in (False, True)
+    }
+    apart, together = (plans[k].stages[0].memory for k in (False, True))
+    for part in ("parameters", "gradients", "optimizer"):
+        assert getattr(together, f"{part}_bytes") == pytest.approx(
+            getattr(apart, f"{part}_bytes") / 4
+        )
+    assert plans[True].breakdown["dp_comm"] < plans[False].breakdown["dp_comm"]
+    assert not load_stack("autopar").options.fsdp_over_cp
+    assert load_stack("torchtitan").options.fsdp_over_cp
 
 
 def test_logit_copies_add_whole_logit_tensors_on_the_last_stage(llama):
