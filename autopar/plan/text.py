@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from autopar.config.precision import recipe_of
+
 if TYPE_CHECKING:
     from autopar.plan.types import Plan
 
@@ -32,7 +34,7 @@ def summary_text(plan: Plan) -> str:
         *_mesh_lines(plan),
         f"  batch       {plan.global_batch_size} sequences = {plan.num_microbatches} "
         f"micro-batches of {cfg.micro_batch_size} x {cfg.data_parallel_size} data-parallel",
-        f"  step time   {plan.step_time_s:.3f} s   MFU {plan.mfu:.1%}   "
+        f"  step time   {plan.step_time_s:.3f} s   MFU {plan.mfu:.1%}{_mfu_peak(plan)}   "
         f"{plan.tokens_per_s:,.0f} tokens/s   ({plan.precision}, {plan.optimizer}, priced for "
         f"the {plan.stack} stack)",
         f"  memory      peak {plan.peak_memory_bytes / GiB:.1f} GiB of "
@@ -347,3 +349,9 @@ def ordered_terms(breakdown: dict[str, float]) -> list[tuple[str, float]]:
     """The breakdown in `TERM_ORDER`, terms it does not know after them by name."""
     rank = {name: i for i, name in enumerate(TERM_ORDER)}
     return sorted(breakdown.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0]))
+
+
+def _mfu_peak(plan: Plan) -> str:
+    """Which peak a low-precision plan's MFU is of: the BF16 one (the model's FLOPs over the
+    BF16 peak, as torchtitan and NeMo report it), which FP8 GEMMs can exceed."""
+    return " of the bf16 peak" if recipe_of(plan.precision) is not None else ""

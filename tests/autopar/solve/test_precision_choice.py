@@ -61,6 +61,7 @@ def test_an_fp8_plan_round_trips_through_json(wide):
         precision="fp8", graph=graph,
     )  # fmt: skip
     assert plan.precision == "fp8-tensorwise" and "(fp8-tensorwise," in plan.summary()
+    assert "MFU " in plan.summary() and " of the bf16 peak " in plan.summary()
     back = autopar.Plan.from_json(plan.to_json())
     assert back.precision == "fp8-tensorwise" and back.step_time_s == plan.step_time_s
     assert plan_problems(json.loads(plan.to_json())) == []
