@@ -21,6 +21,7 @@ from dataclasses import replace
 from torch import nn
 
 from autopar.config.precision import canonical, recipe_of, supported_recipes
+from autopar.hardware.profile import HardwareProfile
 from autopar.runtime.parts import has_parts
 from autopar.runtime.tensor_parallel import splits_every_block
 from autopar.solve.space import SpaceLimits
@@ -59,7 +60,7 @@ def low_precision_limits(
     ]
 
 
-def precision_candidates(profile, stack: str) -> tuple[list[str], str]:  # profile: HardwareProfile
+def precision_candidates(profile: HardwareProfile, stack: str) -> tuple[list[str], str]:
     """What ``precision="auto"`` chooses among on ``profile`` for ``stack``: BF16 and every
     recipe the device has tensor cores for (for autopar's runtime, those torchao trains), and
     why there is nothing else where there is not."""
