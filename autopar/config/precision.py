@@ -81,8 +81,8 @@ RECIPES: dict[str, Recipe] = {
             "fp8",
             "FP8 linears, one scale per row of each operand (torchao rowwise)",
             gemm_efficiency=0.75,
-            cast_forward=(0.75, 1.5),
-            cast_backward=(1.75, 1.0),
+            cast_forward=_TENSORWISE_CAST[0],
+            cast_backward=_TENSORWISE_CAST[1],
             edge_blocks_in_bf16=0,
             fp8_all_gather=False,
             torchao_recipe="rowwise",
@@ -153,7 +153,7 @@ def check_recipe(recipe: Recipe, profile_name: str, device_name: str, kind: str,
     Raises:
         ConfigError: naming the recipe, the device and what it has.
     """
-    if kind == "gpu" and recipe.gemm_dtype in peaks:
+    if _runs_on(recipe, kind, peaks):
         return
     has = ", ".join(sorted(peaks))
     why = "TPUs and CPUs have no FP8/FP4 training GEMMs here" if kind != "gpu" else (
@@ -168,4 +168,9 @@ def check_recipe(recipe: Recipe, profile_name: str, device_name: str, kind: str,
 
 def supported_recipes(kind: str, peaks) -> list[Recipe]:
     """The recipes a device of this kind with these peak rates can run."""
-    return [r for r in RECIPES.values() if kind == "gpu" and r.gemm_dtype in peaks]
+    return [r for r in RECIPES.values() if _runs_on(r, kind, peaks)]
+
+
+def _runs_on(recipe: Recipe, kind: str, peaks) -> bool:
+    """A GPU whose profile gives a peak rate for the recipe's GEMM format."""
+    return kind == "gpu" and recipe.gemm_dtype in peaks

@@ -125,6 +125,11 @@ class StageMemory:
             return 0.0
         return self.tied / cfg.tp if any(t.vocab_logits_bytes for t in layers) else 0.0
 
+    def shard_ways(self, cfg: ParallelConfig) -> int:
+        """How many ways ZeRO splits the model state: fsdp, or fsdp x cp where the stack
+        shards over the context-parallel ranks too (`CostOptions.fsdp_over_cp`)."""
+        return cfg.fsdp * (cfg.cp if self.options.fsdp_over_cp else 1)
+
     def stage_memory(
         self,
         cfg: ParallelConfig,
@@ -141,7 +146,7 @@ class StageMemory:
             precision=self.precision,  # type: ignore[arg-type]
             optimizer=self.optimizer,  # type: ignore[arg-type]
             zero_stage=cfg.zero_stage,
-            shard_degree=cfg.fsdp * (cfg.cp if self.options.fsdp_over_cp else 1),
+            shard_degree=self.shard_ways(cfg),
         )
         b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
         per_mb = transient = logits = 0.0

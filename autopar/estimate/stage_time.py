@@ -292,11 +292,9 @@ class StageTimer:
         return {"dp_comm": sync, "optimizer": optimizer, "grad_clip": clip}
 
     def _shard_group(self, cfg: ParallelConfig) -> tuple[str, int]:
-        """The group ZeRO shards over and its size: fsdp, or fsdp x cp where the stack shards
-        over the context-parallel ranks too (`CostOptions.fsdp_over_cp`)."""
-        if self.options.fsdp_over_cp and cfg.cp > 1:
-            return "fsdp_cp", cfg.fsdp * cfg.cp
-        return "fsdp", cfg.fsdp
+        """The mesh group ZeRO shards over and its size (`StageMemory.shard_ways`)."""
+        ways = self.memory.shard_ways(cfg)
+        return ("fsdp" if ways == cfg.fsdp else "fsdp_cp"), ways
 
     def _overlapped(self, comm_s: float, nbytes: float, st: StageTimes) -> float:
         """The part of a gradient reduction the last micro-batch's backward cannot hide."""

@@ -37,13 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from autopar.config import ParallelConfig
-from autopar.config.precision import (
-    Recipe,
-    base_precision,
-    canonical,
-    check_recipe,
-    recipe_of,
-)
+from autopar.config.precision import Recipe, base_precision, check_recipe, recipe_of
 from autopar.errors import ConfigError
 from autopar.estimate.layer_cost import LayerTime, layer_time
 from autopar.estimate.memory import OPTIMIZER_BYTES, PRECISION_BYTES, StageMemory, dispatched
@@ -113,7 +107,6 @@ class Estimator:
             profile = cluster.profile
             check_recipe(self.recipe, profile.name, profile.device.name, profile.kind,
                          profile.device.peak_flops_per_s)  # fmt: skip
-        self.precision_name = canonical(precision)
         precision = base_precision(precision)
         if (optimizer, True) not in OPTIMIZER_BYTES:
             known = sorted({k for k, _ in OPTIMIZER_BYTES})

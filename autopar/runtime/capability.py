@@ -22,6 +22,7 @@ from torch import nn
 
 from autopar.config.precision import canonical, recipe_of, supported_recipes
 from autopar.hardware.profile import HardwareProfile
+from autopar.runtime.low_precision import runnable
 from autopar.runtime.parts import has_parts
 from autopar.runtime.tensor_parallel import splits_every_block
 from autopar.solve.space import SpaceLimits
@@ -52,7 +53,7 @@ def low_precision_limits(
     """``limits`` for a plan in ``precision`` run by ``stack``: autopar's runtime (stack
     "autopar", or values of one's own) converts FP8 linears with torchao but applies no Float8
     tensor-parallel styles, so its FP8 plans keep tp = 1; other stacks are priced as they run."""
-    if recipe_of(precision) is None or stack not in ("autopar", "") or limits.max_tp == 1:
+    if recipe_of(precision) is None or not _own_runtime(stack) or limits.max_tp == 1:
         return limits, []
     return replace(limits, max_tp=1), [
         f"no tensor-parallel plans in {canonical(precision)}: autopar's runtime converts the "
@@ -66,8 +67,8 @@ def precision_candidates(profile: HardwareProfile, stack: str) -> tuple[list[str
     why there is nothing else where there is not."""
     peaks = profile.device.peak_flops_per_s
     recipes = supported_recipes(profile.kind, peaks)
-    if stack in ("autopar", ""):
-        recipes = [r for r in recipes if r.torchao_recipe is not None]
+    if _own_runtime(stack):
+        recipes = [r for r in recipes if runnable(r)]
     names = ["bf16", *(r.name for r in recipes)]
     if recipes:
         return names, ""
@@ -76,3 +77,9 @@ def precision_candidates(profile: HardwareProfile, stack: str) -> tuple[list[str
     else:
         why = f"{profile.name} ({profile.device.name}) has no FP8 tensor cores"
     return names, why
+
+
+def _own_runtime(stack: str) -> bool:
+    """Whether ``stack`` is what autopar's generated programs run: its own, or values of
+    one's own (`CostOptions.stack` "")."""
+    return stack in ("autopar", "")

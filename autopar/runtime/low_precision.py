@@ -30,8 +30,6 @@ from autopar.config import ParallelConfig
 from autopar.config.precision import RECIPES, Recipe, recipe_of
 from autopar.models.quiet import import_torchao
 
-# what a generated program's --precision takes: the dtypes it trains in and torchao's recipes
-RUNTIME_PRECISIONS = ("fp32", "bf16", *(n for n, r in RECIPES.items() if r.torchao_recipe))
 # torch._scaled_mm takes FP8 operands whose dimensions are multiples of 16
 _FP8_ALIGN = 16
 
@@ -52,6 +50,10 @@ class LowPrecision:
 def runnable(recipe: Recipe) -> bool:
     """Whether this runtime trains ``recipe`` (torchao's float8 recipes)."""
     return recipe.torchao_recipe is not None
+
+
+# what a generated program's --precision takes: the dtypes it trains in and torchao's recipes
+RUNTIME_PRECISIONS = ("fp32", "bf16", *(n for n, r in RECIPES.items() if runnable(r)))
 
 
 def check_device(recipe: Recipe, device: torch.device) -> None:

@@ -67,10 +67,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.config import ParallelConfig
-from autopar.config.precision import recipe_of
+from autopar.config.precision import ALIASES
 from autopar.models.source import check_fingerprint, model_fingerprint
 from autopar.runtime.checkpoint import CheckpointOptions, open_checkpointer
-from autopar.runtime.low_precision import apply_low_precision
+from autopar.runtime.low_precision import RUNTIME_PRECISIONS, apply_low_precision
 from autopar.runtime.mesh import RuntimeMesh, build_mesh
 from autopar.runtime.metrics import Metrics
 from autopar.runtime.parallelize import ParallelModel, PipelineSpec, parallelize_model
@@ -371,13 +371,12 @@ def _global_norm_and_loss(
 
 
 def _autocast(device: torch.device, precision: str) -> Any:
-    if precision != "fp32" and (precision == "bf16" or recipe_of(precision) is not None):
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if ALIASES.get(precision, precision) in RUNTIME_PRECISIONS:  # bf16, and the recipes'
+        # bf16 around their FP8 linears ("fp8" is an alias of fp8-tensorwise)
         return torch.autocast(device.type, dtype=torch.bfloat16)
-    if precision != "fp32":
-        raise ValueError(
-            f"precision must be fp32, bf16 or a low-precision recipe, got {precision!r}"
-        )
-    return contextlib.nullcontext()
+    raise ValueError(f"precision must be one of {', '.join(RUNTIME_PRECISIONS)}, got {precision!r}")
 
 
 def _mib(x: float | None) -> str:

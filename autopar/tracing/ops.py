@@ -72,7 +72,8 @@ def _register_grouped_mm() -> None:
     """Give torch's FLOP counter the grouped GEMMs it lacks: ``aten._grouped_mm`` and
     transformers' ``grouped_mm_fallback`` (the same contract; the custom op its grouped_mm
     experts call where ``_grouped_mm`` does not dispatch, as on the CPU and meta device). The
-    custom op exists once transformers' MoE integration is imported, so this runs per probe."""
+    custom op exists once transformers' MoE integration is imported (the model is built before
+    it is traced), so this runs when a prober starts."""
     formulas = (
         ("aten", "_grouped_mm", _grouped_mm_flops),
         ("transformers", "grouped_mm_fallback", _grouped_mm_flops),
@@ -131,6 +132,7 @@ class OpProber:
     def __init__(self) -> None:
         self._cache: dict[tuple[Any, ...], OpProfile] = {}
         self.failures: dict[str, str] = {}  # op name -> first error seen
+        _register_grouped_mm()
 
     def profile(self, target: Any, args: tuple, kwargs: dict, grad_mask: list[bool]) -> OpProfile:
         """Measure one call; ``grad_mask[i]`` says whether flattened tensor arg i needs grad."""
@@ -158,7 +160,6 @@ class OpProber:
 
         meta_args, meta_kwargs = tree_map(to_meta, (args, kwargs))
         saved: list[torch.Tensor] = []
-        _register_grouped_mm()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             saved.append(t)
