@@ -44,6 +44,7 @@ from autopar.runtime.capability import (
     low_precision_limits,
     precision_candidates,
     runtime_limits,
+    runtime_problems,
 )
 from autopar.solve import PlanOptions, solve
 from autopar.solve.limits import default_batch_for, space_limits
@@ -217,7 +218,8 @@ def evaluate(
         A Plan with the predicted step time, its breakdown, memory per stage and MFU.
 
     Raises:
-        ConfigError: the config does not fit the cluster or the batch.
+        ConfigError: the config does not fit the cluster or the batch, or autopar's runtime
+            cannot run it for this model (`autopar.runtime.capability.runtime_problems`).
         TraceError: the model cannot be traced.
     """
     if graph is None:
@@ -226,6 +228,7 @@ def evaluate(
         graph = trace(model, example_inputs)
     limits = space_limits(model, graph, cluster, global_batch_size)
     problems = config.problems(cluster) + shape_problems(config, limits)
+    problems += runtime_problems(model, config, limits.num_blocks)
     if problems:
         raise ConfigError(
             f"config {config.as_text()} cannot run {graph.model_type} on "

@@ -1,17 +1,22 @@
-"""What the runtime can run, as bounds on the planner's search space.
+"""What the runtime can run, as bounds on the planner's search space and as refusals.
 
-In: the model and the `SpaceLimits` its trace and cluster gave. Out: the limits with the
-parallelism the runtime cannot apply to this model taken out, and a note for each (the plan
-carries them):
+In: the model and the `SpaceLimits` its trace and cluster gave (the search), or one
+`ParallelConfig` (`evaluate`). Out: the limits with the parallelism the runtime cannot apply to
+this model taken out, and a note for each (the plan carries them); for one config, each way the
+runtime would refuse it or run it otherwise than priced, naming the model part and why:
 
-    pipeline stages     `autopar.runtime.parts` has no cut for the model's class -> pp = 1
+    pipeline stages     `autopar.runtime.parts` cuts the models it knows; any other whose
+                        blocks are the items of one nn.ModuleList is cut from its traced graph
+                        (`autopar.runtime.traced_stages`), with tp = cp = ep = 1 (its stages
+                        hold aten ops, not the modules those split); else pp = 1
     tensor parallelism  `tensor_parallel.splits_every_block` finds a block it would leave
                         replicated while the estimate prices it sharded -> tp = 1
+    context parallelism needs a forward at a shard's global positions (`parts`) -> else cp = 1
     low precision       an FP8 recipe, for autopar's runtime: tp = 1 (torchao's Float8 TP
                         styles are not applied: `low_precision_limits`)
 
 Invariant: the search offers no config the generated program would refuse or run otherwise
-than priced, for these axes.
+than priced, for these axes; `evaluate` refuses the same configs with the same reasons.
 """
 
 from __future__ import annotations
@@ -20,31 +25,94 @@ from dataclasses import replace
 
 from torch import nn
 
+from autopar.config import ParallelConfig
 from autopar.config.precision import canonical, recipe_of, supported_recipes
 from autopar.hardware.profile import HardwareProfile
 from autopar.runtime.low_precision import runnable
 from autopar.runtime.parts import has_parts
 from autopar.runtime.tensor_parallel import splits_every_block
+from autopar.runtime.traced_stages import traced_blocks, why_no_block_list
 from autopar.solve.space import SpaceLimits
+
+
+def _pipeline_cut(model: nn.Module, num_blocks: int) -> str:
+    """ "parts", "traced", or why neither cuts ``model`` (whose trace found ``num_blocks``)."""
+    if has_parts(model):
+        return "parts"
+    found = traced_blocks(model)
+    name = type(model).__name__
+    if found is None:
+        return f"autopar's runtime cannot cut {name} into pipeline stages: " + why_no_block_list(
+            model
+        )
+    path, n = found
+    if n != num_blocks:
+        return (
+            f"autopar's runtime cannot cut {name} into pipeline stages: {path} holds {n} "
+            f"blocks but its trace has {num_blocks} repeated layers"
+        )
+    return "traced"
 
 
 def runtime_limits(model: nn.Module, limits: SpaceLimits) -> tuple[SpaceLimits, list[str]]:
     """``limits`` bounded by what the runtime can do for ``model``, and why (module docstring)."""
     notes = []
     name = type(model).__name__
-    if not has_parts(model):
-        limits = replace(limits, max_pp=1)
+    cut = _pipeline_cut(model, limits.num_blocks)
+    if cut == "traced":
+        limits = replace(limits, pipeline_alone=True)
         notes.append(
-            f"no pipeline plans: autopar's runtime cannot cut {name} into stages "
-            "(autopar.runtime.parts knows its zoo and Hugging Face decoder families)"
+            f"pipeline plans cut {name} from its traced graph (no autopar.runtime.parts "
+            "entry): with tp = cp = ep = 1"
         )
+    elif cut != "parts":
+        limits = replace(limits, max_pp=1)
+        notes.append(f"no pipeline plans: {cut}")
+    if not has_parts(model) and limits.max_cp > 1:
+        limits = replace(limits, max_cp=1)
+        notes.append(f"no context-parallel plans: {_no_cp(name)}")
     if not splits_every_block(model, limits.num_blocks):
         limits = replace(limits, max_tp=1)
-        notes.append(
-            f"no tensor-parallel plans: autopar's runtime would leave {name}'s blocks "
-            "replicated (it splits nn.Linear projections it can pair column/row)"
-        )
+        notes.append(f"no tensor-parallel plans: {_no_tp(name)}")
     return limits, notes
+
+
+def runtime_problems(model: nn.Module, config: ParallelConfig, num_blocks: int) -> list[str]:
+    """Every way autopar's runtime would refuse ``config`` for ``model`` (whose trace found
+    ``num_blocks`` repeated layers) or run it otherwise than priced; empty when it runs."""
+    out = []
+    name = type(model).__name__
+    if config.pp > 1:
+        cut = _pipeline_cut(model, num_blocks)
+        if cut == "traced" and max(config.tp, config.cp, config.ep) > 1:
+            out.append(
+                f"pp={config.pp} cuts {name} from its traced graph, whose stages hold aten ops "
+                "rather than the modules tensor, context and expert parallelism split: with "
+                f"pp > 1 it runs tp = cp = ep = 1 (here tp={config.tp} cp={config.cp} "
+                f"ep={config.ep})"
+            )
+        elif cut not in ("parts", "traced"):
+            out.append(f"pp={config.pp}: {cut}")
+    if config.cp > 1 and not has_parts(model):
+        out.append(f"cp={config.cp}: {_no_cp(name)}")
+    if config.tp > 1 and not splits_every_block(model, num_blocks):
+        out.append(f"tp={config.tp}: {_no_tp(name)}")
+    return out
+
+
+def _no_cp(name: str) -> str:
+    return (
+        f"autopar's runtime runs context parallelism on models it can call at a sequence "
+        f"shard's positions (autopar.runtime.parts: its zoo and Hugging Face decoder "
+        f"families), not {name}"
+    )
+
+
+def _no_tp(name: str) -> str:
+    return (
+        f"autopar's runtime would leave {name}'s blocks replicated (it splits nn.Linear "
+        "projections it can pair column/row), while the estimate prices them sharded"
+    )
 
 
 def low_precision_limits(

@@ -17,7 +17,7 @@ is applied per chunk (`autopar.runtime.pipeline` calls back for each).
              (`DataParallel.skip`); `expert_parallel` syncs them
 
 Public functions:
-    PipelineSpec(num_microbatches, loss_fn, stage_layers=None, schedule=None)   # pp > 1
+    PipelineSpec(num_microbatches, loss_fn, stage_layers=None, schedule=None, traced=None)
     ParallelModel
     parallelize_model(model, mesh, config, placements=None, tp=None, pipeline=None)
     pipeline_tp_plan(model, config, placements=None, stage_layers=None) -> TP plan, pp > 1
@@ -52,13 +52,15 @@ if TYPE_CHECKING:
 class PipelineSpec:
     """What pp > 1 needs besides the config: micro-batches per step on this rank, the loss of
     one micro-batch, the plan's stage boundaries (`[s.layers for s in plan.stages]`; None:
-    the even split) and optionally a schedule overriding config.schedule (`pipeline.SCHEDULES`,
-    e.g. "zbv")."""
+    the even split), optionally a schedule overriding config.schedule (`pipeline.SCHEDULES`,
+    e.g. "zbv") and, for a model cut from its traced graph, how the task calls it and one
+    micro-batch of inputs (`pipeline.build_pipeline`'s ``traced``)."""
 
     num_microbatches: int
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     stage_layers: Sequence[Sequence[str]] | None = None
     schedule: str | None = None
+    traced: tuple[Callable[..., torch.Tensor], tuple[torch.Tensor, ...]] | None = None
 
 
 @dataclass
@@ -216,6 +218,7 @@ def _parallelize_pipeline(
         stage_layers=spec.stage_layers,
         parallelize_chunk=per_chunk,
         schedule=spec.schedule,
+        traced=spec.traced,
     )
     held = _merge_modules(list(pipe.chunks))
     context = contexts[0] if contexts else None
@@ -240,6 +243,8 @@ def pipeline_tp_plan(
     generated program prints and passes back as ``tp``. With sequence parallelism each chunk's
     first block splits the sequence and its last gathers it. ``model`` may be on the meta
     device; it is not changed (the chunks share its modules)."""
+    if config.tp == 1:  # nothing to split (and a traced cut has no StageModules to ask)
+        return {}
     layout = layout_for(config, model, stage_layers, schedule)
     plan: dict[str, str] = {}
     for rank in range(config.pp):

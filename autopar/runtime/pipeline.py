@@ -2,8 +2,10 @@
 
 In: a model, the plan's `ParallelConfig` (pp, schedule, virtual_stages), its stage boundaries
 (`plan.stages[i].layers`, or an even split), the `RuntimeMesh`, the number of micro-batches
-and the loss. Out: a `Pipeline` whose `step(inputs, targets)` runs forward and backward of
-every micro-batch on this rank's chunks and returns the mean loss on every pp rank.
+and the loss. A model `autopar.runtime.parts` knows is cut into `stages.StageModule`s; any
+other whose blocks are one list, from its traced graph (`autopar.runtime.traced_stages`).
+Out: a `Pipeline` whose `step(inputs, targets)` runs forward and backward of every
+micro-batch on this rank's chunks and returns the mean loss on every pp rank.
 
     pipe = build_pipeline(model, mesh, config, num_microbatches=m, loss_fn=zoo.lm_loss,
                           stage_layers=[s.layers for s in plan.stages],
@@ -31,6 +33,7 @@ Data-parallel averaging is the caller's (`autopar.runtime.data_parallel`).
 Public functions:
     SCHEDULES                                            # name -> ScheduleSpec
     check_schedule(schedule, pp, virtual_stages, num_microbatches)   # the clear errors
+    pipeline_blocks(model) -> (blocks path, number of blocks)
     layout_for(config, model, stage_layers=None) -> ChunkLayout
     build_pipeline(model, mesh, config, *, num_microbatches, loss_fn, ...) -> Pipeline
     Pipeline.step(inputs, targets, positions=None) -> loss     # every pp rank
@@ -59,14 +62,14 @@ from torch.distributed.tensor import DTensor
 
 from autopar.config import ParallelConfig
 from autopar.runtime.mesh import RuntimeMesh
-from autopar.runtime.parts import parts_of, tied_parameters
+from autopar.runtime.parts import has_parts, parts_of, tied_parameters
 from autopar.runtime.stages import (
     ChunkLayout,
-    StageModule,
     build_stage_modules,
     even_layout,
     layout_from_stages,
 )
+from autopar.runtime.traced_stages import Forward, traced_blocks, traced_chunks
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -141,15 +144,14 @@ def layout_for(
 ) -> ChunkLayout:
     """The chunk layout of the plan: its stages' layer lists, or the even split without them;
     the placement (loop or V) is the schedule's (``schedule`` or config.schedule)."""
-    parts = parts_of(model)
+    blocks_path, n = pipeline_blocks(model)
     schedule = schedule or config.schedule
     style = SCHEDULES[schedule].style if schedule in SCHEDULES else "loop"
-    n = parts.num_blocks(model)
     if stage_layers is None:
         return even_layout(n, config.pp, config.virtual_stages, style)  # type: ignore[arg-type]
     return layout_from_stages(
         stage_layers,
-        parts.blocks,
+        blocks_path,
         n,
         config.pp,
         config.virtual_stages,
@@ -157,12 +159,28 @@ def layout_for(
     )
 
 
+def pipeline_blocks(model: nn.Module) -> tuple[str, int]:
+    """The path of the list of blocks the pipeline cuts between, and its length: the parts
+    registry's for a model it knows, else the traced cut's (`traced_stages.traced_blocks`).
+
+    Raises:
+        ValueError: neither knows how to cut the model."""
+    if has_parts(model):
+        parts = parts_of(model)
+        return parts.blocks, parts.num_blocks(model)
+    found = traced_blocks(model)
+    if found is None:
+        parts_of(model)  # raises, naming the known classes
+        raise AssertionError("unreachable")
+    return found
+
+
 class Pipeline:
     """This rank's chunks, their PipelineStages and the schedule (see the module docstring)."""
 
     def __init__(
         self,
-        chunks: list[StageModule],
+        chunks: list[nn.Module],  # StageModule or traced_stages.TracedChunk
         layout: ChunkLayout,
         schedule: str,
         num_microbatches: int,
@@ -316,9 +334,10 @@ def build_pipeline(
     num_microbatches: int,
     loss_fn: LossFn,
     stage_layers: Sequence[Sequence[str]] | None = None,
-    parallelize_chunk: Callable[[StageModule], None] | None = None,
+    parallelize_chunk: Callable[[nn.Module], None] | None = None,
     device: torch.device | None = None,
     schedule: str | None = None,
+    traced: tuple[Forward, tuple[torch.Tensor, ...]] | None = None,
 ) -> Pipeline:
     """Cut ``model`` at the plan's boundaries and build this rank's stages and schedule.
 
@@ -335,6 +354,9 @@ def build_pipeline(
         device: default: the mesh's device type.
         schedule: a `SCHEDULES` name overriding config.schedule (e.g. "zbv", which the
             planner does not price: ZBVZeroBubble on the V of DualPipeV).
+        traced: (how the task calls the model, one micro-batch of its inputs), for a model
+            `autopar.runtime.parts` does not know: its chunks are cut from its traced graph
+            (`autopar.runtime.traced_stages`).
 
     Raises:
         ValueError: the schedule cannot run this shape (`check_schedule`), or the stage
@@ -343,9 +365,18 @@ def build_pipeline(
     schedule = schedule or config.schedule
     check_schedule(schedule, config.pp, config.virtual_stages, num_microbatches)
     layout = layout_for(config, model, stage_layers, schedule)
-    parts = parts_of(model)
-    tied = tied_parameters(model, parts)
-    chunks = build_stage_modules(model, layout, mesh.pp_rank, parts)
+    chunks: list[nn.Module]
+    if has_parts(model):
+        parts = parts_of(model)
+        tied = tied_parameters(model, parts)
+        chunks = list(build_stage_modules(model, layout, mesh.pp_rank, parts))
+    elif traced is None:
+        raise ValueError(
+            f"cutting {type(model).__name__} from its traced graph needs how the task calls it "
+            "and one micro-batch of inputs (PipelineSpec.traced)"
+        )
+    else:
+        chunks, tied = traced_chunks(model, traced[0], traced[1], layout, mesh.pp_rank)
     for chunk in chunks:
         if parallelize_chunk is not None:
             parallelize_chunk(chunk)

@@ -238,7 +238,10 @@ def train(
     check_fingerprint(model, fingerprint)
     fingerprint = fingerprint or model_fingerprint(model)  # the whole model's, before any cut
     low = apply_low_precision(model, find_blocks(model), options.precision, config, device)
-    spec = PipelineSpec(num_micro, task.loss, stage_layers, schedule) if config.pp > 1 else None
+    spec = None
+    if config.pp > 1:  # a model cut from its trace: how it is called, one micro-batch
+        example = tuple(t[:mbs].to(device) for t in task.batch(0, 0, mbs)[0])
+        spec = PipelineSpec(num_micro, task.loss, stage_layers, schedule, (task.forward, example))
     pm = parallelize_model(model, mesh, config, placements, tp, spec)
     model = pm.model  # pp > 1: this rank's chunks (the rest of the model is dropped)
     optimizer = _make_optimizer(model, options)

@@ -47,6 +47,9 @@ class SpaceLimits:
     max_pp: int = 0
     # likewise for tensor parallelism (`autopar.runtime.tensor_parallel.splits_every_block`)
     max_tp: int = 0
+    # pipeline plans only with tp = cp = ep = 1: the runtime cuts this model from its traced
+    # graph (`autopar.runtime.traced_stages`), whose stages TP, CP and EP cannot split
+    pipeline_alone: bool = False
 
 
 def shape_problems(cfg: ParallelConfig, lim: SpaceLimits) -> list[str]:
@@ -114,15 +117,21 @@ def degree_choices(lim: SpaceLimits) -> Iterator[tuple[int, int, int, int, int, 
         for pp in divisors(world // tp):
             if pp > max(1, lim.num_blocks) or (lim.max_pp and pp > lim.max_pp):
                 continue
+            if pp > 1 and tp > 1 and lim.pipeline_alone:
+                continue
             for cp in divisors(world // (tp * pp)):
                 if cp > 1 and (
-                    cp > lim.max_cp or lim.seq_len < lim.min_seq_for_cp or lim.seq_len % (2 * cp)
+                    (pp > 1 and lim.pipeline_alone)
+                    or cp > lim.max_cp
+                    or lim.seq_len < lim.min_seq_for_cp
+                    or lim.seq_len % (2 * cp)
                 ):
                     continue
                 data = world // (tp * pp * cp)
                 for fsdp in divisors(data):
                     dp = data // fsdp
-                    for ep in _expert_degrees(lim, dp, fsdp):
+                    alone = pp > 1 and lim.pipeline_alone
+                    for ep in [1] if alone else _expert_degrees(lim, dp, fsdp):
                         yield dp, fsdp, cp, tp, pp, ep
 
 

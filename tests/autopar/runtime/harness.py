@@ -1,9 +1,10 @@
 """Multi-rank test harness: spawn N gloo ranks, run configs, compare with one process.
 
-In: a world size and a list of `Case`s (zoo or Hugging Face preset, ParallelConfig, global
-batch, optional placements; pp > 1: optional stage boundaries and a schedule override). Out:
-per case the per-step (loss, pre-clip grad norm) of every rank, and the same for the
-single-process reference (`autopar.runtime.trainer.reference_run`), run once per model.
+In: a world size and a list of `Case`s (zoo or Hugging Face preset, or a user's own factory
+with its data hook and loss; ParallelConfig, global batch, optional placements; pp > 1:
+optional stage boundaries and a schedule override). Out: per case the per-step (loss, pre-clip
+grad norm) of every rank, and the same for the single-process reference
+(`autopar.runtime.trainer.reference_run`), run once per model.
 
 One spawn per world size runs all its cases, because starting processes is the slow part on
 a shared 2-core machine; each spawn takes a free port (bound to port 0) so concurrent test
@@ -41,6 +42,9 @@ class Case:
     stage_layers: tuple[tuple[str, ...], ...] | None = None  # pp > 1; None: the even split
     schedule: str | None = None  # a pipeline.SCHEDULES name the config cannot say ("zbv")
     seq_len: int | None = None  # Hugging Face presets (`*-hf`) need one
+    factory: str | None = None  # "module:fn", the user's own (then `model` is a label)
+    data: str | None = None  # the factory's data hook ("module:fn"); None: token ids
+    loss: str | None = None  # the factory's loss ("module:fn"); None: next-token
 
     @property
     def label(self) -> str:
@@ -51,6 +55,15 @@ class Case:
 
 
 def task_of(case: Case):
+    if case.factory is not None:
+        return task_from_source(
+            case.factory,
+            case.overrides,
+            global_batch_size=case.global_batch_size,
+            seq_len=case.seq_len,
+            data=case.data,
+            loss=case.loss,
+        )
     return task_from_source(
         HF_FACTORY if case.model.endswith("-hf") else ZOO_FACTORY,
         {"name": case.model, **case.overrides},
@@ -123,7 +136,8 @@ def check_cases(world_size: int, cases: list[Case], rtol: float = 1e-5) -> dict[
     per_rank = run_ranks(world_size, run_cases, cases)
     errors, references = {}, {}
     for i, case in enumerate(cases):
-        key = (case.model, repr(case.overrides), case.global_batch_size, case.seq_len)
+        key = (case.model, case.factory, case.data, case.loss, repr(case.overrides),
+               case.global_batch_size, case.seq_len)  # fmt: skip
         if key not in references:  # many cases share a model: one reference each
             references[key] = reference(case)
         want = references[key]

@@ -1,7 +1,8 @@
-"""The planner offers only what the runtime can run (issue 19, first part): a model the runtime
-cannot cut into pipeline stages (`autopar.runtime.parts`) gets no pipeline plan, one whose
-blocks it cannot split no tensor-parallel plan, and the plan says why; a model it can cut and
-split still may."""
+"""The planner offers only what the runtime can run (issue 19): a model `autopar.runtime.parts`
+does not know is cut from its traced graph, so its pipeline plans keep tp = cp = ep = 1; one
+without a single list of blocks gets no pipeline plan, one whose blocks the runtime cannot
+split no tensor-parallel plan, and the plan says why; `evaluate` refuses the same configs,
+naming the model and the reason. A model the registry knows keeps every combination."""
 
 from __future__ import annotations
 
@@ -9,27 +10,10 @@ import torch
 from torch import nn
 
 import autopar
+from autopar.errors import ConfigError
 from autopar.models import hf, zoo
 from autopar.runtime.parts import has_parts
 from autopar.runtime.tensor_parallel import splits_every_block
-
-
-class TinyTransformer(nn.Module):
-    """Written as a user would, with torch's own attention: no ModelParts entry."""
-
-    def __init__(self, vocab: int = 256, dim: int = 64, layers: int = 4) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(dim, 4, 4 * dim, batch_first=True) for _ in range(layers)
-        )
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
 
 
 def _plan(model: nn.Module, inputs: tuple, devices: int) -> autopar.Plan:
@@ -38,15 +22,68 @@ def _plan(model: nn.Module, inputs: tuple, devices: int) -> autopar.Plan:
     return autopar.parallelize(model, cluster, inputs, global_batch_size=16, options=options)
 
 
-def test_a_model_the_runtime_cannot_cut_gets_no_pipeline_plan():
-    model = TinyTransformer()
-    assert not has_parts(model)
-    inputs = (torch.randint(0, 256, (1, 128)),)
-    for devices in (2, 4):
-        plan = _plan(model, inputs, devices)
-        assert plan.config.pp == 1
-        assert all(" pp=1 " in alt["config"] for alt in plan.alternatives)
-        assert any("cannot cut TinyTransformer into stages" in note for note in plan.notes)
+class Classifier(nn.Module):
+    """An MLP in an nn.Sequential: no list of blocks to cut between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.out = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.net(x))
+
+
+def _gemma2() -> nn.Module:
+    """Llama-named projections (tensor parallelism splits them), no parts entry."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256,
+    )  # fmt: skip
+    return Gemma2ForCausalLM(config)
+
+
+def test_a_traced_model_gets_pipeline_plans_without_tensor_or_context_parallelism():
+    model = _gemma2()
+    assert not has_parts(model) and splits_every_block(model, 4)
+    plan = _plan(model, (torch.randint(0, 128, (1, 128)),), 8)
+    configs = [alt["config"] for alt in plan.alternatives] + [plan.config.as_text()]
+    assert any(" pp=1 " not in c for c in configs), configs  # pipeline plans offered ...
+    assert all(" tp=1 " in c and " cp=1 " in c for c in configs if " pp=1 " not in c)
+    assert any("cut Gemma2ForCausalLM from its traced graph" in n for n in plan.notes)
+    assert not any("no tensor-parallel plans" in n for n in plan.notes)  # tp with pp = 1
+
+
+def test_a_model_without_one_list_of_blocks_gets_no_pipeline_plan():
+    plan = _plan(Classifier(), (torch.randn(1, 32),), 4)
+    assert all(" pp=1 " in alt["config"] for alt in plan.alternatives)
+    assert any(
+        "cannot cut Classifier into pipeline stages: it has no nn.ModuleList of repeated "
+        "blocks" in n
+        for n in plan.notes
+    ), plan.notes
+
+
+def test_evaluate_refuses_what_the_runtime_cannot_run_naming_the_model_and_why():
+    cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=4)
+    cases = [
+        (_gemma2(), (torch.randint(0, 128, (1, 64)),), dict(pp=2, tp=2),
+         "pp=2 cuts Gemma2ForCausalLM from its traced graph"),
+        (hf.build("gpt2-tiny-hf"), (torch.randint(0, 128, (1, 64)),), dict(tp=2),
+         "tp=2: autopar's runtime would leave GPT2LMHeadModel's blocks replicated"),
+        (Classifier(), (torch.randn(1, 32),), dict(pp=2, dp=2),
+         "pp=2: autopar's runtime cannot cut Classifier into pipeline stages"),
+    ]  # fmt: skip
+    for model, inputs, degrees, said in cases:
+        config = autopar.ParallelConfig(**degrees, micro_batch_size=1)
+        try:
+            autopar.evaluate(model, cluster, config, inputs, global_batch_size=8)
+        except ConfigError as e:
+            assert said in str(e), str(e)
+        else:
+            raise AssertionError(f"{config.as_text()} was priced for {type(model).__name__}")
 
 
 def test_a_model_the_runtime_can_cut_keeps_pipeline_plans_in_the_space():
@@ -56,9 +93,7 @@ def test_a_model_the_runtime_can_cut_keeps_pipeline_plans_in_the_space():
     assert not any("into stages" in note for note in plan.notes)
     assert (
         plan.report["num_degree_choices"]
-        > _plan(TinyTransformer(), (torch.randint(0, 256, (1, 128)),), 4).report[
-            "num_degree_choices"
-        ]
+        > _plan(Classifier(), (torch.randn(1, 32),), 4).report["num_degree_choices"]
     )
 
 

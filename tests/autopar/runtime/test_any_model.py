@@ -1,0 +1,148 @@
+"""Any model the tracer takes runs under what autopar plans for it, or is refused (issue 19).
+
+Models, each from the user's own factory (`user_models`, not autopar's builders): a
+from-scratch transformer on nn.MultiheadAttention, an MLP classifier with its own loss, and
+Hugging Face GPT-2, GPT-NeoX, Gemma 2, Phi-3, Qwen2, BERT (masked LM), T5 (encoder-decoder)
+and ViT (image classification), built from configs.
+
+Styles, on 2 and 4 local_cpu devices: the plan `parallelize` returns, and forced DP, FSDP
+(ZeRO-3), TP, TP+SP, PP and CP. Each either prices (`evaluate`) and then trains 3 steps on
+gloo ranks to the single process's loss and gradient norm within 1e-5 relative (fp32), or is
+refused at `evaluate` with a message naming the model; which ones are refused is pinned below.
+
+    python3 tests/autopar/runtime/test_any_model.py     # prints the matrix, model x style
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import Case, check_cases
+
+import autopar
+from autopar.config import ParallelConfig as C
+from autopar.errors import ConfigError
+from autopar.runtime.task import task_from_source
+
+GLOBAL_BATCH, SEQ = 8, 16
+
+# label -> (factory, data hook, loss) in user_models; None: token ids / next-token loss
+MODELS = {
+    "mha": ("tiny_transformer", None, None),
+    "classifier": ("classifier", "classifier_batch", "classify_loss"),
+    "gpt2": ("gpt2", None, None),
+    "gpt-neox": ("gpt_neox", None, None),
+    "gemma2": ("gemma2", None, None),
+    "phi3": ("phi3", None, None),
+    "qwen2": ("qwen2", None, None),
+    "bert": ("bert", None, "masked_lm_loss"),
+    "t5": ("t5", "t5_batch", "masked_lm_loss"),
+    "vit": ("vit", "vit_batch", "classify_loss"),
+}
+
+
+def styles(n: int) -> dict[str, C]:
+    half = n // 2
+    return {
+        "DP": C(dp=n),
+        "FSDP": C(fsdp=n, zero_stage=3),
+        "TP": C(tp=2, dp=half),
+        "TP+SP": C(tp=2, dp=half, sequence_parallel=True),
+        "PP": C(pp=2, dp=half),
+        "CP": C(cp=2, dp=half),
+    }
+
+
+# (model, style) refused at evaluate on 2 and 4 devices, and the words that say why
+_NO_TP = "blocks replicated"
+_NO_CP = "context parallelism on models it can call at a sequence shard's positions"
+_NO_PP = "cannot cut"
+REFUSED = {
+    **{(m, s): _NO_TP for m in ("mha", "classifier", "gpt2", "gpt-neox", "bert", "t5")
+       for s in ("TP", "TP+SP")},
+    **{(m, "CP"): _NO_CP for m in MODELS if m != "qwen2"},
+    ("classifier", "PP"): _NO_PP,
+    ("t5", "PP"): _NO_PP,
+}  # fmt: skip
+
+
+def _source(label: str) -> dict[str, str | None]:
+    factory, data, loss = MODELS[label]
+    return {
+        "factory": f"user_models:{factory}",
+        "data": data and f"user_models:{data}",
+        "loss": loss and f"user_models:{loss}",
+    }
+
+
+def matrix(n: int, labels: list[str] | None = None) -> tuple[list[Case], dict[tuple, str]]:
+    """The cases that price on ``n`` devices (to run) and the refusals {(model, style): why}."""
+    cases, refused = [], {}
+    cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=n)
+    options = autopar.PlanOptions(sensitivity=False)
+    for label in labels or list(MODELS):
+        source = _source(label)
+        task = task_from_source(
+            source["factory"], {}, global_batch_size=GLOBAL_BATCH, seq_len=SEQ,
+            data=source["data"], loss=source["loss"],
+        )  # fmt: skip
+        model = task.build()
+        inputs = tuple(t[:1] for t in task.batch(0, 0, 1)[0])
+        common = dict(global_batch_size=GLOBAL_BATCH, precision="fp32")
+        plan = autopar.parallelize(model, cluster, inputs, options=options, **common)
+        planned = {"auto": (plan.config, plan)}
+        for style, config in styles(n).items():
+            config = C(**{**config.__dict__, "micro_batch_size": 1})
+            try:
+                planned[style] = (config, autopar.evaluate(model, cluster, config, inputs, **common))
+            except ConfigError as e:
+                refused[(label, style)] = str(e)
+        for style, (config, priced) in planned.items():
+            stages = tuple(tuple(s.layers) for s in priced.stages) if config.pp > 1 else None
+            cases.append(
+                Case(f"{label} [{style}]", config, GLOBAL_BATCH, placements=priced.placements,
+                     stage_layers=stages, seq_len=SEQ, **source)
+            )  # fmt: skip
+    return cases, refused
+
+
+def _check_refusals(refused: dict[tuple, str], labels: list[str]) -> None:
+    want = {k: v for k, v in REFUSED.items() if k[0] in labels}
+    assert set(refused) == set(want), (sorted(set(refused) - set(want)), sorted(set(want) - set(refused)))
+    for key, why in refused.items():
+        assert want[key] in why, (key, why)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_model_runs_what_is_planned_for_it_or_is_refused(n):
+    cases, refused = matrix(n)
+    _check_refusals(refused, list(MODELS))
+    check_cases(n, cases)
+
+
+def _main(labels: list[str]) -> None:
+    """Print the matrix: each model alone on 2 and 4 ranks, failures reported, not raised."""
+    for n in (2, 4):
+        for label in labels:
+            cases, refused = matrix(n, [label])
+            for (_, style), why in refused.items():
+                print(f"{n} ranks  {label:10s} {style:6s} refused: {why.split(': ', 1)[1]}")
+            try:
+                errors = check_cases(n, cases)
+            except Exception as e:  # one failing case fails the model's spawn
+                print(f"{n} ranks  {label:10s} FAILED: {type(e).__name__}: {str(e)[-600:]}")
+                continue
+            for case in cases:
+                print(f"{n} ranks  {case.model:20s} {case.config.as_text()}  "
+                      f"ran, max rel error {errors[case.label]:.1e}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(Path(__file__).parent))
+    _main(sys.argv[1:] or list(MODELS))
