@@ -11,6 +11,8 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
                         hold aten ops, not the modules those split); else pp = 1
     tensor parallelism  `tensor_parallel.splits_every_block` finds a block it would leave
                         replicated while the estimate prices it sharded -> tp = 1
+    sequence par.       needs a column/row pair in every block (`tensor_parallel.tp_plan`)
+                        -> else tensor parallelism without it
     context parallelism needs a forward at a shard's global positions (`parts`) -> else cp = 1
     low precision       an FP8 recipe, for autopar's runtime: tp = 1 (torchao's Float8 TP
                         styles are not applied: `low_precision_limits`)
@@ -30,7 +32,7 @@ from autopar.config.precision import canonical, recipe_of, supported_recipes
 from autopar.hardware.profile import HardwareProfile
 from autopar.runtime.low_precision import runnable
 from autopar.runtime.parts import has_parts
-from autopar.runtime.tensor_parallel import splits_every_block
+from autopar.runtime.tensor_parallel import splits_every_block, tp_plan
 from autopar.runtime.traced_stages import traced_blocks, why_no_block_list
 from autopar.solve.space import SpaceLimits
 
@@ -74,6 +76,9 @@ def runtime_limits(model: nn.Module, limits: SpaceLimits) -> tuple[SpaceLimits, 
     if not splits_every_block(model, limits.num_blocks):
         limits = replace(limits, max_tp=1)
         notes.append(f"no tensor-parallel plans: {_no_tp(name)}")
+    elif _no_sp(model):
+        limits = replace(limits, no_sequence_parallel=True)
+        notes.append(f"tensor parallelism without sequence parallelism: {_no_sp(model)}")
     return limits, notes
 
 
@@ -97,7 +102,22 @@ def runtime_problems(model: nn.Module, config: ParallelConfig, num_blocks: int) 
         out.append(f"cp={config.cp}: {_no_cp(name)}")
     if config.tp > 1 and not splits_every_block(model, num_blocks):
         out.append(f"tp={config.tp}: {_no_tp(name)}")
+    elif config.tp > 1 and config.sequence_parallel and _no_sp(model):
+        out.append(f"sequence_parallel: {_no_sp(model)}")
     return out
+
+
+def _no_sp(model: nn.Module) -> str:
+    """Why the runtime cannot run sequence parallelism on ``model``, or ""."""
+    try:
+        tp_plan(model, ParallelConfig(tp=2, sequence_parallel=True))
+    except ValueError:
+        return (
+            f"autopar's runtime splits the sequence only around column/row-parallel pairs, and "
+            f"some of {type(model).__name__}'s blocks have a projection it leaves replicated "
+            "(a fused one it does not split)"
+        )
+    return ""
 
 
 def _no_cp(name: str) -> str:

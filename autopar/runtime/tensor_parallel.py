@@ -134,14 +134,20 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def splits_every_block(model: nn.Module, num_blocks: int) -> bool:
     """Whether tensor parallelism shards something in each repeated block of ``model`` (the
-    traced graph found ``num_blocks``), as the estimator prices them: False where the blocks
-    hold no nn.Linear (GPT-2's Conv1D) or no projection the Megatron rule names, which would
-    run replicated while priced sharded. A model without blocks is a chain of linears."""
+    traced graph found ``num_blocks``), as the estimator prices them: False where a block
+    holds no column-parallel projection feeding a row-parallel one by the Megatron rule (GPT-2's
+    Conv1D, T5's q/k/v/o and wi), which would run replicated, or split one projection alone,
+    while priced sharded. A model without blocks is a chain of linears."""
     blocks = find_blocks(model)
     if not blocks:
         return num_blocks == 0
     plan = tp_plan(model, ParallelConfig(tp=2))
-    return all(any(key.startswith(path + ".") for key in plan) for path, _ in blocks)
+
+    def paired(path: str) -> bool:  # a column-parallel projection feeding a row-parallel one
+        styles = {style for key, style in plan.items() if key.startswith(path + ".")}
+        return "colwise" in styles and "rowwise" in styles
+
+    return all(paired(path) for path, _ in blocks)
 
 
 def _has_linear(module: nn.Module) -> bool:
@@ -376,7 +382,7 @@ def _style(style: str) -> ParallelStyle:
     if name == "rowwise_to_seq":
         return RowwiseParallel(output_layouts=Shard(1))
     if name == "sequence_parallel":
-        return SequenceParallel()
+        return SequenceParallel(use_local_output=True)
     if name == "replicate_in":
         return _FirstInput(Replicate(), Replicate(), local=False)
     if name == "gather_seq":  # a DTensor, so q/k/v's partial input grads sum before one RS

@@ -128,7 +128,7 @@ def _routes(split: torch.fx.GraphModule) -> list[_Route]:
     reads = [_nodes_in(call.args) for call in calls] + [final]
     carried = [n for n in nodes if n.op == "placeholder"]
     routes = []
-    for k, call in enumerate(calls):
+    for k in range(len(calls)):
         later = {v for needs in reads[k + 1 :] for v in needs if made_by(v) <= k}
         passed = sorted(later, key=order.__getitem__) if k < len(calls) - 1 else final
         give = [("in", carried.index(v)) if v in carried else source(v) for v in passed]
@@ -188,8 +188,10 @@ def _inline_grad_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             continue
         enabled, body_node, *args = node.args
         body = _attr(gm, str(body_node.target))
-        if enabled or _reads_parameters(gm, args) or any(
-            n.op == "get_attr" for n in body.graph.nodes
+        if (
+            enabled
+            or _reads_parameters(gm, args)
+            or any(n.op == "get_attr" for n in body.graph.nodes)
         ):
             continue
         stack = node.meta.get("nn_module_stack")

@@ -77,12 +77,26 @@ def space_limits(
         devices_per_node=cluster.devices_per_node,
         num_blocks=sum(1 for layer in graph.layers if layer.kind == "block"),
         num_heads=attention_heads(graph),
-        seq_len=graph.input_shapes[0][-1] if graph.input_shapes else 1,
+        seq_len=_sequence_length(graph),
         num_experts=max((layer.moe.num_experts for layer in graph.layers if layer.moe), default=0),
         global_batch_size=global_batch_size,
         micro_batch_sizes=micro_batch_sizes,
         num_kv_heads=_kv_heads(model),
     )
+
+
+def _sequence_length(graph: ModelGraph) -> int:
+    """The sequence the repeated blocks run on: the middle dimension of the first block's
+    first [batch, sequence, hidden] activation (a ViT's patches plus its class token), else the
+    last dimension of the first input (token ids)."""
+    blocks = [layer.name for layer in graph.layers if layer.kind == "block"]
+    if blocks:
+        for node in graph.nodes.values():
+            if node.layer == blocks[0] and node.op != "parameter":
+                shapes = [s for s in node.shapes if len(s) == 3]
+                if shapes:
+                    return shapes[0][1]
+    return graph.input_shapes[0][-1] if graph.input_shapes else 1
 
 
 def _kv_heads(model: Any) -> int:

@@ -122,7 +122,7 @@ def search(
     feasible_best: list[float] = []
     num_configs = 0
     bounds = _Bounds(estimator)
-    sp_dominates = _sp_dominates(estimator)
+    sp_dominates = _sp_dominates(estimator) and not limits.no_sequence_parallel
     for index, degrees in enumerate(degrees_list):
         if deadline is not None and feasible and time.perf_counter() > deadline:
             num_unsearched = len(degrees_list) - index

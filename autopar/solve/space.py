@@ -50,6 +50,9 @@ class SpaceLimits:
     # pipeline plans only with tp = cp = ep = 1: the runtime cuts this model from its traced
     # graph (`autopar.runtime.traced_stages`), whose stages TP, CP and EP cannot split
     pipeline_alone: bool = False
+    # tensor parallelism without sequence parallelism (`runtime.capability`: a block whose
+    # projections the runtime cannot pair column/row)
+    no_sequence_parallel: bool = False
 
 
 def shape_problems(cfg: ParallelConfig, lim: SpaceLimits) -> list[str]:
@@ -57,7 +60,8 @@ def shape_problems(cfg: ParallelConfig, lim: SpaceLimits) -> list[str]:
 
     The same rules `degree_choices` builds in, stated with the numbers for a config the user
     gave: heads (and key/value heads) over tp, repeated layers over pp x virtual stages,
-    experts over ep, the sequence over 2 * cp load-balanced chunks.
+    experts over ep, the sequence over tp (sequence parallelism) and over 2 * cp
+    load-balanced chunks.
     """
     out: list[str] = []
     if cfg.tp > 1 and lim.num_heads and lim.num_heads % cfg.tp:
@@ -80,6 +84,11 @@ def shape_problems(cfg: ParallelConfig, lim: SpaceLimits) -> list[str]:
     if cfg.ep > 1 and (not lim.num_experts or lim.num_experts % cfg.ep):
         has = f"{lim.num_experts} experts" if lim.num_experts else "no expert layers"
         out.append(f"ep={cfg.ep} does not divide the model's experts: it has {has}")
+    if cfg.tp > 1 and cfg.sequence_parallel and lim.seq_len % cfg.tp:
+        out.append(
+            f"sequence_parallel splits the sequence over tp={cfg.tp} ranks, but the blocks' "
+            f"sequence of {lim.seq_len} does not divide"
+        )
     if cfg.cp > 1 and lim.seq_len % (2 * cfg.cp):
         out.append(
             f"cp={cfg.cp} needs the sequence in 2 x cp = {2 * cfg.cp} equal chunks, "
@@ -205,7 +214,8 @@ def inner_choices(
     constraints hold."""
     dp, fsdp, cp, tp, pp, ep = degrees
     zeros = (0,) if fsdp == 1 else (1, 2, 3)
-    sps = (False,) if tp == 1 else (True, False)
+    sp_ok = tp > 1 and not lim.no_sequence_parallel and lim.seq_len % tp == 0
+    sps = (True, False) if sp_ok else (False,)
     for mbs in lim.micro_batch_sizes:
         per_step = mbs * dp * fsdp
         if lim.global_batch_size % per_step:
