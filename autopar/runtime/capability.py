@@ -9,7 +9,7 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
                         blocks are the items of one nn.ModuleList is cut from its traced graph
                         (`autopar.runtime.traced_stages`), with tp = cp = ep = 1 (its stages
                         hold aten ops, not the modules those split); else pp = 1
-    tensor parallelism  `tensor_parallel.splits_every_block` finds a block it would leave
+    tensor parallelism  `tensor_parallel.unsplit_block` finds a block it would leave
                         replicated while the estimate prices it sharded -> tp = 1
     sequence par.       needs a column/row pair in every block (`tensor_parallel.tp_plan`)
                         -> else tensor parallelism without it
@@ -32,7 +32,7 @@ from autopar.config.precision import canonical, recipe_of, supported_recipes
 from autopar.hardware.profile import HardwareProfile
 from autopar.runtime.low_precision import runnable
 from autopar.runtime.parts import has_parts
-from autopar.runtime.tensor_parallel import splits_every_block, tp_plan
+from autopar.runtime.tensor_parallel import tp_plan, unsplit_block
 from autopar.runtime.traced_stages import traced_blocks, why_no_block_list
 from autopar.solve.space import SpaceLimits
 
@@ -73,9 +73,10 @@ def runtime_limits(model: nn.Module, limits: SpaceLimits) -> tuple[SpaceLimits, 
     if not has_parts(model) and limits.max_cp > 1:
         limits = replace(limits, max_cp=1)
         notes.append(f"no context-parallel plans: {_no_cp(name)}")
-    if not splits_every_block(model, limits.num_blocks):
+    unsplit = unsplit_block(model, limits.num_blocks)
+    if unsplit:
         limits = replace(limits, max_tp=1)
-        notes.append(f"no tensor-parallel plans: {_no_tp(name)}")
+        notes.append(f"no tensor-parallel plans: {_no_tp(name, unsplit)}")
     elif _no_sp(model):
         limits = replace(limits, no_sequence_parallel=True)
         notes.append(f"tensor parallelism without sequence parallelism: {_no_sp(model)}")
@@ -100,8 +101,9 @@ def runtime_problems(model: nn.Module, config: ParallelConfig, num_blocks: int) 
             out.append(f"pp={config.pp}: {cut}")
     if config.cp > 1 and not has_parts(model):
         out.append(f"cp={config.cp}: {_no_cp(name)}")
-    if config.tp > 1 and not splits_every_block(model, num_blocks):
-        out.append(f"tp={config.tp}: {_no_tp(name)}")
+    unsplit = unsplit_block(model, num_blocks) if config.tp > 1 else None
+    if unsplit:
+        out.append(f"tp={config.tp}: {_no_tp(name, unsplit)}")
     elif config.tp > 1 and config.sequence_parallel and _no_sp(model):
         out.append(f"sequence_parallel: {_no_sp(model)}")
     return out
@@ -128,10 +130,10 @@ def _no_cp(name: str) -> str:
     )
 
 
-def _no_tp(name: str) -> str:
+def _no_tp(name: str, block: str) -> str:
     return (
-        f"autopar's runtime would leave {name}'s blocks replicated (it splits nn.Linear "
-        "projections it can pair column/row), while the estimate prices them sharded"
+        f"autopar's runtime would leave {name}'s blocks replicated, {block} first (it splits "
+        "nn.Linear projections it can pair column/row), while the estimate prices them sharded"
     )
 
 

@@ -53,6 +53,7 @@ The styles and the collectives they imply (forward; the backward mirrors them):
 Public functions:
     tp_plan(model, config, placements=None, vocab_parallel=False) -> dict[str, str]
     splits_every_block(model, num_blocks) -> bool   # what the planner may offer tp > 1 for
+    unsplit_block(model, num_blocks) -> "path (Class)" | None   # the first block it would not
     apply_tensor_parallel(model, tp_mesh, plan) -> model   # re-ties a tied head
     loss_context(plan) -> context manager                   # loss_parallel() for a vocab head
     reduce_partial_grads(model) -> int  # SP norm weight grads: Partial -> Replicate
@@ -133,21 +134,28 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def splits_every_block(model: nn.Module, num_blocks: int) -> bool:
-    """Whether tensor parallelism shards something in each repeated block of ``model`` (the
-    traced graph found ``num_blocks``), as the estimator prices them: False where a block
-    holds no column-parallel projection feeding a row-parallel one by the Megatron rule (GPT-2's
-    Conv1D, T5's q/k/v/o and wi), which would run replicated, or split one projection alone,
-    while priced sharded. A model without blocks is a chain of linears."""
+    """Whether tensor parallelism shards each repeated block of ``model`` (the traced graph
+    found ``num_blocks``) as the estimator prices them: `unsplit_block` finds none."""
+    return unsplit_block(model, num_blocks) is None
+
+
+def unsplit_block(model: nn.Module, num_blocks: int) -> str | None:
+    """The first repeated block tensor parallelism would not shard as priced ("path (Class)"),
+    or None: a block with no column-parallel projection feeding a row-parallel one by the
+    Megatron rule (GPT-2's Conv1D, T5's q/k/v/o and wi) would run replicated, or split one
+    projection alone, while priced sharded. A model without blocks is a chain of linears."""
     blocks = find_blocks(model)
     if not blocks:
-        return num_blocks == 0
+        if num_blocks == 0:
+            return None
+        listed = [path for path, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+        return f"{listed[0] if listed else type(model).__name__} (no nn.Linear in its blocks)"
     plan = tp_plan(model, ParallelConfig(tp=2))
-
-    def paired(path: str) -> bool:  # a column-parallel projection feeding a row-parallel one
+    for path, block in blocks:  # a column-parallel projection feeding a row-parallel one
         styles = {style for key, style in plan.items() if key.startswith(path + ".")}
-        return "colwise" in styles and "rowwise" in styles
-
-    return all(paired(path) for path, _ in blocks)
+        if "colwise" not in styles or "rowwise" not in styles:
+            return f"{path} ({type(block).__name__})"
+    return None
 
 
 def _has_linear(module: nn.Module) -> bool:

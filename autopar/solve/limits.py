@@ -86,17 +86,19 @@ def space_limits(
 
 
 def _sequence_length(graph: ModelGraph) -> int:
-    """The sequence the repeated blocks run on: the middle dimension of the first block's
-    first [batch, sequence, hidden] activation (a ViT's patches plus its class token), else the
-    last dimension of the first input (token ids)."""
+    """The sequence the repeated blocks run on: the middle dimension of the first block's first
+    [batch, sequence, hidden] activation (a ViT's patches plus its class token; a transposed
+    [sequence, batch, hidden] one is passed over by its batch), else the last dimension of the
+    first input (token ids)."""
+    fallback = graph.input_shapes[0][-1] if graph.input_shapes else 1
+    batch = graph.input_shapes[0][0] if graph.input_shapes and graph.input_shapes[0] else 1
     blocks = [layer.name for layer in graph.layers if layer.kind == "block"]
-    if blocks:
-        for node in graph.nodes.values():
-            if node.layer == blocks[0] and node.op != "parameter":
-                shapes = [s for s in node.shapes if len(s) == 3]
-                if shapes:
-                    return shapes[0][1]
-    return graph.input_shapes[0][-1] if graph.input_shapes else 1
+    for node in graph.nodes.values() if blocks else ():
+        if node.layer == blocks[0] and node.op != "parameter":
+            for shape in node.shapes:
+                if len(shape) == 3 and shape[0] == batch:
+                    return shape[1]
+    return fallback
 
 
 def _kv_heads(model: Any) -> int:

@@ -3,7 +3,7 @@ that run any traced model under any plan: tiny configs, no dropout, fp32.
 
 Each factory returns a fresh, seeded model. Non-language models come with their data hook
 (`fn(step, start, stop) -> (inputs, targets)`) and loss (`loss(outputs, targets)`), named as
-a plan records them ("user_models:vit_batch").
+a plan records them ("model_factories:vit_batch").
 """
 
 from __future__ import annotations
