@@ -9,7 +9,16 @@ what `autopar.runtime.pipeline` reads of a chunk (`chunk`, `is_first`, `is_last`
 
 Why torch's tracer frontend rather than a table of model classes: the graph, not the class,
 says what one stage hands the next (GPT-2's hidden states and its attention mask, whatever a
-user's model computes before its first block); torch carries every tensor that crosses a cut.
+user's model computes before its first block). Three things it leaves to its own (traced)
+stage runtime that our manual `PipelineStage`s need done here: a value a later stage reads is
+carried through the stages in between (`_routes`: torch's stages hand their outputs to the next
+stage only); a `no_grad` region that reads no parameter is inlined before the cut
+(`_inline_grad_regions`: export wraps it in a higher-order op, whose body torch's outliner
+places so that the module running it -- Hugging Face's rotary embedding -- comes back as two
+calls, the first without inputs); outputs are sent contiguous, not as views. The cut is
+`pipeline(root, example, split_spec=...)` spelled out (`annotate_split_points`, then
+`Pipe.from_tracing` with the inlining as its split policy), because `pipeline` takes a split
+spec or a policy, not both.
 
 What a traced chunk holds: the model's submodules under their original paths, each an
 `InterpreterModule` of aten ops (not an `nn.Linear`), so parameter names -- and checkpoints --
