@@ -23,6 +23,8 @@ Format (schema_version 1; every key of a table but ``source`` may be left out, t
     [overlap]    tp_comm_overlap, overlap_grad_reduce, overlap_param_gather, fsdp_prefetch,
                  fsdp_per_tensor, fsdp_list_copies, grad_bytes, comm_interference,
                  fp8_all_gather, param_hook_s, fsdp_over_cp, source
+    [precision]  recipes (the low-precision recipes the stack trains, `config.precision`
+                 names), source; optional: without it, every recipe
 
 Invariant: a stack that loads gives a valid CostOptions; errors name the file and the field.
 """
@@ -70,6 +72,7 @@ class Stack:
     description: str
     options: CostOptions
     sources: dict[str, str]
+    recipes: tuple[str, ...] | None = None  # None: every recipe (no [precision] table)
 
     def as_text(self) -> str:
         o = self.options
@@ -178,4 +181,24 @@ def _parse(data: dict[str, Any], origin: str, stem: str) -> Stack:
         options = replace(CostOptions(), stack=stem, **values)
     except ValueError as e:
         raise fail("(values)", str(e)) from None
-    return Stack(stem, data["description"], options, sources)
+    recipes = _recipes(data.get("precision"), fail)
+    if recipes is not None:
+        sources["precision"] = data["precision"]["source"]
+    return Stack(stem, data["description"], options, sources, recipes)
+
+
+def _recipes(section: Any, fail: Any) -> tuple[str, ...] | None:
+    """The [precision] table's recipes, checked against `config.precision.RECIPES`."""
+    from autopar.config.precision import RECIPES
+
+    if section is None:
+        return None
+    if not isinstance(section, dict) or not isinstance(section.get("source"), str):
+        raise fail("precision.source", "must name where the recipes come from")
+    unknown = set(section) - {"recipes", "source"}
+    if unknown:
+        raise fail(f"precision.{sorted(unknown)[0]}", "unknown; known: recipes, source")
+    recipes = section.get("recipes")
+    if not isinstance(recipes, list) or any(r not in RECIPES for r in recipes):
+        raise fail("precision.recipes", f"must be a list of {', '.join(RECIPES)}; got {recipes!r}")
+    return tuple(recipes)

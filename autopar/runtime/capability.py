@@ -14,6 +14,8 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
     sequence par.       needs a column/row pair in every block (`tensor_parallel.tp_plan`)
                         -> else tensor parallelism without it
     context parallelism needs a forward at a shard's global positions (`parts`) -> else cp = 1
+    expert parallelism  needs MoE blocks with a token dispatch (`expert_parallel`: the zoo's)
+                        -> else ep = 1 (Hugging Face experts run replicated)
     low precision       an FP8 recipe, for autopar's runtime: tp = 1 (torchao's Float8 TP
                         styles are not applied: `low_precision_limits`)
 
@@ -29,6 +31,7 @@ from torch import nn
 
 from autopar.config import ParallelConfig
 from autopar.config.precision import canonical, recipe_of, supported_recipes
+from autopar.estimate.stacks import load_stack, stack_names
 from autopar.hardware.profile import HardwareProfile
 from autopar.runtime.low_precision import runnable
 from autopar.runtime.parts import has_parts
@@ -70,6 +73,9 @@ def runtime_limits(model: nn.Module, limits: SpaceLimits) -> tuple[SpaceLimits, 
     elif cut != "parts":
         limits = replace(limits, max_pp=1)
         notes.append(f"no pipeline plans: {cut}")
+    if limits.num_experts and not _dispatches_experts(model):
+        limits = replace(limits, num_experts=0)
+        notes.append(f"no expert-parallel plans: {_no_ep(name)}")
     if not has_parts(model) and limits.max_cp > 1:
         limits = replace(limits, max_cp=1)
         notes.append(f"no context-parallel plans: {_no_cp(name)}")
@@ -101,6 +107,8 @@ def runtime_problems(model: nn.Module, config: ParallelConfig, num_blocks: int) 
             out.append(f"pp={config.pp}: {cut}")
     if config.cp > 1 and not has_parts(model):
         out.append(f"cp={config.cp}: {_no_cp(name)}")
+    if config.ep > 1 and not _dispatches_experts(model):
+        out.append(f"ep={config.ep}: {_no_ep(name)}")
     unsplit = unsplit_block(model, num_blocks) if config.tp > 1 else None
     if unsplit:
         out.append(f"tp={config.tp}: {_no_tp(name, unsplit)}")
@@ -120,6 +128,19 @@ def _no_sp(model: nn.Module) -> str:
             "(a fused one it does not split)"
         )
     return ""
+
+
+def _dispatches_experts(model: nn.Module) -> bool:
+    """Whether ``model`` has MoE blocks `expert_parallel` can share out (a router's token
+    ``dispatch`` and an ``experts`` list: the zoo's `MoEBlock`)."""
+    return any(hasattr(m, "dispatch") and hasattr(m, "experts") for m in model.modules())
+
+
+def _no_ep(name: str) -> str:
+    return (
+        f"autopar's runtime dispatches tokens to experts over ranks for its own MoE blocks "
+        f"(autopar.models.moe), not {name}'s, whose experts it would run replicated"
+    )
 
 
 def _no_cp(name: str) -> str:
@@ -153,20 +174,35 @@ def low_precision_limits(
 
 def precision_candidates(profile: HardwareProfile, stack: str) -> tuple[list[str], str]:
     """What ``precision="auto"`` chooses among on ``profile`` for ``stack``: BF16 and every
-    recipe the device has tensor cores for (for autopar's runtime, those torchao trains), and
-    why there is nothing else where there is not."""
+    recipe the device has tensor cores for and the stack trains (for autopar's runtime, those
+    torchao trains; for a shipped stack, its [precision] recipes), and why there is nothing
+    else where there is not."""
     peaks = profile.device.peak_flops_per_s
-    recipes = supported_recipes(profile.kind, peaks)
+    on_device = supported_recipes(profile.kind, peaks)
     if _own_runtime(stack):
-        recipes = [r for r in recipes if runnable(r)]
+        recipes = [r for r in on_device if runnable(r)]
+    else:
+        trains = stack_recipes(stack)
+        recipes = [r for r in on_device if trains is None or r.name in trains]
     names = ["bf16", *(r.name for r in recipes)]
     if recipes:
         return names, ""
     if profile.kind != "gpu":
         why = f"{profile.name} is a {profile.kind.upper()} profile: no FP8 training GEMMs"
-    else:
+    elif not on_device:
         why = f"{profile.name} ({profile.device.name}) has no FP8 tensor cores"
+    else:
+        said = ", ".join(r.name for r in on_device)
+        why = f"the {stack} stack trains none of the recipes {profile.device.name} runs ({said})"
     return names, why
+
+
+def stack_recipes(stack: str) -> tuple[str, ...] | None:
+    """The recipes a shipped ``stack`` trains (its [precision] table), or None: every one (a
+    stack without the table, or a stack file of one's own, which is priced as given)."""
+    if stack not in stack_names():
+        return None
+    return load_stack(stack).recipes
 
 
 def _own_runtime(stack: str) -> bool:

@@ -57,7 +57,8 @@ def test_every_shipped_stack_loads_with_its_sources():
     for name in names:
         stack = load_stack(name)
         assert stack.name == stack.options.stack == name
-        assert set(stack.sources) == {"kernels", "memory", "overlap"}
+        assert set(stack.sources) - {"precision"} == {"kernels", "memory", "overlap"}
+        assert ("precision" in stack.sources) == (stack.recipes is not None), name
         assert all(len(text) > 10 for text in stack.sources.values()), name
 
 
@@ -81,6 +82,13 @@ def test_a_stack_file_of_ones_own(tmp_path):
         (("grad_bytes = 2", "comm_interference = 1.5"), "comm_interference must be in [0, 1]"),
         (("grad_bytes = 2", "param_hook_s = -1.0"), "param_hook_s must be a finite number >= 0"),
         (('name = "mine"', 'name = "other"'), "must equal the file stem 'mine'"),
+        (
+            (
+                'grad_bytes = 2\nsource = "test"',
+                'grad_bytes = 2\nsource = "test"\n[precision]\nrecipes = ["fp9"]\nsource = "x"',
+            ),
+            "precision.recipes: must be a list of fp8-",
+        ),
     ],
 )
 def test_bad_stack_files_are_refused_by_field(tmp_path, edit, fragment):

@@ -53,6 +53,20 @@ def test_auto_on_a100_stays_bf16_and_says_why(wide):
         _plan(wide, "dgx_a100_80g", "fp8")
 
 
+def test_auto_offers_only_the_recipes_the_stack_trains(wide):
+    """Megatron has no per-row FP8 recipe, DeepSpeed's config no FP8 at all (their stacks'
+    [precision] tables): auto chooses among what the stack would run."""
+    model, graph = wide
+    cluster = autopar.Cluster.from_profile("dgx_h100", num_nodes=2)
+    common = dict(global_batch_size=64, precision="auto", graph=graph)
+    megatron = autopar.parallelize(model, cluster, stack="megatron-core", **common)
+    said = next(n for n in megatron.notes if n.startswith("precision auto:"))
+    assert "fp8-tensorwise" in said and "fp8-rowwise" not in said
+    deepspeed = autopar.parallelize(model, cluster, stack="deepspeed", **common)
+    assert deepspeed.precision == "bf16"
+    assert any("the deepspeed stack trains none of the recipes" in n for n in deepspeed.notes)
+
+
 def test_an_fp8_plan_round_trips_through_json(wide):
     model, graph = wide
     cluster = autopar.Cluster.from_profile("dgx_h100")

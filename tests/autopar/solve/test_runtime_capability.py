@@ -2,7 +2,8 @@
 does not know is cut from its traced graph, so its pipeline plans keep tp = cp = ep = 1; one
 without a single list of blocks gets no pipeline plan, one whose blocks the runtime cannot
 split no tensor-parallel plan, and the plan says why; `evaluate` refuses the same configs,
-naming the model and the reason. A model the registry knows keeps every combination."""
+naming the model and the reason (a Hugging Face MoE's expert parallelism among them). A model
+the registry knows keeps every combination."""
 
 from __future__ import annotations
 
@@ -75,6 +76,9 @@ def test_evaluate_refuses_what_the_runtime_cannot_run_naming_the_model_and_why()
          "tp=2: autopar's runtime would leave GPT2LMHeadModel's blocks replicated"),
         (Classifier(), (torch.randn(1, 32),), dict(pp=2, dp=2),
          "pp=2: autopar's runtime cannot cut Classifier into pipeline stages"),
+        (hf.build("mixtral-tiny-hf"), (torch.randint(0, 128, (1, 64)),), dict(dp=4, ep=2),
+         "ep=2: autopar's runtime dispatches tokens to experts over ranks for its own MoE "
+         "blocks (autopar.models.moe), not MixtralForCausalLM's"),
     ]  # fmt: skip
     for model, inputs, degrees, said in cases:
         config = autopar.ParallelConfig(**degrees, micro_batch_size=1)
