@@ -42,6 +42,7 @@ from autopar.plan.files import directory_lock, ensure_directory, write_atomic
 from autopar.plan.rebuild import rebuild_model, replanned_note, resized_cluster, sample_inputs
 from autopar.runtime.capability import (
     low_precision_limits,
+    own_runtime,
     precision_candidates,
     runtime_limits,
     runtime_problems,
@@ -128,7 +129,9 @@ def parallelize(
         build_tables(graph), cluster, precision=precision, optimizer=optimizer, options=options.cost
     )
     limits = space_limits(model, graph, cluster, global_batch_size, options.micro_batch_sizes)
-    limits, bounded = runtime_limits(model, limits)  # only what the runtime can run
+    bounded: list[str] = []
+    if own_runtime(options.cost.stack):  # only what autopar's runtime can run
+        limits, bounded = runtime_limits(model, limits)
     limits, more = low_precision_limits(limits, precision, options.cost.stack)
     notes += bounded + more
     solution = solve(estimator, graph, cluster, limits, options)
@@ -218,8 +221,9 @@ def evaluate(
         A Plan with the predicted step time, its breakdown, memory per stage and MFU.
 
     Raises:
-        ConfigError: the config does not fit the cluster or the batch, or autopar's runtime
-            cannot run it for this model (`autopar.runtime.capability.runtime_problems`).
+        ConfigError: the config does not fit the cluster or the batch, or, priced for autopar's
+            own stack, its runtime cannot run it for this model
+            (`autopar.runtime.capability.runtime_problems`).
         TraceError: the model cannot be traced.
     """
     if graph is None:
@@ -227,15 +231,16 @@ def evaluate(
             raise ValueError("evaluate needs example_inputs (one sample) or a traced graph")
         graph = trace(model, example_inputs)
     limits = space_limits(model, graph, cluster, global_batch_size)
+    options = stack_options(stack, options)
     problems = config.problems(cluster) + shape_problems(config, limits)
-    problems += runtime_problems(model, config, limits.num_blocks)
+    if own_runtime(options.stack):  # another stack's program is that framework's to run
+        problems += runtime_problems(model, config, limits.num_blocks)
     if problems:
         raise ConfigError(
             f"config {config.as_text()} cannot run {graph.model_type} on "
             f"{cluster.profile.name} x {cluster.num_nodes} ({cluster.world_size} devices): "
             + "; ".join(problems)
         )
-    options = stack_options(stack, options)
     precision = canonical(precision)
     estimator = Estimator(
         build_tables(graph), cluster, precision=precision, optimizer=optimizer, options=options

@@ -20,7 +20,9 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
                         styles are not applied: `low_precision_limits`)
 
 Invariant: the search offers no config the generated program would refuse or run otherwise
-than priced, for these axes; `evaluate` refuses the same configs with the same reasons.
+than priced, for these axes; `evaluate` refuses the same configs with the same reasons. Both
+hold for autopar's own stack (`own_runtime`): a plan priced for another stack (Megatron,
+torchtitan) is exported to that framework, which runs what it runs.
 """
 
 from __future__ import annotations
@@ -164,7 +166,7 @@ def low_precision_limits(
     """``limits`` for a plan in ``precision`` run by ``stack``: autopar's runtime (stack
     "autopar", or values of one's own) converts FP8 linears with torchao but applies no Float8
     tensor-parallel styles, so its FP8 plans keep tp = 1; other stacks are priced as they run."""
-    if recipe_of(precision) is None or not _own_runtime(stack) or limits.max_tp == 1:
+    if recipe_of(precision) is None or not own_runtime(stack) or limits.max_tp == 1:
         return limits, []
     return replace(limits, max_tp=1), [
         f"no tensor-parallel plans in {canonical(precision)}: autopar's runtime converts the "
@@ -179,7 +181,7 @@ def precision_candidates(profile: HardwareProfile, stack: str) -> tuple[list[str
     else where there is not."""
     peaks = profile.device.peak_flops_per_s
     on_device = supported_recipes(profile.kind, peaks)
-    if _own_runtime(stack):
+    if own_runtime(stack):
         recipes = [r for r in on_device if runnable(r)]
     else:
         trains = stack_recipes(stack)
@@ -205,7 +207,7 @@ def stack_recipes(stack: str) -> tuple[str, ...] | None:
     return load_stack(stack).recipes
 
 
-def _own_runtime(stack: str) -> bool:
+def own_runtime(stack: str) -> bool:
     """Whether ``stack`` is what autopar's generated programs run: its own, or values of
     one's own (`CostOptions.stack` "")."""
     return stack in ("autopar", "")

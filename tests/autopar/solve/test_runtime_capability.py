@@ -7,6 +7,7 @@ the registry knows keeps every combination."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -88,6 +89,25 @@ def test_evaluate_refuses_what_the_runtime_cannot_run_naming_the_model_and_why()
             assert said in str(e), str(e)
         else:
             raise AssertionError(f"{config.as_text()} was priced for {type(model).__name__}")
+
+
+def test_a_plan_for_another_stack_is_that_frameworks_to_run():
+    """Megatron splits GPT-2's fused projections and dispatches Mixtral's experts: priced for
+    its stack, neither is refused (the refusals are autopar's runtime's)."""
+    cluster = autopar.Cluster.from_profile("dgx_h100", 1)
+    cases = [
+        (hf.build("gpt2-tiny-hf"), dict(tp=2, dp=4)),
+        (hf.build("mixtral-tiny-hf"), dict(dp=8, ep=2)),
+    ]
+    for model, degrees in cases:
+        config = autopar.ParallelConfig(**degrees, micro_batch_size=1)
+        inputs = (torch.randint(0, 128, (1, 64)),)
+        plan = autopar.evaluate(
+            model, cluster, config, inputs, global_batch_size=8, stack="megatron-core"
+        )
+        assert plan.config == config
+        with pytest.raises(ConfigError, match="autopar's runtime"):
+            autopar.evaluate(model, cluster, config, inputs, global_batch_size=8)
 
 
 def test_a_model_the_runtime_can_cut_keeps_pipeline_plans_in_the_space():
