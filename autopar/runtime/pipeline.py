@@ -69,7 +69,7 @@ from autopar.runtime.stages import (
     even_layout,
     layout_from_stages,
 )
-from autopar.runtime.traced_stages import Forward, traced_blocks, traced_chunks
+from autopar.runtime.traced_stages import Forward, require_blocks, traced_chunks
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -168,11 +168,7 @@ def pipeline_blocks(model: nn.Module) -> tuple[str, int]:
     if has_parts(model):
         parts = parts_of(model)
         return parts.blocks, parts.num_blocks(model)
-    found = traced_blocks(model)
-    if found is None:
-        parts_of(model)  # raises, naming the known classes
-        raise AssertionError("unreachable")
-    return found
+    return require_blocks(model)
 
 
 class Pipeline:

@@ -38,6 +38,7 @@ The trace is static in shape: the micro-batch given is the one every step runs.
 Public functions:
     block_lists(model) -> [(path, number of blocks)]
     traced_blocks(model) -> (blocks path, number of blocks) | None   # when exactly one list
+    require_blocks(model) -> (blocks path, number of blocks)          # or ValueError, why not
     why_no_block_list(model) -> str
     traced_chunks(model, forward, example, layout, pp_rank) -> (chunks, tied pairs)
 """
@@ -77,6 +78,17 @@ def traced_blocks(model: nn.Module) -> tuple[str, int] | None:
     a stage holds would not follow from one index)."""
     found = block_lists(model)
     return found[0] if len(found) == 1 else None
+
+
+def require_blocks(model: nn.Module) -> tuple[str, int]:
+    """`traced_blocks`, or ValueError saying why ``model`` has no list to cut between."""
+    found = traced_blocks(model)
+    if found is None:
+        raise ValueError(
+            f"autopar cannot cut {type(model).__name__} into pipeline stages: "
+            + why_no_block_list(model)
+        )
+    return found
 
 
 def why_no_block_list(model: nn.Module) -> str:
@@ -329,13 +341,7 @@ def traced_chunks(
     from torch.distributed.pipelining import SplitPoint
     from torch.distributed.pipelining._IR import Pipe, annotate_split_points
 
-    found = traced_blocks(model)
-    if found is None:
-        raise ValueError(
-            f"autopar cannot cut {type(model).__name__} into pipeline stages: "
-            + why_no_block_list(model)
-        )
-    path, num_blocks = found
+    path, num_blocks = require_blocks(model)
     if layout.num_blocks != num_blocks:
         raise ValueError(f"the layout cuts {layout.num_blocks} blocks, the model has {num_blocks}")
     spec = {f"{path}.{a}": SplitPoint.BEGINNING for a, _ in layout.bounds[1:]}
