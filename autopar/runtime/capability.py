@@ -35,6 +35,7 @@ from autopar.config import ParallelConfig
 from autopar.config.precision import canonical, recipe_of, supported_recipes
 from autopar.estimate.stacks import load_stack, stack_names
 from autopar.hardware.profile import HardwareProfile
+from autopar.runtime.expert_parallel import is_moe_block
 from autopar.runtime.low_precision import runnable
 from autopar.runtime.parts import has_parts
 from autopar.runtime.tensor_parallel import tp_plan, unsplit_block
@@ -85,9 +86,9 @@ def runtime_limits(model: nn.Module, limits: SpaceLimits) -> tuple[SpaceLimits, 
     if unsplit:
         limits = replace(limits, max_tp=1)
         notes.append(f"no tensor-parallel plans: {_no_tp(name, unsplit)}")
-    elif _no_sp(model):
+    elif no_sp := _no_sp(model):
         limits = replace(limits, no_sequence_parallel=True)
-        notes.append(f"tensor parallelism without sequence parallelism: {_no_sp(model)}")
+        notes.append(f"tensor parallelism without sequence parallelism: {no_sp}")
     return limits, notes
 
 
@@ -114,8 +115,8 @@ def runtime_problems(model: nn.Module, config: ParallelConfig, num_blocks: int) 
     unsplit = unsplit_block(model, num_blocks) if config.tp > 1 else None
     if unsplit:
         out.append(f"tp={config.tp}: {_no_tp(name, unsplit)}")
-    elif config.tp > 1 and config.sequence_parallel and _no_sp(model):
-        out.append(f"sequence_parallel: {_no_sp(model)}")
+    elif config.tp > 1 and config.sequence_parallel and (no_sp := _no_sp(model)):
+        out.append(f"sequence_parallel: {no_sp}")
     return out
 
 
@@ -133,9 +134,8 @@ def _no_sp(model: nn.Module) -> str:
 
 
 def _dispatches_experts(model: nn.Module) -> bool:
-    """Whether ``model`` has MoE blocks `expert_parallel` can share out (a router's token
-    ``dispatch`` and an ``experts`` list: the zoo's `MoEBlock`)."""
-    return any(hasattr(m, "dispatch") and hasattr(m, "experts") for m in model.modules())
+    """Whether ``model`` has MoE blocks `expert_parallel` can share out."""
+    return any(is_moe_block(m) for m in model.modules())
 
 
 def _no_ep(name: str) -> str:

@@ -30,6 +30,7 @@ norm an expert parameter is held by world/ep ranks instead of world (its share t
 
 Public functions:
     expert_owner(expert, num_experts, ep) -> rank
+    is_moe_block(module) -> bool                  # what apply_expert_parallel shares out
     apply_expert_parallel(model, ep_group, expert_data_group=None) -> ExpertParallel
     ExpertParallel.expert_parameters(model) -> list of parameters (this rank's experts)
     ExpertParallel.is_expert(name) -> bool
@@ -114,6 +115,12 @@ class ExpertParallel:
         )
 
 
+def is_moe_block(module: nn.Module) -> bool:
+    """Whether ``module`` is an MoE block this module can share out (a router's token
+    ``dispatch`` and an ``experts`` list: `autopar.models.moe.MoEBlock`)."""
+    return hasattr(module, "dispatch") and hasattr(module, "experts")
+
+
 def apply_expert_parallel(
     model: nn.Module,
     ep_group: dist.ProcessGroup,
@@ -138,7 +145,7 @@ def apply_expert_parallel(
     names: set[str] = set()
     blocks = 0
     for path, module in model.named_modules():
-        if not (hasattr(module, "dispatch") and hasattr(module, "experts")):
+        if not is_moe_block(module):
             continue
         num_experts = module.num_experts
         if num_experts % ep:

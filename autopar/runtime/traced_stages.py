@@ -82,18 +82,20 @@ def traced_blocks(model: nn.Module) -> tuple[str, int] | None:
 
 def require_blocks(model: nn.Module) -> tuple[str, int]:
     """`traced_blocks`, or ValueError saying why ``model`` has no list to cut between."""
-    found = traced_blocks(model)
-    if found is None:
+    found = block_lists(model)
+    if len(found) != 1:
         raise ValueError(
-            f"autopar cannot cut {type(model).__name__} into pipeline stages: "
-            + why_no_block_list(model)
+            f"autopar cannot cut {type(model).__name__} into pipeline stages: " + _why(found)
         )
-    return found
+    return found[0]
 
 
 def why_no_block_list(model: nn.Module) -> str:
     """Why ``model`` has no one list of blocks to cut between (`traced_blocks` is None)."""
-    found = block_lists(model)
+    return _why(block_lists(model))
+
+
+def _why(found: list[tuple[str, int]]) -> str:
     if not found:
         return "it has no nn.ModuleList of repeated blocks"
     lists = ", ".join(f"{path} ({n})" for path, n in found)
@@ -208,7 +210,7 @@ def _inline_grad_regions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if node.op != "call_function" or node.target is not wrap:
             continue
         enabled, body_node, *args = node.args
-        body = _attr(gm, str(body_node.target))
+        body = gm.get_submodule(str(body_node.target))
         if (
             enabled
             or _reads_parameters(gm, args)
@@ -258,13 +260,6 @@ def _nodes_in(args: Any) -> list[torch.fx.Node]:
     found: list[torch.fx.Node] = []
     torch.fx.node.map_arg(args, lambda n: found.append(n) or n)
     return found
-
-
-def _attr(gm: nn.Module, target: str) -> Any:
-    here: Any = gm
-    for atom in target.split("."):
-        here = getattr(here, atom)
-    return here
 
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:
