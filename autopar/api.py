@@ -131,7 +131,7 @@ def parallelize(
     limits = space_limits(model, graph, cluster, global_batch_size, options.micro_batch_sizes)
     bounded: list[str] = []
     if own_runtime(options.cost.stack):  # only what autopar's runtime can run
-        limits, bounded = runtime_limits(model, limits)
+        limits, bounded = runtime_limits(model, limits, options.cost.stack)
     limits, more = low_precision_limits(limits, precision, options.cost.stack)
     notes += bounded + more
     solution = solve(estimator, graph, cluster, limits, options)
@@ -234,7 +234,7 @@ def evaluate(
     options = stack_options(stack, options)
     problems = config.problems(cluster) + shape_problems(config, limits)
     if own_runtime(options.stack):  # another stack's program is that framework's to run
-        problems += runtime_problems(model, config, limits.num_blocks)
+        problems += runtime_problems(model, config, limits.num_blocks, options.stack)
     if problems:
         raise ConfigError(
             f"config {config.as_text()} cannot run {graph.model_type} on "

@@ -16,6 +16,7 @@ from torch import nn
 
 from autopar.models.source import build_from_source
 from autopar.plan import Plan
+from autopar.runtime.capability import COMPILED_STACK
 from autopar.runtime.low_precision import RUNTIME_PRECISIONS
 from autopar.runtime.parallelize import pipeline_tp_plan
 from autopar.runtime.pipeline import SCHEDULES, layout_for
@@ -56,6 +57,7 @@ def _meta_model(plan: Plan, trusted: bool) -> nn.Module:
 
 def _docstring(plan: Plan) -> str:
     cfg, n = plan.config, plan.world_size
+    compiled = plan.stack == COMPILED_STACK
     per_node = max(1, n // max(1, plan.num_nodes))
     return f'''#!/usr/bin/env python3
 """Train {plan.model} with the autopar plan {cfg.as_text()}.
@@ -76,13 +78,16 @@ The world (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) comes from torchrun's
 a world size other than {n} is refused.
 
 Options: --steps N, --tokens FILE (a flat file of token ids, nanoGPT's .bin (uint16, or
---tokens-dtype) or a .npy, memory-mapped and read by step: autopar.runtime.data), --data
+--tokens-dtype) or a .npy, memory-mapped and read by step: autopar.runtime.data),
+--hf-dataset SOURCE [--hf-split S --hf-column C --tokenizer DIR|bytes] (a Hugging Face dataset
+tokenized once per node into a cached token file, AUTOPAR_CACHE: autopar.runtime.hf_data), --data
 module:fn (fn(step, start, stop) -> (inputs, targets): samples [start, stop) of step's global
 batch); default: seeded synthetic data. --loss module:fn (fn(outputs, targets) -> scalar;
 default: the plan's, else the factory's). --lr, --warmup-steps, --lr-schedule constant|cosine,
 --seed, --precision fp32|bf16|fp8-tensorwise|fp8-rowwise (default: the plan's), --device
 cpu|cuda. --metrics FILE: one JSON line per step (loss, tokens/s, MFU, memory beside the
-plan's); --tensorboard DIR: the same as scalars.
+plan's); --tensorboard DIR: the same as scalars. --compile / --no-compile: torch.compile each
+block (default {"on" if compiled else "off"}: the plan is priced for the {plan.stack} stack).
 Checkpoints (torch.distributed.checkpoint): --checkpoint-dir DIR saves model, optimizer, step
 and RNG states every --checkpoint-every N steps (default auto: the plan's Young/Daly interval
 for its failure rate, else 100; --async-checkpoint: in the background) and resumes from the
@@ -113,6 +118,7 @@ from autopar.config import ParallelConfig
 from autopar.plan import Plan
 from autopar.runtime.checkpoint import CheckpointOptions, checkpoint_interval
 from autopar.runtime.data import TokenFile
+from autopar.runtime.hf_data import node_token_file
 from autopar.runtime.mesh import build_mesh, init_distributed, shutdown_distributed
 from autopar.runtime.task import task_from_source
 from autopar.runtime.trainer import Prediction, TrainOptions, train
@@ -305,6 +311,7 @@ def _recompute(plan: Plan, model: nn.Module) -> str:
 def _main(plan: Plan) -> str:
     # the plan's recipe (fp8-tensorwise, ...) or dtype; fp16 plans train in bf16 here
     precision = plan.precision if plan.precision in RUNTIME_PRECISIONS else "bf16"
+    compiled = plan.stack == COMPILED_STACK  # the stack the plan is priced for compiles
     pred = {
         "step_time_s": plan.step_time_s,
         "peak GiB per stage": [round(s.peak_memory_bytes / GiB, 3) for s in plan.stages],
@@ -327,6 +334,10 @@ def main() -> None:
     parser.add_argument("--loss", default=LOSS, help="module:fn(outputs, targets) -> scalar")
     parser.add_argument("--tokens", help="a token file (.bin of uint16 ids, or .npy) to train on")
     parser.add_argument("--tokens-dtype", default="uint16", help="a .bin file's id type")
+    parser.add_argument("--hf-dataset", help="a Hugging Face dataset: saved dir, file or name")
+    parser.add_argument("--hf-split", default="train")
+    parser.add_argument("--hf-column", default="text", help="text, or lists of token ids")
+    parser.add_argument("--tokenizer", help="a text column's tokenizer: a local dir, or 'bytes'")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup-steps", type=int, default=0)
     parser.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant")
@@ -342,19 +353,27 @@ def main() -> None:
         help="steps between checkpoints; 0: resume only; auto: the plan's best interval",
     )
     parser.add_argument("--async-checkpoint", action="store_true", help="save in the background")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default={compiled!r},
+        help="torch.compile each block (default: as the plan's stack, {plan.stack})",
+    )
     args = parser.parse_args()
 
     owns_group = not dist.is_initialized()  # False when a launcher runs main() in its ranks
     init_distributed(args.device)  # RANK, WORLD_SIZE, ... from torchrun; gloo or nccl
     mesh = build_mesh(CONFIG, args.device)  # refuses a world size other than {plan.world_size}
+    tokens, dtype = args.tokens, args.tokens_dtype
+    if args.hf_dataset:  # tokenized once per node into a cached token file, then read as one
+        hf = (args.hf_dataset, args.hf_split, args.hf_column, args.tokenizer)
+        tokens, dtype = node_token_file(*hf)
     task = task_from_source(
         FACTORY,
         FACTORY_KWARGS,
         global_batch_size=GLOBAL_BATCH_SIZE,
         seq_len=PLAN.seq_len,
-        data=TokenFile(args.tokens, PLAN.seq_len, GLOBAL_BATCH_SIZE, args.tokens_dtype)
-        if args.tokens
-        else args.data,
+        data=TokenFile(tokens, PLAN.seq_len, GLOBAL_BATCH_SIZE, dtype) if tokens else args.data,
         seed=args.seed,
         loss=args.loss,
     )
@@ -374,6 +393,7 @@ def main() -> None:
         lr_schedule=args.lr_schedule,
         metrics_path=args.metrics,
         tensorboard_dir=args.tensorboard,
+        compile=args.compile,
     )
     train(
         task,

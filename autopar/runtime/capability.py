@@ -18,6 +18,9 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
                         -> else ep = 1 (Hugging Face experts run replicated)
     low precision       an FP8 recipe, for autopar's runtime: tp = 1 (torchao's Float8 TP
                         styles are not applied: `low_precision_limits`)
+    torch.compile       the "autopar-compile" stack compiles each block: with data, sharded
+                        and pipeline parallelism and recompute only, tp = cp = ep = 1 (a
+                        compiled DTensor block fails in backward under torch 2.13)
 
 Invariant: the search offers no config the generated program would refuse or run otherwise
 than priced, for these axes; `evaluate` refuses the same configs with the same reasons. Both
@@ -62,10 +65,20 @@ def _pipeline_cut(model: nn.Module, num_blocks: int) -> str:
     return "traced"
 
 
-def runtime_limits(model: nn.Module, limits: SpaceLimits) -> tuple[SpaceLimits, list[str]]:
-    """``limits`` bounded by what the runtime can do for ``model``, and why (module docstring)."""
+# the stack whose generated program compiles each block (`TrainOptions.compile`)
+COMPILED_STACK = "autopar-compile"
+
+
+def runtime_limits(
+    model: nn.Module, limits: SpaceLimits, stack: str = "autopar"
+) -> tuple[SpaceLimits, list[str]]:
+    """``limits`` bounded by what the runtime can do for ``model`` when ``stack`` runs it,
+    and why (module docstring)."""
     notes = []
     name = type(model).__name__
+    if stack == COMPILED_STACK and (limits.max_tp != 1 or limits.max_cp > 1 or limits.num_experts):
+        limits = replace(limits, max_tp=1, max_cp=1, num_experts=0)
+        notes.append(f"no tensor-, context- or expert-parallel plans: {_no_compiled_split()}")
     cut = _pipeline_cut(model, limits.num_blocks)
     if cut == "traced":
         limits = replace(limits, pipeline_alone=True)
@@ -92,11 +105,19 @@ def runtime_limits(model: nn.Module, limits: SpaceLimits) -> tuple[SpaceLimits, 
     return limits, notes
 
 
-def runtime_problems(model: nn.Module, config: ParallelConfig, num_blocks: int) -> list[str]:
+def runtime_problems(
+    model: nn.Module, config: ParallelConfig, num_blocks: int, stack: str = "autopar"
+) -> list[str]:
     """Every way autopar's runtime would refuse ``config`` for ``model`` (whose trace found
-    ``num_blocks`` repeated layers) or run it otherwise than priced; empty when it runs."""
+    ``num_blocks`` repeated layers) when ``stack`` runs it, or run it otherwise than priced;
+    empty when it runs."""
     out = []
     name = type(model).__name__
+    if stack == COMPILED_STACK and max(config.tp, config.cp, config.ep) > 1:
+        out.append(
+            f"tp={config.tp} cp={config.cp} ep={config.ep} on the {stack} stack: "
+            + _no_compiled_split()
+        )
     if config.pp > 1:
         cut = _pipeline_cut(model, num_blocks)
         if cut == "traced" and max(config.tp, config.cp, config.ep) > 1:
@@ -118,6 +139,14 @@ def runtime_problems(model: nn.Module, config: ParallelConfig, num_blocks: int) 
     elif config.tp > 1 and config.sequence_parallel and (no_sp := _no_sp(model)):
         out.append(f"sequence_parallel: {no_sp}")
     return out
+
+
+def _no_compiled_split() -> str:
+    return (
+        "autopar's runtime compiles blocks with data, sharded and pipeline parallelism only "
+        "(a compiled tensor-parallel block fails in backward under torch 2.13); plan for the "
+        "autopar stack to split them"
+    )
 
 
 def _no_sp(model: nn.Module) -> str:
@@ -209,5 +238,5 @@ def stack_recipes(stack: str) -> tuple[str, ...] | None:
 
 def own_runtime(stack: str) -> bool:
     """Whether ``stack`` is what autopar's generated programs run: its own, or values of
-    one's own (`CostOptions.stack` "")."""
-    return stack in ("autopar", "")
+    one's own (`CostOptions.stack` ""), or its own under torch.compile."""
+    return stack in ("autopar", "", COMPILED_STACK)

@@ -8,8 +8,13 @@ chunks under their original paths), its `DataParallel` record(s), the applied TP
 the pipeline / context-parallel / expert-parallel records the loop calls.
 
 Order (as torchtitan): pipeline split -> tensor/sequence parallel -> context parallel ->
-expert parallel -> recompute -> FSDP2 / replication; with pp > 1 everything after the split
-is applied per chunk (`autopar.runtime.pipeline` calls back for each).
+expert parallel -> recompute -> torch.compile per block (optional) -> FSDP2 / replication;
+with pp > 1 everything after the split is applied per chunk (`autopar.runtime.pipeline` calls
+back for each).
+
+    compile  each block's forward compiled in place (`nn.Module.compile`: parameter names,
+             checkpoints and FSDP units unchanged), inside recompute's checkpoint and under
+             FSDP's hooks, as torchtitan's apply_compile; the "autopar-compile" stack prices it
 
     cp > 1   the model runs as one `stages.StageModule` (original paths), whose forward takes
              a sequence shard's global positions, so FSDP's root hooks wrap it as well
@@ -19,7 +24,8 @@ is applied per chunk (`autopar.runtime.pipeline` calls back for each).
 Public functions:
     PipelineSpec(num_microbatches, loss_fn, stage_layers=None, schedule=None, traced=None)
     ParallelModel
-    parallelize_model(model, mesh, config, placements=None, tp=None, pipeline=None)
+    parallelize_model(model, mesh, config, placements=None, tp=None, pipeline=None,
+                      compile_blocks=False)
     pipeline_tp_plan(model, config, placements=None, stage_layers=None) -> TP plan, pp > 1
 """
 
@@ -97,6 +103,7 @@ def parallelize_model(
     placements: dict | None = None,
     tp: dict[str, str] | None = None,
     pipeline: PipelineSpec | None = None,
+    compile_blocks: bool = False,
 ) -> ParallelModel:
     """Apply the plan to a full, seeded ``model`` (identical on every rank), in place.
 
@@ -105,10 +112,20 @@ def parallelize_model(
     is cut into this rank's chunks (`autopar.runtime.pipeline`, ``pipeline`` required) and each
     chunk gets its own TP plan -- ``tp`` restricted to the chunk's modules, or
     `tp_plan(chunk)`, whose sequence-parallel ends are the chunk's first and last block (the
-    hidden states between stages are whole sequences) -- recompute and data parallelism."""
+    hidden states between stages are whole sequences) -- recompute and data parallelism.
+    ``compile_blocks``: compile each block with torch.compile (module docstring); refused
+    (ValueError) with tp, cp or ep > 1, which compiled blocks do not run here."""
+    if compile_blocks and max(config.tp, config.cp, config.ep) > 1:
+        raise ValueError(
+            f"torch.compile of the blocks runs with data, sharded and pipeline parallelism "
+            f"only, not tp={config.tp} cp={config.cp} ep={config.ep} (a compiled "
+            "tensor-parallel block fails in backward under torch 2.13): run without --compile"
+        )
     groups = _expert_groups(mesh, config)
     if config.pp > 1:
-        return _parallelize_pipeline(model, mesh, config, placements, tp, pipeline, groups)
+        return _parallelize_pipeline(
+            model, mesh, config, placements, tp, pipeline, groups, compile_blocks
+        )
     whole = model
     if config.cp > 1:  # one module running embed -> blocks -> head at a shard's positions,
         # original paths: FSDP's root hooks then wrap the context-parallel forward too
@@ -118,7 +135,7 @@ def parallelize_model(
     # the context-parallel loss reads whole-vocabulary logits: no vocabulary split with cp
     vocab = config.cp == 1
     plan = tp if tp is not None else tp_plan(model, config, placements, vocab_parallel=vocab)
-    part = _parallelize_part(model, blocks, mesh, config, plan, groups, whole)
+    part = _parallelize_part(model, blocks, mesh, config, plan, groups, whole, compile_blocks)
     names = [p for p, _ in blocks]
     dp = part.data_parallel
     return ParallelModel(model, mesh, dp, plan, names, None, [dp], part.context, part.experts)
@@ -148,6 +165,7 @@ def _parallelize_part(
     plan: dict[str, str],
     expert_groups: tuple | None = None,
     whole: nn.Module | None = None,
+    compile_blocks: bool = False,
 ) -> _Part:
     """TP/SP, context and expert parallelism, recompute, data parallelism of a whole model or
     of one pipeline chunk (torchtitan's order), in place. ``whole``: the model ``model`` was
@@ -165,6 +183,9 @@ def _parallelize_part(
         ep_group, data_group = expert_groups
         experts = apply_expert_parallel(model, ep_group, data_group, mesh.num_data_ranks)
     apply_recompute(blocks, config.recompute, config.recompute_layers)  # first k: the plan's
+    if compile_blocks:  # after recompute (the checkpoint is compiled), before FSDP's hooks
+        for _, block in blocks:
+            block.compile(dynamic=False)
     data_parallel = apply_data_parallel(model, blocks, mesh, config)
     if experts is not None:  # experts are synced by expert_parallel, not averaged over dp
         data_parallel.skip = experts.expert_names
@@ -179,6 +200,7 @@ def _parallelize_pipeline(
     tp: dict[str, str] | None,
     spec: PipelineSpec | None,
     expert_groups: tuple | None = None,
+    compile_blocks: bool = False,
 ) -> ParallelModel:
     """pp > 1: this rank's chunks, each parallelised by `_parallelize_part`, and the schedule."""
     if spec is None:
@@ -204,7 +226,9 @@ def _parallelize_pipeline(
         )
         plans.update(plan)
         blocks.extend(p for p, _ in named)
-        part = _parallelize_part(chunk, named, mesh, config, plan, expert_groups)
+        part = _parallelize_part(
+            chunk, named, mesh, config, plan, expert_groups, compile_blocks=compile_blocks
+        )
         data_parallels.append(part.data_parallel)
         contexts.extend([part.context] if part.context is not None else [])
         experts.extend([part.experts] if part.experts is not None else [])

@@ -107,6 +107,9 @@ class TrainOptions:
     # tensorboard_dir where the tensorboard package is installed
     metrics_path: str | None = None
     tensorboard_dir: str | None = None
+    # torch.compile each block (`parallelize_model`'s compile_blocks; the "autopar-compile"
+    # stack prices it)
+    compile: bool = False
 
     def lr_at(self, step: int) -> float:
         """The learning rate of 0-based step ``step``."""
@@ -242,7 +245,7 @@ def train(
     if config.pp > 1:  # a model cut from its trace: how it is called, one micro-batch
         example = tuple(t[:mbs].to(device) for t in task.batch(0, 0, mbs)[0])
         spec = PipelineSpec(num_micro, task.loss, stage_layers, schedule, (task.forward, example))
-    pm = parallelize_model(model, mesh, config, placements, tp, spec)
+    pm = parallelize_model(model, mesh, config, placements, tp, spec, options.compile)
     model = pm.model  # pp > 1: this rank's chunks (the rest of the model is dropped)
     optimizer = _make_optimizer(model, options)
     # CHECKPOINT (autopar.runtime.checkpoint): resume from the newest complete checkpoint
@@ -262,6 +265,8 @@ def train(
             print(f"[autopar] {pm.pipeline.as_text()}", flush=True)
         if low is not None:
             print(f"[autopar] {low.describe()}", flush=True)
+        if options.compile:  # the first step includes compiling: expect it slow
+            print(f"[autopar] torch.compile: each of the {len(pm.blocks)} blocks", flush=True)
     results = []
     metrics = Metrics.open(options, prediction) if mesh.rank == 0 else None
     for step in range(first_step, options.steps):

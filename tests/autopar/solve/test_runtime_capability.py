@@ -130,3 +130,24 @@ def test_a_model_whose_blocks_the_runtime_cannot_split_gets_no_tensor_parallel_p
     assert plan.config.tp == 1 and all(" tp=1 " in alt["config"] for alt in plan.alternatives)
     assert any("blocks replicated" in note for note in plan.notes)
     assert splits_every_block(hf.build("llama-tiny-hf"), 2)
+
+
+def test_plans_for_the_compiled_stack_keep_blocks_whole_on_each_rank():
+    """autopar's runtime compiles blocks with data, sharded and pipeline parallelism only: a plan
+    priced for the autopar-compile stack offers no tp, cp or ep, and says so."""
+    model = zoo.build("llama-tiny")
+    inputs = zoo.example_inputs("llama-tiny", model)
+    cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=4)
+    options = autopar.PlanOptions(sensitivity=False)
+    plans = {
+        stack: autopar.parallelize(
+            model, cluster, inputs, global_batch_size=16, options=options, stack=stack
+        )
+        for stack in ("autopar", "autopar-compile")
+    }
+    compiled = plans["autopar-compile"]
+    configs = [alt["config"] for alt in compiled.alternatives] + [compiled.config.as_text()]
+    assert all(" tp=1 " in c and " cp=1 " in c and " ep=1 " in c for c in configs), configs
+    assert any("no tensor-, context- or expert-parallel plans" in n for n in compiled.notes)
+    eager = plans["autopar"].report["num_degree_choices"]
+    assert compiled.report["num_degree_choices"] < eager  # the eager stack's space has tp

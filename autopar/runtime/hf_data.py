@@ -1,0 +1,163 @@
+"""A Hugging Face dataset as the generated program's token file (`--hf-dataset`).
+
+In: a dataset source -- a directory `datasets.Dataset.save_to_disk` wrote, a local data file
+`datasets.load_dataset` reads by its extension (.json/.jsonl, .csv, .parquet, .txt), or a Hub
+name where the machine reaches the Hub -- its split, the column to train on, and for a text
+column a tokenizer: a local directory `transformers.AutoTokenizer` loads, or "bytes" (each UTF-8
+byte one id, as data/tokens/autopar-docs.bin). A column of token-id lists needs no tokenizer.
+Out: a flat token file and its id type, read by `autopar.runtime.data.TokenFile` like any other,
+so a step's rows are a function of the step and a resumed run reads what an uninterrupted one
+would.
+
+The documents are tokenized in order and concatenated, each followed by the tokenizer's
+end-of-sequence id (bytes: a newline). The file is written once per dataset, split, column and
+tokenizer into a cache directory (`AUTOPAR_CACHE`, default ~/.cache/autopar), under a name
+holding the dataset's fingerprint, through a temporary file renamed into place; on several
+ranks the first rank of each node writes it and every rank waits (`node_token_file`). Batches
+are tokenized and appended in turn, so the dataset need not fit in memory.
+
+This is not `datasets`' own map-and-cache: that caches Arrow tables of ids per document, where
+the program reads a flat memory-mapped array by window.
+
+Public: hf_token_file(source, split, column, tokenizer, cache_dir=None) -> (path, dtype),
+        node_token_file(...) the same on every rank of a process group
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+
+FILE_BUILDERS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".txt": "text",
+}
+BATCH = 1000  # documents tokenized and appended at a time
+
+
+def hf_token_file(
+    source: str,
+    split: str = "train",
+    column: str = "text",
+    tokenizer: str | None = None,
+    cache_dir: str | Path | None = None,
+) -> tuple[Path, str]:
+    """The token file of ``source``'s ``split`` / ``column`` (module docstring), written when
+    the cache does not hold it yet; returns its path and id type ("uint16" or "uint32")."""
+    dataset = _load(source, split)
+    if column not in dataset.column_names:
+        raise ValueError(
+            f"{source} ({split}) has no column {column!r}: its columns are "
+            f"{', '.join(dataset.column_names)} (--hf-column)"
+        )
+    encode, eos, vocab = _encoder(dataset.features[column], tokenizer, source, column)
+    dtype = "uint16" if vocab <= 2**16 else "uint32"
+    key = "\0".join([source, split, column, tokenizer or "", dataset._fingerprint, dtype])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    name = "".join(c if c.isalnum() else "-" for c in Path(source).name or source)[:40]
+    cache = Path(cache_dir or Path(os.environ.get("AUTOPAR_CACHE", "~/.cache/autopar")) / "tokens")
+    path = cache.expanduser() / f"{name}-{split}-{digest}.{dtype}.bin"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        count = _write(dataset.iter(batch_size=BATCH), column, encode, eos, np.dtype(dtype), tmp)
+        if count == 0:
+            tmp.unlink()
+            raise ValueError(f"{source} ({split}, column {column!r}) holds no tokens")
+        os.replace(tmp, path)  # whole or absent: a reader never sees a partial file
+    return path, dtype
+
+
+def node_token_file(*args, **kwargs) -> tuple[Path, str]:
+    """`hf_token_file` on every rank of the default process group: the first rank of each node
+    (LOCAL_RANK 0) writes the file, the others wait for it (a collective)."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        found = hf_token_file(*args, **kwargs)
+    if dist.is_initialized():
+        dist.barrier()
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        found = hf_token_file(*args, **kwargs)  # in the cache now: only reads the dataset
+    return found
+
+
+def _load(source: str, split: str):
+    try:
+        import datasets
+    except ImportError as err:
+        raise ImportError(
+            "--hf-dataset needs the datasets package: pip install datasets (or train on a "
+            "token file with --tokens)"
+        ) from err
+    path = Path(source).expanduser()
+    if path.is_dir():  # save_to_disk's: a DatasetDict of splits, or one Dataset
+        saved = datasets.load_from_disk(str(path))
+        return saved[split] if isinstance(saved, datasets.DatasetDict) else saved
+    if path.is_file():
+        builder = FILE_BUILDERS.get(path.suffix)
+        if builder is None:
+            raise ValueError(
+                f"{source}: not a data file datasets reads by extension "
+                f"({', '.join(FILE_BUILDERS)}) nor a save_to_disk directory"
+            )
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    return datasets.load_dataset(source, split=split)
+
+
+def _encoder(
+    feature, tokenizer: str | None, source: str, column: str
+) -> tuple[Callable[[list], list[list[int]]], list[int], int]:
+    """How a batch of ``column`` becomes id lists, the ids closing each document, and the
+    vocabulary size (which sets the file's id type)."""
+    if _holds_ids(feature):
+        return (lambda batch: batch), [], 2**32
+    if tokenizer is None:
+        raise ValueError(
+            f"column {column!r} of {source} holds text: name a tokenizer (--tokenizer: a local "
+            "tokenizer directory, or 'bytes' for UTF-8 bytes as ids)"
+        )
+    if tokenizer == "bytes":
+        return (lambda batch: [list(text.encode("utf-8")) for text in batch]), [10], 256
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
+
+    def encode(batch: list[str]) -> list[list[int]]:
+        return tok(batch, add_special_tokens=False)["input_ids"]
+
+    return encode, eos, len(tok)
+
+
+def _holds_ids(feature) -> bool:
+    inner = getattr(feature, "feature", None)  # Sequence / List of a Value
+    dtype = getattr(inner, "dtype", "")
+    return inner is not None and (dtype.startswith("int") or dtype.startswith("uint"))
+
+
+def _write(
+    batches: Iterable[dict],
+    column: str,
+    encode: Callable[[list], list[list[int]]],
+    eos: list[int],
+    dtype: np.dtype,
+    out: Path,
+) -> int:
+    count = 0
+    with open(out, "wb") as f:
+        for batch in batches:
+            ids = [token for doc in encode(batch[column]) for token in (*doc, *eos)]
+            array = np.asarray(ids, dtype=np.int64)
+            if array.size and (array.min() < 0 or array.max() > np.iinfo(dtype).max):
+                raise ValueError(f"token ids outside {dtype} in column {column!r}")
+            array.astype(dtype).tofile(f)
+            count += array.size
+    return count
