@@ -130,17 +130,36 @@ def _is_expert(node: NodeInfo) -> bool:
     return "experts" in node.module_path.split(".")
 
 
+# ops whose output is a view of their input's memory: a view of a parameter holds no bytes
+_VIEWS = frozenset(
+    f"aten.{op}"
+    for op in (
+        "transpose.int", "t.default", "permute.default", "view.default", "_unsafe_view.default",
+        "reshape.default", "expand.default", "unsqueeze.default", "squeeze.dim", "alias.default",
+        "slice.Tensor", "select.int", "detach.default",
+    )
+)  # fmt: skip
+
+
 def _weight_copies(graph: ModelGraph) -> set[str]:
-    """Values computed from parameters alone, with a parameter gathered per token on the way
-    (transformers' export-friendly batched_mm experts index an [E, f, h] weight by each token's
-    expert). Real MoE kernels (grouped GEMM) read each expert's weights once and store no
-    per-token copy, so these values are neither activations nor memory traffic here."""
+    """Values that are a parameter's, not activations: computed from parameters alone with a
+    parameter gathered per token on the way (transformers' batched_mm experts, a model's own
+    choice, index an [E, f, h] weight by each token's expert), or views of a parameter (the
+    transposed expert stack its grouped_mm experts pass to the grouped GEMM). Real MoE kernels
+    read each expert's weights once and store no per-token copy, and a view stores nothing, so
+    these values are neither activations nor memory traffic here, and a matmul that reads one
+    is the experts' weight matmul."""
     copies: set[str] = set()
     weights: set[str] = set()
+    views: set[str] = set()  # a parameter, or a chain of views of one
     for node in graph.nodes.values():
         if node.kind == "parameter":
             weights.add(node.name)
+            views.add(node.name)
         elif node.kind == "call" and node.inputs:
+            if node.op in _VIEWS and node.inputs[0] in views:
+                views.add(node.name)
+                copies.add(node.name)
             floats = [i for i in node.inputs if _is_float(graph.nodes[i])]
             if floats and all(i in weights for i in floats):
                 weights.add(node.name)

@@ -10,17 +10,15 @@ seeded weights for the tiny test variants (`*-tiny-hf`).
     tiny = hf.build("mixtral-tiny-hf")               # CPU, real weights
     (ids,) = hf.example_inputs("mixtral-tiny-hf", tiny)
 
-Mixture-of-experts presets set `experts_implementation="batched_mm"`. transformers 5 picks
-"grouped_mm" by default where `torch._grouped_mm` dispatches and falls back to "eager"
-otherwise; "eager" loops over the experts that received tokens, which is data-dependent and
-fails `torch.export` under fake/meta tensors (GuardOnDataDependentSymNode). "grouped_mm"
-exports, and its grouped GEMM (`aten._grouped_mm`, or transformers' `grouped_mm_fallback` on the
-CPU and meta device) is counted by the FLOP formulas `autopar.tracing.ops` registers, so a
-user's own MoE model traces with its routed FLOPs either way. "batched_mm"
-gathers each (token, expert) pair's weights and runs `aten.bmm`, so the traced graph holds the
-ROUTED expert FLOPs (tokens * top_k, not * num_experts) and counts them as matmuls. (Its
-`aten.index` gathers a `[tokens * top_k, F, H]` weight copy: that node's bytes are an artefact,
-not traffic a real grouped GEMM would move.)
+Mixture-of-experts presets set `experts_implementation="grouped_mm"`, what transformers 5
+picks by default where `torch._grouped_mm` dispatches (elsewhere it falls back to "eager", which
+loops over the experts that received tokens: data-dependent, it fails `torch.export` under
+fake/meta tensors with GuardOnDataDependentSymNode). "grouped_mm" exports on every device (on
+the CPU and meta device through transformers' `grouped_mm_fallback` custom op), its grouped GEMM
+is counted with the routed FLOPs by the formulas `autopar.tracing.ops` registers, and it is
+what a run should execute: it reads each expert's weights once. ("batched_mm", which this
+module used before, exports too but gathers a `[tokens * top_k, F, H]` copy of the expert
+weights and saves it for backward: 25x the activations of Mixtral's tiny preset at run time.)
 
 transformers is an optional dependency (`pip install autopar[hf]`); it is imported inside the
 functions here, never at module import.
@@ -121,7 +119,7 @@ def build(
     Raises:
         ImportError: transformers is not installed.
         ValueError: unknown name or config field.
-        RuntimeError: an MoE model did not take the "batched_mm" experts implementation.
+        RuntimeError: an MoE model did not take the "grouped_mm" experts implementation.
     """
     entry = preset(name)
     cfg = config(name, **overrides)
@@ -135,7 +133,7 @@ def build(
     if entry.is_moe and got != asked:
         raise RuntimeError(
             f"{name}: experts implementation is {got!r}, asked for {asked!r}; "
-            "torch.export needs a data-independent one (batched_mm)"
+            "torch.export needs a data-independent one (grouped_mm)"
         )
     # how to build it again (with real weights): a plan records this for its generated program
     kwargs = {"name": name, "seed": seed, **overrides}
@@ -145,7 +143,7 @@ def build(
 
 def build_from_config(path: str, *, device: str = "cpu", seed: int = 0) -> Any:
     """A transformers causal LM from a ``config.json`` (no weights downloaded); MoE configs
-    take the export-friendly "batched_mm" experts (see `autopar.models.hf`)."""
+    take the export-friendly "grouped_mm" experts (see `autopar.models.hf`)."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:  # unreadable, not UTF-8, or not JSON
@@ -159,7 +157,7 @@ def build_from_config(path: str, *, device: str = "cpu", seed: int = 0) -> Any:
     kwargs.setdefault("use_cache", False)
     kwargs.setdefault("attn_implementation", "sdpa")
     if any(k in data for k in ("num_local_experts", "num_experts", "n_routed_experts")):
-        kwargs.setdefault("experts_implementation", "batched_mm")
+        kwargs.setdefault("experts_implementation", "grouped_mm")
     try:
         config = transformers.AutoConfig.for_model(data["model_type"], **kwargs)
     except (ValueError, KeyError) as e:

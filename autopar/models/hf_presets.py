@@ -20,9 +20,9 @@ from typing import Any
 
 # All presets: no KV cache (training), SDPA attention (exports, and FLOP counters know it).
 _COMMON: dict[str, Any] = {"use_cache": False, "attn_implementation": "sdpa"}
-# MoE presets: the export-friendly experts implementation that keeps routed FLOPs visible
-# (see autopar/models/hf.py's docstring).
-_MOE: dict[str, Any] = {**_COMMON, "experts_implementation": "batched_mm"}
+# MoE presets: the experts implementation that exports, keeps routed FLOPs visible and runs
+# as a grouped GEMM (see autopar/models/hf.py's docstring).
+_MOE: dict[str, Any] = {**_COMMON, "experts_implementation": "grouped_mm"}
 
 
 @dataclass(frozen=True)
@@ -243,6 +243,15 @@ HF_PRESETS: Mapping[str, HFPreset] = MappingProxyType(
             "Qwen2MoeConfig",
             {**_TINY_DECODER, "intermediate_size": 128, "moe_intermediate_size": 32, **_MOE}
             | {"shared_expert_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2},
+            "cpu",
+            32,
+            "test",
+            is_moe=True,
+        ),
+        "qwen3-moe-tiny-hf": HFPreset(
+            "Qwen3MoeConfig",
+            {**_TINY_DECODER, "intermediate_size": 128, "moe_intermediate_size": 32, **_MOE}
+            | {"num_experts": 8, "num_experts_per_tok": 2, "head_dim": 16},
             "cpu",
             32,
             "test",

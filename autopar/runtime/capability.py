@@ -14,8 +14,8 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
     sequence par.       needs a column/row pair in every block (`tensor_parallel.tp_plan`)
                         -> else tensor parallelism without it
     context parallelism needs a forward at a shard's global positions (`parts`) -> else cp = 1
-    expert parallelism  needs MoE blocks with a token dispatch (`expert_parallel`: the zoo's)
-                        -> else ep = 1 (Hugging Face experts run replicated)
+    expert parallelism  needs MoE blocks with a token dispatch (`expert_parallel`: the zoo's,
+                        and transformers' stacked experts, `hf_experts`) -> else ep = 1
     low precision       an FP8 recipe, for autopar's runtime: tp = 1 (torchao's Float8 TP
                         styles are not applied: `low_precision_limits`)
     torch.compile       the "autopar-compile" stack compiles each block: with data, sharded
@@ -169,8 +169,10 @@ def _dispatches_experts(model: nn.Module) -> bool:
 
 def _no_ep(name: str) -> str:
     return (
-        f"autopar's runtime dispatches tokens to experts over ranks for its own MoE blocks "
-        f"(autopar.models.moe), not {name}'s, whose experts it would run replicated"
+        "autopar's runtime dispatches tokens to experts over ranks for its own MoE blocks "
+        "(autopar.models.moe) and Hugging Face expert stacks (experts stacked on the first "
+        f"dimension, forward(hidden_states, top_k_index, top_k_weights)), not {name}'s, whose "
+        "experts it would run replicated"
     )
 
 

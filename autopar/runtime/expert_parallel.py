@@ -1,7 +1,8 @@
 """Expert parallelism: each of the ep ranks keeps num_experts/ep experts; tokens travel to them.
 
 In: a model with `MoEBlock`s (`autopar.models.moe`: a router, `experts`, a `dispatch` hook)
-and the "ep" process group. Out: every MoE block keeps only this rank's experts (an
+or Hugging Face expert stacks (`autopar.runtime.hf_experts`, which shares those out) and the
+"ep" process group. Out: every MoE block keeps only this rank's experts (an
 `nn.ModuleDict` keyed by the expert's original index, so parameter names stay
 `...experts.<e>....`) and dispatches by all-to-all; an `ExpertParallel` record says which
 parameters are experts and syncs their gradients.
@@ -47,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.runtime.collectives import all_reduce_flat, all_to_all
+from autopar.runtime.hf_experts import is_hf_experts, shard_hf_experts
 
 
 def expert_owner(expert: int, num_experts: int, ep: int) -> int:
@@ -102,8 +104,14 @@ class ExpertParallel:
         return [p for n, p in model.named_parameters() if n in self.expert_names]
 
     def sync_gradients(self, model: nn.Module) -> None:
-        """Experts' gradients: sum over the expert data group, divide by the data ranks."""
-        grads = [p.grad for p in self.expert_parameters(model) if p.grad is not None]
+        """Experts' gradients: sum over the expert data group, divide by the data ranks. An
+        expert no token reached on this rank has no gradient: zeros, so every rank of the
+        group reduces the same tensors."""
+        params = self.expert_parameters(model)
+        for p in params:
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return
         all_reduce_flat(grads, self.expert_data_group, divide_by=self.num_data_ranks)
@@ -116,9 +124,10 @@ class ExpertParallel:
 
 
 def is_moe_block(module: nn.Module) -> bool:
-    """Whether ``module`` is an MoE block this module can share out (a router's token
-    ``dispatch`` and an ``experts`` list: `autopar.models.moe.MoEBlock`)."""
-    return hasattr(module, "dispatch") and hasattr(module, "experts")
+    """Whether ``module`` is an MoE block this module can share out: a router's token
+    ``dispatch`` and an ``experts`` list (`autopar.models.moe.MoEBlock`), or a Hugging Face
+    expert stack (`autopar.runtime.hf_experts`)."""
+    return (hasattr(module, "dispatch") and hasattr(module, "experts")) or is_hf_experts(module)
 
 
 def apply_expert_parallel(
@@ -126,6 +135,7 @@ def apply_expert_parallel(
     ep_group: dist.ProcessGroup,
     expert_data_group: dist.ProcessGroup | None = None,
     num_data_ranks: int | None = None,
+    required: bool = True,
 ) -> ExpertParallel:
     """Keep this rank's experts in every MoE block and dispatch by all-to-all (in place).
 
@@ -136,6 +146,8 @@ def apply_expert_parallel(
             rank).
         num_data_ranks: ranks that see different samples (default: ep times the size of
             ``expert_data_group``).
+        required: whether ``model`` must hold an MoE block (False for a pipeline chunk: a
+            chunk of DeepSeek-V3's dense first layers has none).
 
     Raises:
         ValueError: no MoE block, or ep does not divide a block's number of experts.
@@ -144,7 +156,12 @@ def apply_expert_parallel(
     edp = dist.get_world_size(expert_data_group) if expert_data_group is not None else 1
     names: set[str] = set()
     blocks = 0
-    for path, module in model.named_modules():
+    for path, module in list(model.named_modules()):
+        prefix = f"{path}." if path else ""
+        if is_hf_experts(module):  # transformers' stacked experts: sliced under their names
+            names.update(prefix + n for n in shard_hf_experts(module, ep_group))
+            blocks += 1
+            continue
         if not is_moe_block(module):
             continue
         num_experts = module.num_experts
@@ -156,10 +173,9 @@ def apply_expert_parallel(
         keep = range(rank * per_rank, (rank + 1) * per_rank)
         module.experts = nn.ModuleDict({str(e): module.experts[e] for e in keep})
         module.dispatch = AllToAllDispatch(ep_group, num_experts)
-        prefix = f"{path}.experts." if path else "experts."
-        names.update(prefix + n for n, _ in module.experts.named_parameters())
+        names.update(f"{prefix}experts.{n}" for n, _ in module.experts.named_parameters())
         blocks += 1
-    if not blocks:
+    if not blocks and required:
         raise ValueError(f"expert parallelism: {type(model).__name__} has no MoE block")
     return ExpertParallel(
         ep_group, ep, rank, expert_data_group, num_data_ranks or ep * edp, frozenset(names), blocks

@@ -181,7 +181,9 @@ def _parallelize_part(
         from autopar.runtime.expert_parallel import apply_expert_parallel
 
         ep_group, data_group = expert_groups
-        experts = apply_expert_parallel(model, ep_group, data_group, mesh.num_data_ranks)
+        experts = apply_expert_parallel(
+            model, ep_group, data_group, mesh.num_data_ranks, required=config.pp == 1
+        )
     apply_recompute(blocks, config.recompute, config.recompute_layers)  # first k: the plan's
     if compile_blocks:  # after recompute (the checkpoint is compiled), before FSDP's hooks
         for _, block in blocks:

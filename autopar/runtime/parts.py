@@ -127,7 +127,8 @@ def _decoder_parts(model: nn.Module) -> ModelParts:
 
 
 def _hf_decoder_parts(model: nn.Module) -> ModelParts:
-    """LlamaForCausalLM and its look-alikes (Mistral, Qwen2, Mixtral): `model.embed_tokens`,
+    """LlamaForCausalLM and its look-alikes (Mistral, Qwen2, Mixtral, Qwen2/3-MoE, DeepSeek-V3):
+    `model.embed_tokens`,
     `model.layers`, `model.norm`, `model.rotary_emb`, `lm_head`, as `LlamaModel.forward`."""
     from transformers.masking_utils import create_causal_mask
 
@@ -179,6 +180,9 @@ PARTS: MappingProxyType[str, Callable[[nn.Module], ModelParts]] = MappingProxyTy
         f"{_HF}.mistral.modeling_mistral.MistralForCausalLM": _hf_decoder_parts,
         f"{_HF}.qwen2.modeling_qwen2.Qwen2ForCausalLM": _hf_decoder_parts,
         f"{_HF}.mixtral.modeling_mixtral.MixtralForCausalLM": _hf_decoder_parts,
+        f"{_HF}.qwen2_moe.modeling_qwen2_moe.Qwen2MoeForCausalLM": _hf_decoder_parts,
+        f"{_HF}.qwen3_moe.modeling_qwen3_moe.Qwen3MoeForCausalLM": _hf_decoder_parts,
+        f"{_HF}.deepseek_v3.modeling_deepseek_v3.DeepseekV3ForCausalLM": _hf_decoder_parts,
     }
 )
 

@@ -27,7 +27,7 @@ from harness import Case, run_ranks
 
 import autopar
 from autopar.config import ParallelConfig as C
-from autopar.models import zoo
+from autopar.models import hf, zoo
 
 CASES_2 = [
     Case("gpt-tiny", C(tp=2)),
@@ -36,6 +36,7 @@ CASES_2 = [
     Case("gpt-tiny", C(fsdp=2, zero_stage=3, micro_batch_size=1), global_batch_size=4),
     Case("gpt-tiny", C(cp=2)),
     Case("moe-tiny", C(dp=2, ep=2)),
+    Case("mixtral-tiny-hf", C(dp=2, ep=2), seq_len=32),  # transformers' stacked experts
     # pipeline send/recv: activations down and gradients up per micro-batch, the loss
     # broadcast and the tied embedding's gradient all-reduce between the first and last stage
     Case("gpt-tiny", C(pp=2, schedule="1f1b")),
@@ -44,8 +45,12 @@ CASES_4 = [Case("gpt-tiny", C(dp=2, tp=2)), Case("llama-tiny", C(dp=2, tp=2))]
 
 
 def plan_of(case: Case) -> autopar.Plan:
-    model = zoo.build(case.model, device="meta")
-    (ids,) = zoo.example_inputs(case.model, model)
+    if case.model.endswith("-hf"):
+        model = hf.build(case.model, device="meta")
+        (ids,) = hf.example_inputs(case.model, model, seq_len=case.seq_len)
+    else:
+        model = zoo.build(case.model, device="meta")
+        (ids,) = zoo.example_inputs(case.model, model)
     cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=case.config.world_size)
     return autopar.evaluate(
         model,

@@ -47,6 +47,28 @@ def _gemma2() -> nn.Module:
     return Gemma2ForCausalLM(config)
 
 
+def _llama4() -> nn.Module:
+    """Llama 4's experts take every token (forward(hidden_states)): no token dispatch."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, intermediate_size_mlp=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_local_experts=4, num_experts_per_tok=1, max_position_embeddings=64,
+    )  # fmt: skip
+    return Llama4ForCausalLM(config)
+
+
+def test_hugging_face_expert_stacks_get_expert_parallel_plans():
+    cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=4)
+    config = autopar.ParallelConfig(dp=4, ep=2, micro_batch_size=1)
+    inputs = (torch.randint(0, 128, (1, 64)),)
+    for name in ("mixtral-tiny-hf", "qwen3-moe-tiny-hf", "deepseek-v3-tiny-hf"):
+        plan = autopar.evaluate(hf.build(name), cluster, config, inputs, global_batch_size=8)
+        assert plan.config.ep == 2
+        assert plan.breakdown["ep_comm"] > 0  # the dispatch and combine all-to-alls, priced
+
+
 def test_a_traced_model_gets_pipeline_plans_without_tensor_or_context_parallelism():
     model = _gemma2()
     assert not has_parts(model) and splits_every_block(model, 4)
@@ -77,9 +99,9 @@ def test_evaluate_refuses_what_the_runtime_cannot_run_naming_the_model_and_why()
          "tp=2: autopar's runtime would leave GPT2LMHeadModel's blocks replicated"),
         (Classifier(), (torch.randn(1, 32),), dict(pp=2, dp=2),
          "pp=2: autopar's runtime cannot cut Classifier into pipeline stages"),
-        (hf.build("mixtral-tiny-hf"), (torch.randint(0, 128, (1, 64)),), dict(dp=4, ep=2),
+        (_llama4(), (torch.randint(0, 128, (1, 64)),), dict(dp=4, ep=2),
          "ep=2: autopar's runtime dispatches tokens to experts over ranks for its own MoE "
-         "blocks (autopar.models.moe), not MixtralForCausalLM's"),
+         "blocks (autopar.models.moe) and Hugging Face expert stacks"),
     ]  # fmt: skip
     for model, inputs, degrees, said in cases:
         config = autopar.ParallelConfig(**degrees, micro_batch_size=1)
@@ -92,12 +114,12 @@ def test_evaluate_refuses_what_the_runtime_cannot_run_naming_the_model_and_why()
 
 
 def test_a_plan_for_another_stack_is_that_frameworks_to_run():
-    """Megatron splits GPT-2's fused projections and dispatches Mixtral's experts: priced for
+    """Megatron splits GPT-2's fused projections and dispatches Llama 4's experts: priced for
     its stack, neither is refused (the refusals are autopar's runtime's)."""
     cluster = autopar.Cluster.from_profile("dgx_h100", 1)
     cases = [
         (hf.build("gpt2-tiny-hf"), dict(tp=2, dp=4)),
-        (hf.build("mixtral-tiny-hf"), dict(dp=8, ep=2)),
+        (_llama4(), dict(dp=8, ep=2)),
     ]
     for model, degrees in cases:
         config = autopar.ParallelConfig(**degrees, micro_batch_size=1)
