@@ -90,7 +90,31 @@ def plan_from_estimate(
         mesh=mesh_axes(cluster, estimate.config),
         communication=_communication(estimate, estimator),
         stack=(estimator.options.stack or "custom") if estimator is not None else "custom",
+        experts=experts_of(graph),
     )
+
+
+# The load-imbalance factor the estimate assumes: the expert matmuls and the all-to-alls are
+# priced for tokens spread evenly over the experts (`autopar.estimate`); a router's real skew
+# is not priced yet, and the summary says so.
+EVEN_ROUTING = 1.0
+
+
+def experts_of(graph: ModelGraph) -> dict[str, float]:
+    """A mixture-of-experts model's routing as the plan prices it (`Plan.experts`): MoE
+    layers, experts and top k (of the first MoE layer), and the parameters a token passes
+    through -- every parameter but the experts it is not routed to."""
+    moe = [layer.moe for layer in graph.layers if layer.moe is not None]
+    if not moe:
+        return {}
+    idle = sum(m.expert_params * (m.num_experts - m.top_k) for m in moe)
+    return {
+        "moe_layers": len(moe),
+        "num_experts": moe[0].num_experts,
+        "top_k": moe[0].top_k,
+        "active_params": graph.num_params - idle,
+        "imbalance": EVEN_ROUTING,
+    }
 
 
 def _communication(

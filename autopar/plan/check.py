@@ -62,6 +62,8 @@ def plan_problems(data: dict[str, Any]) -> list[str]:
             out.append(f"{name} must be a list, got {type(data[name]).__name__}")
     if data.get("goodput"):
         out += _mapping_of_numbers("goodput", data["goodput"])
+    if data.get("experts"):
+        out += _mapping_of_numbers("experts", data["experts"])
     for name in ("report", "placements"):
         if name in data and not isinstance(data[name], dict):
             out.append(f"{name} must be an object, got {type(data[name]).__name__}")

@@ -41,6 +41,7 @@ def summary_text(plan: Plan) -> str:
         f"{plan.memory_capacity_bytes / GiB:.1f} GiB per device"
         + ("" if plan.fits else "   DOES NOT FIT"),
         *_goodput_line(plan),
+        *_experts_line(plan),
         "",
         "  step-time breakdown:",
     ]
@@ -149,6 +150,22 @@ def duration(seconds: float) -> str:
     if seconds < 2 * 86400:
         return f"{seconds / 3600:.1f} h"
     return f"{seconds / 86400:.1f} days"
+
+
+def _experts_line(plan: Plan) -> list[str]:
+    """A mixture-of-experts model's routing as priced (`Plan.experts`); none when dense."""
+    e = plan.experts
+    if not e:
+        return []
+    ep = plan.config.ep
+    where = f"{int(e['num_experts']) // ep} per rank over ep={ep}" if ep > 1 else "no ep"
+    even = "tokens spread evenly" if e["imbalance"] == 1.0 else f"x{e['imbalance']:.2f} skew"
+    return [
+        f"  experts     {int(e['moe_layers'])} MoE layers of {int(e['num_experts'])} experts "
+        f"({where}), top {int(e['top_k'])}: {e['active_params'] / 1e9:.1f} B of "
+        f"{plan.num_params / 1e9:.1f} B parameters active per token (routed FLOPs priced); "
+        f"load imbalance {e['imbalance']:.2f} ({even}: a router's skew is not priced)"
+    ]
 
 
 def _goodput_line(plan: Plan) -> list[str]:

@@ -104,6 +104,10 @@ class Plan:
     # and asynchronous checkpoints (`autopar.estimate.goodput.GoodputEstimate`); empty where
     # the profile has no [reliability] data and none was given
     goodput: dict[str, float] = field(default_factory=dict)
+    # a mixture-of-experts model's routing as priced: MoE layers, experts, top k, parameters
+    # active per token, and the load-imbalance factor the expert time and all-to-alls assume
+    # (1.0: tokens spread evenly); empty for a dense model
+    experts: dict[str, float] = field(default_factory=dict)
     schema_version: int = field(default=SCHEMA_VERSION)
     # wall-clock figures of this run (trace, search, ILP seconds): shown by summary() and
     # explain() but not saved, so the same inputs give a byte-identical plan.json
