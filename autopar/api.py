@@ -41,7 +41,6 @@ from autopar.plan.build import (
 from autopar.plan.files import directory_lock, ensure_directory, write_atomic
 from autopar.plan.rebuild import rebuild_model, replanned_note, resized_cluster, sample_inputs
 from autopar.runtime.capability import (
-    low_precision_limits,
     own_runtime,
     precision_candidates,
     runtime_limits,
@@ -132,8 +131,7 @@ def parallelize(
     bounded: list[str] = []
     if own_runtime(options.cost.stack):  # only what autopar's runtime can run
         limits, bounded = runtime_limits(model, limits, options.cost.stack)
-    limits, more = low_precision_limits(limits, precision, options.cost.stack)
-    notes += bounded + more
+    notes += bounded
     solution = solve(estimator, graph, cluster, limits, options)
     plan = plan_from_estimate(solution.best, graph, cluster, precision, optimizer, estimator)
     plan = with_sources(plan, model, model_factory, cluster, loss_fn)

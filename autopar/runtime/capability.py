@@ -16,8 +16,6 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
     context parallelism needs a forward at a shard's global positions (`parts`) -> else cp = 1
     expert parallelism  needs MoE blocks with a token dispatch (`expert_parallel`: the zoo's,
                         and transformers' stacked experts, `hf_experts`) -> else ep = 1
-    low precision       an FP8 recipe, for autopar's runtime: tp = 1 (torchao's Float8 TP
-                        styles are not applied: `low_precision_limits`)
     torch.compile       the "autopar-compile" stack compiles each block: with data, sharded
                         and pipeline parallelism and recompute only, tp = cp = ep = 1 (a
                         compiled DTensor block fails in backward under torch 2.13)
@@ -35,7 +33,7 @@ from dataclasses import replace
 from torch import nn
 
 from autopar.config import ParallelConfig
-from autopar.config.precision import canonical, recipe_of, supported_recipes
+from autopar.config.precision import supported_recipes
 from autopar.estimate.stacks import load_stack, stack_names
 from autopar.hardware.profile import HardwareProfile
 from autopar.runtime.expert_parallel import is_moe_block
@@ -189,20 +187,6 @@ def _no_tp(name: str, block: str) -> str:
         f"autopar's runtime would leave {name}'s blocks replicated, {block} first (it splits "
         "nn.Linear projections it can pair column/row), while the estimate prices them sharded"
     )
-
-
-def low_precision_limits(
-    limits: SpaceLimits, precision: str, stack: str
-) -> tuple[SpaceLimits, list[str]]:
-    """``limits`` for a plan in ``precision`` run by ``stack``: autopar's runtime (stack
-    "autopar", or values of one's own) converts FP8 linears with torchao but applies no Float8
-    tensor-parallel styles, so its FP8 plans keep tp = 1; other stacks are priced as they run."""
-    if recipe_of(precision) is None or not own_runtime(stack) or limits.max_tp == 1:
-        return limits, []
-    return replace(limits, max_tp=1), [
-        f"no tensor-parallel plans in {canonical(precision)}: autopar's runtime converts the "
-        "linears with torchao but does not apply its Float8 tensor-parallel styles yet"
-    ]
 
 
 def precision_candidates(profile: HardwareProfile, stack: str) -> tuple[list[str], str]:

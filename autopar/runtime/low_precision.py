@@ -15,8 +15,10 @@ Devices: CUDA needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopp
 Blackwell); an older GPU is refused naming it and the recipe. On the CPU, torch emulates
 ``_scaled_mm`` (slowly): the generated program runs there for tests, saying so. Recipes that
 torchao does not train here (MXFP8, NVFP4) are refused: plan them for another stack and export.
-Tensor parallelism with FP8 needs torchao's Float8 TP styles, which this runtime does not
-apply yet: the planner does not propose it (`autopar.runtime.capability`).
+Under tensor parallelism the converted linears take the plain DTensor styles: each rank casts
+its own shard (a tensorwise scale's amax reduced over the tp ranks by DTensor), and the
+tensor-parallel collectives move BF16, as the estimate prices them. torchao's Float8 TP styles,
+which cast before the sequence-parallel all-gather, are not used.
 """
 
 from __future__ import annotations
@@ -102,18 +104,12 @@ def apply_low_precision(
     parallel style is applied; None for a plain dtype.
 
     Raises:
-        RuntimeError: the device or the runtime cannot run the recipe, or tp > 1.
+        RuntimeError: the device or the runtime cannot run the recipe.
     """
     recipe = recipe_of(precision)
     if recipe is None:
         return None
     check_device(recipe, device)
-    if config.tp > 1:
-        raise RuntimeError(
-            f"precision {recipe.name!r} with tp={config.tp}: FP8 under tensor parallelism needs "
-            f"torchao's Float8 TP styles, which autopar's runtime does not apply yet; plan "
-            f"again (the planner keeps FP8 plans at tp=1 for this runtime)"
-        )
     if not import_torchao():
         raise RuntimeError(
             f"precision {recipe.name!r} converts the linears with torchao, which is not "

@@ -348,6 +348,9 @@ def _repriced(
             estimator.options.tp_comm_overlap,
             overheads,
             memory_traffic=estimator.memory_traffic,
+            # an FP8 recipe's GEMMs and casts on the layers it converts, as the search priced
+            recipe=estimator.recipe if table.name in estimator.converted else None,
+            cast_traffic=estimator.options.cast_traffic,
         )
 
     one = replace(cfg, tp=1, sequence_parallel=False, dp=cfg.dp * cfg.tp)

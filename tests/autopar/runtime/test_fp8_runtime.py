@@ -2,11 +2,11 @@
 
 - The conversion swaps exactly the blocks' aligned nn.Linear layers for torchao's Float8Linear
   (the embedding and the head stay), gathers FP8 weights under ZeRO-3 with tensorwise scales
-  only, and refuses what the runtime cannot run (MXFP8/NVFP4, tp > 1) by name.
-- Numerics: FSDP2 ZeRO-3 and a 2-stage pipeline on 2 gloo ranks, 3 steps of llama-tiny in
-  bf16 and in the torchao recipes (FP8 GEMMs emulated on the CPU): losses within 1% and
-  gradient norms within 5% of the BF16 run's (measured 2026-11-24: at most 1e-4 and 3.4e-3
-  relative).
+  only, and refuses what the runtime cannot run (MXFP8/NVFP4) by name.
+- Numerics: FSDP2 ZeRO-3, a 2-stage pipeline and TP2 (with and without SP) on 2 gloo ranks, 3
+  steps of llama-tiny in bf16 and in the torchao recipes (FP8 GEMMs emulated on the CPU):
+  losses within 1% and gradient norms within 5% of the BF16 run's (measured 2026-11-24: at
+  most 1e-4 and 3.4e-3 relative; TP2 1.4e-4 and 1.8e-3).
 - A plan priced in FP8 for an H100 writes a train.py whose default precision is the recipe;
   run on 2 CPU ranks it converts the linears and trains.
 """
@@ -76,9 +76,8 @@ def test_plain_dtypes_convert_nothing_and_the_unrunnable_are_refused():
     assert apply_low_precision(model, find_blocks(model), "bf16", ZERO3, CPU) is None
     with pytest.raises(RuntimeError, match="'mxfp8' is priced but not run.*autopar export"):
         apply_low_precision(model, find_blocks(model), "mxfp8", ZERO3, CPU)
-    tp = autopar.ParallelConfig(tp=2)
-    with pytest.raises(RuntimeError, match="fp8-tensorwise' with tp=2: .*Float8 TP styles"):
-        apply_low_precision(model, find_blocks(model), "fp8", tp, CPU)
+    tp = autopar.ParallelConfig(tp=2)  # converted before the plain DTensor TP styles apply
+    assert apply_low_precision(model, find_blocks(model), "fp8", tp, CPU).recipe == "fp8-tensorwise"
 
 
 def test_nvfp4_would_keep_its_edge_blocks():
@@ -92,6 +91,7 @@ def test_nvfp4_would_keep_its_edge_blocks():
 
 
 PIPELINE = autopar.ParallelConfig(pp=2, micro_batch_size=1)
+TP_SP = autopar.ParallelConfig(tp=2, sequence_parallel=True)
 
 
 def _train_precisions(runs: tuple[tuple[str, autopar.ParallelConfig, str], ...]) -> dict:
@@ -109,14 +109,16 @@ def _train_precisions(runs: tuple[tuple[str, autopar.ParallelConfig, str], ...])
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_fp8_under_fsdp2_and_pp_trains_within_a_stated_bound_of_bf16():
+def test_fp8_under_fsdp2_pp_and_tp_trains_within_a_stated_bound_of_bf16():
     runs = [(f"fsdp {p}", ZERO3, p) for p in ("bf16", "fp8-tensorwise", "fp8-rowwise")]
     runs += [(f"pp {p}", PIPELINE, p) for p in ("bf16", "fp8-tensorwise")]
+    runs += [(f"tp {p}", TP_SP, p) for p in ("bf16", "fp8-tensorwise", "fp8-rowwise")]
     ranks = run_ranks(2, _train_precisions, tuple(runs))
     assert ranks[0] == ranks[1]  # every rank reports the same global loss and norm
     got = ranks[0]
     for style, recipe in (("fsdp", "fp8-tensorwise"), ("fsdp", "fp8-rowwise"),
-                          ("pp", "fp8-tensorwise")):  # fmt: skip
+                          ("pp", "fp8-tensorwise"), ("tp", "fp8-tensorwise"),
+                          ("tp", "fp8-rowwise")):  # fmt: skip
         fp8, bf16 = got[f"{style} {recipe}"], got[f"{style} bf16"]
         assert fp8 != bf16  # the GEMMs did run in FP8
         for (loss, norm), (ref_loss, ref_norm) in zip(fp8, bf16, strict=True):
