@@ -11,8 +11,9 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
                         hold aten ops, not the modules those split); else pp = 1
     tensor parallelism  `tensor_parallel.unsplit_block` finds a block it would leave
                         replicated while the estimate prices it sharded -> tp = 1
-    sequence par.       needs a column/row pair in every block (`tensor_parallel.tp_plan`)
-                        -> else tensor parallelism without it
+    sequence par.       needs a column/row pair in every block and no router or experts in
+                        one (their replicated weights would see a sequence shard:
+                        `tensor_parallel.tp_plan`) -> else tensor parallelism without it
     context parallelism needs a forward at a shard's global positions (`parts`) -> else cp = 1
     expert parallelism  needs MoE blocks with a token dispatch (`expert_parallel`: the zoo's,
                         and transformers' stacked experts, `hf_experts`) -> else ep = 1
@@ -151,7 +152,10 @@ def _no_sp(model: nn.Module) -> str:
     """Why the runtime cannot run sequence parallelism on ``model``, or ""."""
     try:
         tp_plan(model, ParallelConfig(tp=2, sequence_parallel=True))
-    except ValueError:
+    except ValueError as e:
+        if "sequence shards with replicated weights" in str(e):  # a router, experts
+            said = str(e).removeprefix("sequence_parallel ")
+            return f"in {type(model).__name__}, autopar's runtime {said}"
         return (
             f"autopar's runtime splits the sequence only around column/row-parallel pairs, and "
             f"some of {type(model).__name__}'s blocks have a projection it leaves replicated "

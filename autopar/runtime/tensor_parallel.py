@@ -97,6 +97,7 @@ _COLLECTIVES = {
     "rowwise_from_replicate": "fwd: local split of the input, all-reduce of the output",
     "rowwise_to_seq": "fwd: reduce-scatter of the output along the sequence; bwd: all-gather",
     "sequence_parallel": "fwd: none (norm on a sequence shard); bwd: weight-grad all-reduce",
+    "head_norm": "fwd: none (norm on the rank's heads); bwd: weight-grad all-reduce",
     "replicate_in": "fwd: none; bwd: one all-reduce of the summed input gradient",
     "gather_seq": "fwd: all-gather of the input along the sequence; bwd: reduce-scatter",
     "shard_seq": "fwd: none (local split along the sequence); bwd: all-gather",
@@ -208,6 +209,11 @@ def tp_plan(
                 "sequence_parallel needs column/row parallel pairs in every block; the plan's "
                 "placements replicate some projections: run without sequence_parallel"
             )
+        if routed := _replicated_on_shards(blocks):
+            raise ValueError(
+                f"sequence_parallel would run {routed} on sequence shards with replicated "
+                "weights (each tp rank's gradient a partial sum): run without sequence_parallel"
+            )
         megatron_ends = vocab is not None and vocab[2] is not None
         _add_sequence_parallel(plan, blocks, split_ends=not megatron_ends)
         if megatron_ends:
@@ -310,11 +316,14 @@ def _block_plan(
         )
     plan: dict[str, str] = {}
     all_pairs = bool(groups)
-    for members in groups.values():
+    for group, members in groups.items():
         cols, rows = members["col"], members["row"]
         paired = all(p == "S(0)" for _, p in cols) and all(p == "S(1)" for _, p in rows)
         paired = paired and bool(cols) and bool(rows)
         all_pairs &= paired
+        if paired:  # per-head norms (Qwen3's q_norm, k_norm) on the rank's heads
+            scope = block.get_submodule(group) if group else block
+            plan.update({f"{path}.{n}": "head_norm" for n in _head_norms(scope, group)})
         for full, placement in cols:
             if placement == "S(0)":
                 plan[full] = "colwise" if paired else "colwise_gather"
@@ -322,6 +331,37 @@ def _block_plan(
             if placement == "S(1)":
                 plan[full] = "rowwise" if paired else "rowwise_from_replicate"
     return plan, all_pairs
+
+
+def _head_norms(scope: nn.Module, group: str) -> list[str]:
+    """Paths (from the block) of the norms in an attention group that normalise each head of a
+    column-parallel projection's output: a weight of one head's width, applied per head, so
+    on a rank's heads only; replicated, their weight gradients must be summed over tp."""
+    out = []
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(scope, name, None)
+        proj = getattr(scope, name[0] + "_proj", None)
+        weight = getattr(norm, "weight", None)
+        if weight is None or not isinstance(proj, nn.Linear) or weight.dim() != 1:
+            continue
+        if weight.numel() < proj.out_features and proj.out_features % weight.numel() == 0:
+            out.append(f"{group}.{name}" if group else name)
+    return out
+
+
+def _replicated_on_shards(blocks: list[tuple[str, nn.Module]]) -> str:
+    """The first module with parameters that tensor parallelism leaves whole inside a block's
+    replicated scopes (a router, experts): under sequence parallelism it would see only the
+    rank's sequence shard. "" when there is none."""
+    for path, block in blocks:
+        for name, module in block.named_modules():
+            parts = set(name.split("."))
+            if (
+                REPLICATED_SCOPES & parts
+                and next(module.parameters(recurse=False), None) is not None
+            ):
+                return f"{path}.{name} ({type(module).__name__})"
+    return ""
 
 
 def _chain_plan(model: nn.Module, weights: dict[str, str]) -> dict[str, str]:
@@ -391,6 +431,8 @@ def _style(style: str) -> ParallelStyle:
         return RowwiseParallel(output_layouts=Shard(1))
     if name == "sequence_parallel":
         return SequenceParallel(use_local_output=True)
+    if name == "head_norm":  # [batch, seq, heads, head_dim]: the rank's heads on dim 2
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
     if name == "replicate_in":
         return _FirstInput(Replicate(), Replicate(), local=False)
     if name == "gather_seq":  # a DTensor, so q/k/v's partial input grads sum before one RS
