@@ -40,7 +40,12 @@ from autopar.hardware.profile import HardwareProfile
 from autopar.runtime.expert_parallel import is_moe_block
 from autopar.runtime.low_precision import runnable
 from autopar.runtime.parts import has_parts
-from autopar.runtime.tensor_parallel import tp_plan, unsplit_block
+from autopar.runtime.tensor_parallel import (
+    find_blocks,
+    replicated_on_shards,
+    tp_plan,
+    unsplit_block,
+)
 from autopar.runtime.traced_stages import traced_blocks, why_no_block_list
 from autopar.solve.space import SpaceLimits
 
@@ -150,16 +155,19 @@ def _no_compiled_split() -> str:
 
 def _no_sp(model: nn.Module) -> str:
     """Why the runtime cannot run sequence parallelism on ``model``, or ""."""
+    name = type(model).__name__
+    if routed := replicated_on_shards(find_blocks(model)):
+        return (
+            f"autopar's runtime would run {name}'s {routed} on sequence shards with replicated "
+            "weights (each tp rank's gradient a partial sum)"
+        )
     try:
         tp_plan(model, ParallelConfig(tp=2, sequence_parallel=True))
-    except ValueError as e:
-        if "sequence shards with replicated weights" in str(e):  # a router, experts
-            said = str(e).removeprefix("sequence_parallel ")
-            return f"in {type(model).__name__}, autopar's runtime {said}"
+    except ValueError:
         return (
             f"autopar's runtime splits the sequence only around column/row-parallel pairs, and "
-            f"some of {type(model).__name__}'s blocks have a projection it leaves replicated "
-            "(a fused one it does not split)"
+            f"some of {name}'s blocks have a projection it leaves replicated (a fused one it "
+            "does not split)"
         )
     return ""
 

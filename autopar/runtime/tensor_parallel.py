@@ -49,11 +49,14 @@ The styles and the collectives they imply (forward; the backward mirrors them):
     vocab_embedding_seq      reduce-scatter of the output along the sequence; bwd: all-gather
     vocab_head               none (logits stay vocab-sharded); bwd: all-reduce of the input grad
     vocab_head_seq           all-gather of the input along the sequence; bwd: reduce-scatter
+    head_norm                a per-head q/k norm (Qwen3) on the rank's heads: bwd weight-grad
+                             all-reduce (a replicated weight that saw part of the heads)
 
 Public functions:
     tp_plan(model, config, placements=None, vocab_parallel=False) -> dict[str, str]
     splits_every_block(model, num_blocks) -> bool   # what the planner may offer tp > 1 for
     unsplit_block(model, num_blocks) -> "path (Class)" | None   # the first block it would not
+    replicated_on_shards(blocks) -> "path (Class)" | ""   # a router/experts SP cannot run
     apply_tensor_parallel(model, tp_mesh, plan) -> model   # re-ties a tied head
     loss_context(plan) -> context manager                   # loss_parallel() for a vocab head
     reduce_partial_grads(model) -> int  # SP norm weight grads: Partial -> Replicate
@@ -209,7 +212,7 @@ def tp_plan(
                 "sequence_parallel needs column/row parallel pairs in every block; the plan's "
                 "placements replicate some projections: run without sequence_parallel"
             )
-        if routed := _replicated_on_shards(blocks):
+        if routed := replicated_on_shards(blocks):
             raise ValueError(
                 f"sequence_parallel would run {routed} on sequence shards with replicated "
                 "weights (each tp rank's gradient a partial sum): run without sequence_parallel"
@@ -349,7 +352,7 @@ def _head_norms(scope: nn.Module, group: str) -> list[str]:
     return out
 
 
-def _replicated_on_shards(blocks: list[tuple[str, nn.Module]]) -> str:
+def replicated_on_shards(blocks: list[tuple[str, nn.Module]]) -> str:
     """The first module with parameters that tensor parallelism leaves whole inside a block's
     replicated scopes (a router, experts): under sequence parallelism it would see only the
     rank's sequence shard. "" when there is none."""
