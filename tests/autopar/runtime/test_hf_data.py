@@ -1,8 +1,8 @@
 """A Hugging Face dataset as the generated program's data, and its blocks under torch.compile
 (autopar.runtime.hf_data, `--hf-dataset`, `--compile`, the autopar-compile stack): the token
 file holds exactly the tokenizer's ids in document order, is written once, refuses what it
-cannot read; a 2-rank program of an autopar-compile plan trains on the dataset with compiled
-blocks to the losses the eager program reaches on the same ids."""
+cannot read; a 2-rank FSDP program of an autopar-compile plan trains on the dataset with
+compiled blocks to the losses one eager process reaches on the same ids."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ import pytest
 import autopar
 from autopar.errors import ConfigError
 from autopar.models import hf
-from autopar.runtime.data import write_tokens
+from autopar.runtime.data import TokenFile, write_tokens
 from autopar.runtime.hf_data import hf_token_file
+from autopar.runtime.task import task_from_source
+from autopar.runtime.trainer import TrainOptions, reference_run
 
 datasets = pytest.importorskip("datasets")
 REPO = Path(__file__).resolve().parents[3]
@@ -118,28 +120,25 @@ def _torchrun(train: Path, cache: Path, *args: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_compiled_program_trains_on_a_dataset_as_the_eager_one_on_its_ids(tmp_path):
+def test_compiled_program_trains_on_a_dataset_as_one_eager_process_on_its_ids(tmp_path):
     config = autopar.ParallelConfig(fsdp=2, zero_stage=3, micro_batch_size=2, recompute="full")
     plan = _plan(config, "autopar-compile")
     assert plan.stack == "autopar-compile"
     plan.save(tmp_path / "run")
-    train = tmp_path / "run" / "train.py"
     texts = _texts()
     source = _saved(tmp_path, {"text": texts})
     compiled = _torchrun(
-        train, tmp_path / "cache", "--hf-dataset", source, "--tokenizer", "bytes",
-        "--metrics", str(tmp_path / "compiled.jsonl"),
+        tmp_path / "run" / "train.py", tmp_path / "cache", "--hf-dataset", source,
+        "--tokenizer", "bytes", "--metrics", str(tmp_path / "compiled.jsonl"),
     )  # fmt: skip
     assert "torch.compile: each of the 2 blocks" in compiled  # on: the plan's stack compiles
+    got = [json.loads(x)["loss"] for x in (tmp_path / "compiled.jsonl").read_text().splitlines()]
+    # the reference: one eager process on the same ids, written as a plain token file
     ids = write_tokens(tmp_path / "ids.bin", list(b"".join(t.encode() + b"\n" for t in texts)))
-    eager = _torchrun(
-        train, tmp_path / "cache", "--no-compile", "--tokens", str(ids),
-        "--metrics", str(tmp_path / "eager.jsonl"),
+    task = task_from_source(
+        "autopar.models.hf:build", {"name": "llama-tiny-hf"}, global_batch_size=4,
+        seq_len=plan.seq_len, data=TokenFile(ids, plan.seq_len, 4),
     )  # fmt: skip
-    assert "torch.compile" not in eager
-    got, want = (
-        [json.loads(x)["loss"] for x in (tmp_path / f"{n}.jsonl").read_text().splitlines()]
-        for n in ("compiled", "eager")
-    )
-    assert len(got) == len(want) == 3
+    want = [r.loss for r in reference_run(task, 4, TrainOptions(steps=3, log=False))]
+    assert len(got) == 3
     assert got == pytest.approx(want, rel=1e-5)  # inductor's fused kernels, same arithmetic
