@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -66,7 +67,8 @@ def hf_token_file(
     path = cache.expanduser() / f"{name}-{split}-{digest}.{dtype}.bin"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        # one name per writer: nodes sharing a file system may each write it
+        tmp = path.with_suffix(f".{socket.gethostname()}-{os.getpid()}.tmp")
         count = _write(dataset.iter(batch_size=BATCH), column, encode, eos, np.dtype(dtype), tmp)
         if count == 0:
             tmp.unlink()
@@ -77,14 +79,23 @@ def hf_token_file(
 
 def node_token_file(*args, **kwargs) -> tuple[Path, str]:
     """`hf_token_file` on every rank of the default process group: the first rank of each node
-    (LOCAL_RANK 0) writes the file, the others wait for it (a collective)."""
+    (LOCAL_RANK 0) writes the file, the others wait for it (a collective). A refusal there
+    (a missing column, an unreadable source) reaches the barrier first, so no rank waits on a
+    writer that has failed; the others then meet the same refusal themselves."""
     import torch.distributed as dist
 
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        found = hf_token_file(*args, **kwargs)
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    failed: BaseException | None = None
+    if first:
+        try:
+            found = hf_token_file(*args, **kwargs)
+        except Exception as e:  # re-raised after the barrier
+            failed = e
     if dist.is_initialized():
         dist.barrier()
-    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+    if failed is not None:
+        raise failed
+    if not first:
         found = hf_token_file(*args, **kwargs)  # in the cache now: only reads the dataset
     return found
 

@@ -142,3 +142,22 @@ def test_compiled_program_trains_on_a_dataset_as_one_eager_process_on_its_ids(tm
     want = [r.loss for r in reference_run(task, 4, TrainOptions(steps=3, log=False))]
     assert len(got) == 3
     assert got == pytest.approx(want, rel=1e-5)  # inductor's fused kernels, same arithmetic
+
+
+def _refusal_on_every_rank(source: str, cache: str) -> str:
+    from autopar.runtime.hf_data import node_token_file
+
+    try:
+        node_token_file(source, column="body", tokenizer="bytes", cache_dir=cache)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_a_refusal_on_the_writing_rank_reaches_every_rank_without_a_hang(tmp_path):
+    from harness import run_ranks
+
+    source = _saved(tmp_path, {"text": ["a b"]})
+    said = run_ranks(2, _refusal_on_every_rank, source, str(tmp_path / "cache"))
+    assert all("has no column 'body'" in s for s in said), said
