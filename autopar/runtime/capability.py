@@ -11,9 +11,10 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
                         hold aten ops, not the modules those split); else pp = 1
     tensor parallelism  `tensor_parallel.unsplit_block` finds a block it would leave
                         replicated while the estimate prices it sharded -> tp = 1
-    sequence par.       needs a column/row pair in every block and no router or experts in
-                        one (their replicated weights would see a sequence shard:
-                        `tensor_parallel.tp_plan`) -> else tensor parallelism without it
+    sequence par.       needs a column/row pair in every block and every block parameter
+                        taken by a style (a router's or an expert's replicated weight would
+                        see a sequence shard: `tensor_parallel.tp_plan`) -> else tensor
+                        parallelism without it
     context parallelism needs a forward at a shard's global positions (`parts`) -> else cp = 1
     expert parallelism  needs MoE blocks with a token dispatch (`expert_parallel`: the zoo's,
                         and transformers' stacked experts, `hf_experts`) -> else ep = 1
@@ -40,12 +41,7 @@ from autopar.hardware.profile import HardwareProfile
 from autopar.runtime.expert_parallel import is_moe_block
 from autopar.runtime.low_precision import runnable
 from autopar.runtime.parts import has_parts
-from autopar.runtime.tensor_parallel import (
-    find_blocks,
-    replicated_on_shards,
-    tp_plan,
-    unsplit_block,
-)
+from autopar.runtime.tensor_parallel import tp_plan, unsplit_block
 from autopar.runtime.traced_stages import traced_blocks, why_no_block_list
 from autopar.solve.space import SpaceLimits
 
@@ -154,21 +150,12 @@ def _no_compiled_split() -> str:
 
 
 def _no_sp(model: nn.Module) -> str:
-    """Why the runtime cannot run sequence parallelism on ``model``, or ""."""
-    name = type(model).__name__
-    if routed := replicated_on_shards(find_blocks(model)):
-        return (
-            f"autopar's runtime would run {name}'s {routed} on sequence shards with replicated "
-            "weights (each tp rank's gradient a partial sum)"
-        )
+    """Why the runtime cannot run sequence parallelism on ``model`` (`tp_plan`'s reason), or
+    ""."""
     try:
         tp_plan(model, ParallelConfig(tp=2, sequence_parallel=True))
-    except ValueError:
-        return (
-            f"autopar's runtime splits the sequence only around column/row-parallel pairs, and "
-            f"some of {name}'s blocks have a projection it leaves replicated (a fused one it "
-            "does not split)"
-        )
+    except ValueError as e:
+        return f"autopar's runtime, for {type(model).__name__}: {e}"
     return ""
 
 

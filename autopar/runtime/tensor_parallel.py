@@ -56,7 +56,6 @@ Public functions:
     tp_plan(model, config, placements=None, vocab_parallel=False) -> dict[str, str]
     splits_every_block(model, num_blocks) -> bool   # what the planner may offer tp > 1 for
     unsplit_block(model, num_blocks) -> "path (Class)" | None   # the first block it would not
-    replicated_on_shards(blocks) -> "path (Class)" | ""   # a router/experts SP cannot run
     apply_tensor_parallel(model, tp_mesh, plan) -> model   # re-ties a tied head
     loss_context(plan) -> context manager                   # loss_parallel() for a vocab head
     reduce_partial_grads(model) -> int  # SP norm weight grads: Partial -> Replicate
@@ -212,13 +211,13 @@ def tp_plan(
                 "sequence_parallel needs column/row parallel pairs in every block; the plan's "
                 "placements replicate some projections: run without sequence_parallel"
             )
-        if routed := replicated_on_shards(blocks):
-            raise ValueError(
-                f"sequence_parallel would run {routed} on sequence shards with replicated "
-                "weights (each tp rank's gradient a partial sum): run without sequence_parallel"
-            )
         megatron_ends = vocab is not None and vocab[2] is not None
         _add_sequence_parallel(plan, blocks, split_ends=not megatron_ends)
+        if whole := _whole_on_shards(plan, blocks):
+            raise ValueError(
+                f"sequence_parallel would run {whole} on sequence shards with a replicated "
+                "weight (each tp rank's gradient a partial sum): run without sequence_parallel"
+            )
         if megatron_ends:
             assert vocab is not None and vocab[2] is not None
             embedding, head, norm = vocab
@@ -352,18 +351,21 @@ def _head_norms(scope: nn.Module, group: str) -> list[str]:
     return out
 
 
-def replicated_on_shards(blocks: list[tuple[str, nn.Module]]) -> str:
-    """The first module with parameters that tensor parallelism leaves whole inside a block's
-    replicated scopes (a router, experts): under sequence parallelism it would see only the
-    rank's sequence shard. "" when there is none."""
+# styles that take a module's parameters (sharded, or replicated with their gradients summed)
+_PARAMETER_STYLES = ("colwise", "rowwise", "sequence_parallel", "head_norm")
+
+
+def _whole_on_shards(plan: dict[str, str], blocks: list[tuple[str, nn.Module]]) -> str:
+    """The first block parameter no style takes (a router, an expert, a gate, a learned scale):
+    under sequence parallelism its module sees the rank's sequence shard only, so its
+    gradient would be a partial sum. "" when every parameter is taken."""
     for path, block in blocks:
         for name, module in block.named_modules():
-            parts = set(name.split("."))
-            if (
-                REPLICATED_SCOPES & parts
-                and next(module.parameters(recurse=False), None) is not None
-            ):
-                return f"{path}.{name} ({type(module).__name__})"
+            if next(module.parameters(recurse=False), None) is None:
+                continue
+            key = f"{path}.{name}" if name else path
+            if not plan.get(key, "").startswith(_PARAMETER_STYLES):
+                return f"{key} ({type(module).__name__})"
     return ""
 
 

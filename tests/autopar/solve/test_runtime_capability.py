@@ -101,8 +101,8 @@ def test_evaluate_refuses_what_the_runtime_cannot_run_naming_the_model_and_why()
          "pp=2: autopar's runtime cannot cut Classifier into pipeline stages"),
         (hf.build("mixtral-tiny-hf"), (torch.randint(0, 128, (1, 64)),),
          dict(dp=2, tp=2, sequence_parallel=True),
-         "would run MixtralForCausalLM's model.layers.0.mlp.gate (MixtralTopKRouter) on "
-         "sequence shards with replicated weights"),
+         "for MixtralForCausalLM: sequence_parallel would run model.layers.0.mlp.gate "
+         "(MixtralTopKRouter) on sequence shards with a replicated weight"),
         (_llama4(), (torch.randint(0, 128, (1, 64)),), dict(dp=4, ep=2),
          "ep=2: autopar's runtime dispatches tokens to experts over ranks for its own MoE "
          "blocks (autopar.models.moe) and Hugging Face expert stacks"),
