@@ -6,7 +6,7 @@
 - Numerics: FSDP2 ZeRO-3, a 2-stage pipeline and TP2 (with and without SP) on 2 gloo ranks, 3
   steps of llama-tiny in bf16 and in the torchao recipes (FP8 GEMMs emulated on the CPU):
   losses within 1% and gradient norms within 5% of the BF16 run's (measured 2026-11-24: at
-  most 1e-4 and 3.4e-3 relative; TP2 1.4e-4 and 1.8e-3).
+  most 1e-4 and 3.4e-3 relative; TP2 with SP 1.4e-4 and 1.9e-3).
 - A plan priced in FP8 for an H100 writes a train.py whose default precision is the recipe;
   run on 2 CPU ranks it converts the linears and trains.
 """
