@@ -13,6 +13,10 @@ loss on every rank differentiates to the gradients of the sum of the ranks' loss
     ring_attention(q, k, v, group, pos_q, pos_blocks, is_causal, scale)
                                        online-softmax attention over K/V blocks passed
                                        round the ring (see `autopar.runtime.context_parallel`)
+    TokenExchange(e_P, num_experts, group)
+                                       expert parallelism's token traffic: rows of (token,
+                                       expert) pairs sorted by expert go to the experts'
+                                       owners (`dispatch`) and come back (`combine`)
     all_reduce_flat(tensors, group, divide_by=1)
                                        in place, no autograd: one flat all-reduce per dtype
                                        (gradient syncs of data, context and expert parallelism)
@@ -120,6 +124,35 @@ def all_to_all(
 ) -> torch.Tensor:
     """Rows ``x[sum(in_splits[:r]) : ...]`` go to rank r; rank r's rows arrive in slot r."""
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
+
+
+class TokenExchange:
+    """The all-to-alls of one expert-parallel layer. ``e_P``: the expert of each (token, expert)
+    pair this rank routes, sorted; expert e lives on ep rank e // (num_experts / ep). The
+    per-expert counts are exchanged first, so each owner knows how many rows every rank sends.
+    ``local_R``: the local expert of each received row (rows arrive by source rank, then local
+    expert)."""
+
+    def __init__(self, e_P: torch.Tensor, num_experts: int, group: dist.ProcessGroup) -> None:
+        ep = dist.get_world_size(group)
+        per_rank = num_experts // ep
+        counts_E = torch.bincount(e_P, minlength=num_experts)
+        recv_counts = torch.empty_like(counts_E)  # [source rank, local expert] flattened
+        dist.all_to_all_single(recv_counts, counts_E, group=group)
+        recv_EL = recv_counts.view(ep, per_rank)
+        self.group = group
+        self.send_splits = counts_E.view(ep, per_rank).sum(1).tolist()
+        self.recv_splits = recv_EL.sum(1).tolist()
+        local = torch.arange(per_rank, device=e_P.device).repeat(ep)
+        self.local_R = local.repeat_interleave(recv_EL.flatten())
+
+    def dispatch(self, rows_PH: torch.Tensor) -> torch.Tensor:
+        """This rank's pair rows to their experts' owners; the rows this rank's experts get."""
+        return all_to_all(rows_PH, self.recv_splits, self.send_splits, self.group)
+
+    def combine(self, out_RH: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs back to the ranks whose pairs they were, in pair order."""
+        return all_to_all(out_RH, self.send_splits, self.recv_splits, self.group)
 
 
 def _repeat_heads(x_BKSD: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.runtime.collectives import all_reduce_flat, all_to_all
+from autopar.runtime.collectives import TokenExchange, all_reduce_flat
 from autopar.runtime.hf_experts import is_hf_experts, shard_hf_experts
 
 
@@ -66,21 +66,14 @@ class AllToAllDispatch:
 
     def __call__(self, x_TH: torch.Tensor, w_TE: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         e_P, t_P = (w_TE.detach() != 0).T.nonzero(as_tuple=True)  # sorted by expert, token
-        counts_E = torch.bincount(e_P, minlength=self.num_experts)
-        recv_counts = torch.empty_like(counts_E)  # [source rank, local expert] flattened
-        dist.all_to_all_single(recv_counts, counts_E, group=self.group)
-        send_splits = counts_E.view(self.ep, self.per_rank).sum(1).tolist()
-        recv_EL = recv_counts.view(self.ep, self.per_rank)
-        recv_splits = recv_EL.sum(1).tolist()
-        rows = all_to_all(x_TH.index_select(0, t_P), recv_splits, send_splits, self.group)
-        # received rows: by source rank, then local expert; run each local expert on its own
-        local_R = torch.arange(self.per_rank).repeat(self.ep).repeat_interleave(recv_EL.flatten())
-        y = torch.zeros_like(rows)
+        exchange = TokenExchange(e_P, self.num_experts, self.group)
+        rows = exchange.dispatch(x_TH.index_select(0, t_P))
+        y = torch.zeros_like(rows)  # each local expert runs on its own received rows
         for j in range(self.per_rank):
-            idx = (local_R == j).nonzero(as_tuple=True)[0]
+            idx = (exchange.local_R == j).nonzero(as_tuple=True)[0]
             expert = experts[str(self.rank * self.per_rank + j)]
             y = y.index_copy(0, idx, expert(rows.index_select(0, idx)))
-        back = all_to_all(y, send_splits, recv_splits, self.group)
+        back = exchange.combine(y)
         weighted = w_TE[t_P, e_P].unsqueeze(-1) * back
         return torch.zeros_like(x_TH).index_add(0, t_P, weighted)
 

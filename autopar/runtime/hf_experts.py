@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.runtime.collectives import all_to_all
+from autopar.runtime.collectives import TokenExchange
 
 
 def is_hf_experts(module: nn.Module) -> bool:
@@ -59,8 +59,6 @@ class _Dispatch:
 
     def __init__(self, local_forward, group: dist.ProcessGroup, num_experts: int) -> None:
         self.local_forward, self.group, self.num_experts = local_forward, group, num_experts
-        self.ep = dist.get_world_size(group)
-        self.per_rank = num_experts // self.ep
 
     def __call__(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -72,17 +70,11 @@ class _Dispatch:
         e_P, order = e_P[routed], order[routed]
         t_P = order // k
         w_P = top_k_weights.reshape(-1).index_select(0, order)
-        counts_E = torch.bincount(e_P, minlength=self.num_experts)
-        recv_counts = torch.empty_like(counts_E)  # [source rank, local expert] flattened
-        dist.all_to_all_single(recv_counts, counts_E, group=self.group)
-        send_splits = counts_E.view(self.ep, self.per_rank).sum(1).tolist()
-        recv_EL = recv_counts.view(self.ep, self.per_rank)
-        recv_splits = recv_EL.sum(1).tolist()
-        rows = all_to_all(hidden_states.index_select(0, t_P), recv_splits, send_splits, self.group)
-        local_R = torch.arange(self.per_rank).repeat(self.ep).repeat_interleave(recv_EL.flatten())
+        exchange = TokenExchange(e_P, self.num_experts, self.group)
+        rows = exchange.dispatch(hidden_states.index_select(0, t_P))
         ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
-        y = self.local_forward(rows, local_R.to(rows.device).unsqueeze(1), ones)
-        back = all_to_all(y, send_splits, recv_splits, self.group)
+        y = self.local_forward(rows, exchange.local_R.unsqueeze(1), ones)
+        back = exchange.combine(y)
         weighted = w_P.unsqueeze(-1).to(back.dtype) * back
         return torch.zeros_like(hidden_states).index_add(0, t_P, weighted)
 
