@@ -3,9 +3,10 @@
 Degrees: world size = dp * fsdp * cp * tp * pp. ``dp`` replicates (gradients
 all-reduced), ``fsdp`` shards data-parallel state with ``zero_stage`` 1-3 saying what is sharded
 (dp > 1 and fsdp > 1 together is HSDP); ``ep`` is not a further factor: expert layers re-fold
-the replicated data-parallel ranks of a stage, so ep divides dp and needs fsdp = 1 (what
-`autopar.runtime.expert_parallel` runs; Megatron-Core's wider fold over dp * fsdp * cp * tp is
-not supported). ``micro_batch_size`` is
+the data- and context-parallel ranks of a stage, so ep divides dp * fsdp * cp (what
+`autopar.runtime.expert_parallel` runs; with fsdp > 1 the experts are sharded over the ranks
+holding the same ones; Megatron-Core's wider fold over tp is not supported).
+``micro_batch_size`` is
 per rank; global batch = micro_batch_size * num_microbatches * dp * fsdp. ``recompute`` is
 the policy; ``recompute_layers`` k applies it to only the first k repeated layers (blocks) of
 each model chunk (the whole model when pp = 1; one of the pp x virtual_stages chunks otherwise),
@@ -150,15 +151,15 @@ class ParallelConfig:
             )
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence_parallel needs tp > 1, got tp=1")
-        if self.ep > 1 and (self.fsdp > 1 or self.dp % self.ep):
-            # the runtime folds ep over the replicated data-parallel ranks only
-            # (autopar.runtime.expert_parallel.build_expert_groups; FSDP2 would shard the
-            # experts too, and a fold over cp or tp ranks would split tokens the experts need)
-            why = f"fsdp={self.fsdp} would shard the experts as well" if self.fsdp > 1 else ""
-            why = why or f"ep={self.ep} does not divide dp={self.dp}"
+        tokens = self.dp * self.fsdp * self.cp
+        if self.ep > 1 and tokens % self.ep:
+            # the runtime folds ep over the ranks holding different tokens
+            # (autopar.runtime.expert_parallel.build_expert_groups: a fold over tp ranks
+            # would split the hidden states the experts need)
             out.append(
-                f"ep={self.ep} must divide dp with fsdp=1 (expert parallelism folds over the "
-                f"replicated data-parallel ranks): got dp={self.dp}, fsdp={self.fsdp}; {why}"
+                f"ep={self.ep} must divide the dp x fsdp x cp = {tokens} ranks holding "
+                f"different tokens (expert parallelism folds over them): got dp={self.dp}, "
+                f"fsdp={self.fsdp}, cp={self.cp}"
             )
         if cluster is not None and self.world_size != cluster.world_size:
             out.append(

@@ -48,8 +48,13 @@ training element bytes and g the gradient element bytes:
             which re-runs the forward's 2 and the counts). The rows one rank sends in the
             combine and the dispatch's adjoint are those routed to it: the bytes are the mean
             over the ep group (balanced routing), exact on every rank for the other two.
-            Expert gradients are summed over the ranks holding the same experts (dp / ep of
-            them, axis "expert_dp") when there are more than one: P_expert g.
+            ep folds over the dp x fsdp x cp ranks, cp innermost (the cp gradient sum leaves
+            the experts out). Expert gradients are summed over the ranks holding the same
+            experts (dp x fsdp x cp / ep of them, axis "expert_dp") when there are more than
+            one: P_expert g; with
+            fsdp > 1 each MoE layer's experts are an FSDP unit of their own over those ranks
+            (gathered and reduce-scattered as a block is, over "expert_dp"), and the block's
+            unit holds the rest.
     clip    the global gradient norm and the loss: one all-reduce of 16 bytes over the world.
     pp      pipeline parallelism (`autopar.runtime.pipeline`, torch.distributed.pipelining):
             the model chunks are the runs of consecutive layers of a stage (`_chunk_runs`;
@@ -77,6 +82,8 @@ from autopar.estimate.memory import (
     PRECISION_BYTES,
     dense_params_on_rank,
     expert_params_on_rank,
+    expert_replicas,
+    expert_shard_ways,
     params_on_rank,
     tied_elements,
 )
@@ -245,7 +252,9 @@ def _context_parallel(
     if holds_loss:  # the micro-batch's loss, summed over the sequence shards
         out.append(PlannedCollective("cp", "all_reduce", "cp", m, 4.0, "loss"))
     sharded = cfg.fsdp if cfg.fsdp > 1 and cfg.zero_stage >= 1 else 1
-    grads = params_on_rank(cfg, layers) * g / sharded
+    # with ep > 1 the experts fold over cp: summed over their replicas instead (expert_dp)
+    params = dense_params_on_rank(cfg, layers) if cfg.ep > 1 else params_on_rank(cfg, layers)
+    grads = params * g / sharded
     if grads:
         out.append(PlannedCollective("cp", "all_reduce", "cp", 1, grads, "gradients"))
     return out
@@ -281,20 +290,31 @@ def _data_parallel(
         if root and params_on_rank(cfg, root):
             units.append(("<root>", root, 1))
         scatters = m if cfg.zero_stage >= 2 else 1
+        experts_sharded = cfg.ep > 1 and expert_shard_ways(cfg) > 1
         for name, unit, gathers in units:
-            p = params_on_rank(cfg, unit)
+            experts = expert_params_on_rank(cfg, unit) if cfg.ep > 1 else 0.0
+            p = params_on_rank(cfg, unit) - experts
             out.append(PlannedCollective("fsdp", "all_gather", "fsdp", gathers * m, p * w, name))
             out.append(PlannedCollective("fsdp", "reduce_scatter", "fsdp", scatters, p * g, name))
             if cfg.dp > 1:
                 shard = p * g / cfg.fsdp
                 out.append(PlannedCollective("fsdp", "all_reduce", "dp", scatters, shard, name))
-    elif cfg.dp > 1:
-        # expert parallelism: the experts are summed over their replicas only (expert_dp)
+            if experts and experts_sharded:  # the layer's experts: their own unit
+                e_w, e_g = experts * w, experts * g
+                out.append(
+                    PlannedCollective("ep", "all_gather", "expert_dp", gathers * m, e_w, name)
+                )
+                out.append(
+                    PlannedCollective("ep", "reduce_scatter", "expert_dp", scatters, e_g, name)
+                )
+        return out
+    # expert parallelism: the experts are summed over their replicas only (expert_dp)
+    if cfg.dp > 1:
         p = dense_params_on_rank(cfg, layers) if cfg.ep > 1 else params_on_rank(cfg, layers)
         out.append(PlannedCollective("dp", "all_reduce", "dp", 1, p * g, "gradients"))
-        experts = expert_params_on_rank(cfg, layers) * g
-        if cfg.ep > 1 and cfg.dp > cfg.ep and experts:
-            out.append(PlannedCollective("ep", "all_reduce", "expert_dp", 1, experts, "experts"))
+    experts = expert_params_on_rank(cfg, layers) * g if cfg.ep > 1 else 0.0
+    if experts and expert_replicas(cfg) > 1:
+        out.append(PlannedCollective("ep", "all_reduce", "expert_dp", 1, experts, "experts"))
     return out
 
 

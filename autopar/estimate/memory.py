@@ -13,8 +13,9 @@ its gradients summed with the first stage's after the backward): `StageMemory.st
 
 Peak memory of a stage (`StageMemory.stage_memory`):
     model state   parameters, gradients, optimizer state by ZeRO stage over fsdp ranks (fsdp x
-                  cp where the stack shards over the context-parallel ranks too)
-                  (`cost_models.memory.model_state_bytes`)
+                  cp where the stack shards over the context-parallel ranks too); with ep > 1
+                  and fsdp > 1 the experts over the dp x fsdp x cp / ep ranks holding the
+                  same ones (`expert_shard_ways`) (`cost_models.memory.model_state_bytes`)
     activations   a_l under the layer's recompute policy, per micro-batch, times the
                   micro-batches in flight n, plus the largest a_l^none - a_l^policy (one layer
                   recomputed at a time), plus `CostOptions.logit_copies` logit-sized
@@ -33,7 +34,7 @@ from __future__ import annotations
 from autopar.config import ParallelConfig
 from autopar.estimate.options import CostOptions
 from autopar.estimate.tables import LayerTable, ModelTables, routed_layer
-from cost_models.memory import PeakMemory, model_state_bytes, peak_memory
+from cost_models.memory import ModelStateBytes, PeakMemory, model_state_bytes, peak_memory
 
 # Bytes per element of the training precision.
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -65,6 +66,19 @@ def expert_params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> floa
 def params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
     """Parameters a rank holds of ``layers`` before data-parallel sharding (TP and EP split)."""
     return dense_params_on_rank(cfg, layers) + expert_params_on_rank(cfg, layers)
+
+
+def expert_replicas(cfg: ParallelConfig) -> int:
+    """Ranks holding the same experts: the dp x fsdp x cp token ranks ep folds over, divided
+    by ep (`autopar.runtime.expert_parallel`)."""
+    return cfg.dp * cfg.fsdp * cfg.cp // cfg.ep
+
+
+def expert_shard_ways(cfg: ParallelConfig) -> int:
+    """How many ways ZeRO splits the experts' state: with fsdp > 1 each MoE layer's experts are
+    an FSDP2 unit over their replicas; without, or where ep spans every data rank (FSDP leaves
+    them out), not at all."""
+    return expert_replicas(cfg) if cfg.fsdp > 1 else 1
 
 
 def tied_elements(tables: ModelTables) -> float:
@@ -107,9 +121,20 @@ class StageMemory:
         self.tied = tied_elements(tables)  # a tied embedding's elements (0: none)
         self._experts = any(t.params_expert for t in tables.layers)
         self._activation_cache: dict[tuple, float] = {}
+        self._layer_params: dict[tuple, float] = {}
 
     def params(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
-        """`params_on_rank`, skipping the expert sum for a dense model (the search's hot path)."""
+        """`params_on_rank`, skipping the expert sum for a dense model (the search's hot path:
+        one layer's figure is cached per tp and ep)."""
+        if len(layers) == 1:
+            key = (layers[0].name, cfg.tp, cfg.ep)
+            got = self._layer_params.get(key)
+            if got is None:
+                got = self._layer_params[key] = self._params(cfg, layers)
+            return got
+        return self._params(cfg, layers)
+
+    def _params(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
         dense = dense_params_on_rank(cfg, layers)
         return dense + expert_params_on_rank(cfg, layers) if self._experts else dense
 
@@ -130,6 +155,40 @@ class StageMemory:
         shards over the context-parallel ranks too (`CostOptions.fsdp_over_cp`)."""
         return cfg.fsdp * (cfg.cp if self.options.fsdp_over_cp else 1)
 
+    def model_state(self, cfg: ParallelConfig, layers: list[LayerTable]) -> ModelStateBytes:
+        """Parameters, gradients and optimizer state of a stage's ``layers`` on one rank: the
+        dense ones sharded `shard_ways`, the experts `expert_shard_ways`."""
+        params = self.stage_params(cfg, layers)
+        experts = expert_params_on_rank(cfg, layers) if self._experts and cfg.ep > 1 else 0.0
+
+        def state(n: float, ways: int) -> ModelStateBytes:
+            return model_state_bytes(
+                n,
+                precision=self.precision,  # type: ignore[arg-type]
+                optimizer=self.optimizer,  # type: ignore[arg-type]
+                zero_stage=cfg.zero_stage,
+                shard_degree=ways,
+            )
+
+        dense = state(params - experts, self.shard_ways(cfg))
+        if not experts:
+            return dense
+        expert = state(experts, expert_shard_ways(cfg))
+        return ModelStateBytes(
+            dense.parameters_bytes + expert.parameters_bytes,
+            dense.gradients_bytes + expert.gradients_bytes,
+            dense.optimizer_bytes + expert.optimizer_bytes,
+        )
+
+    def sharded_params(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
+        """Parameters of a stage's ``layers`` whose optimizer state this rank steps (ZeRO >= 1:
+        its shards; the experts' over `expert_shard_ways`)."""
+        if cfg.zero_stage == 0:
+            return self.stage_params(cfg, layers)
+        experts = expert_params_on_rank(cfg, layers) if self._experts and cfg.ep > 1 else 0.0
+        dense = self.stage_params(cfg, layers) - experts
+        return dense / self.shard_ways(cfg) + experts / expert_shard_ways(cfg)
+
     def stage_memory(
         self,
         cfg: ParallelConfig,
@@ -141,13 +200,7 @@ class StageMemory:
         activations; ``recomputed`` names the layers the recompute policy applies to (None:
         all)."""
         params = self.stage_params(cfg, layers)
-        state = model_state_bytes(
-            params,
-            precision=self.precision,  # type: ignore[arg-type]
-            optimizer=self.optimizer,  # type: ignore[arg-type]
-            zero_stage=cfg.zero_stage,
-            shard_degree=self.shard_ways(cfg),
-        )
+        state = self.model_state(cfg, layers)
         b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
         per_mb = transient = logits = 0.0
         for table in layers:

@@ -9,8 +9,9 @@ parallelism inside a node first). An axis' coordinate is rank // stride % degree
 (`ParallelConfig.strides`), and its group is the ranks that differ only in that coordinate,
 starting at rank 0. `autopar.runtime.mesh.build_mesh` lays the DeviceMesh out the same way.
 
-Expert parallelism: where the runtime can run it (fsdp = 1 and ep divides dp) ep folds over the
-dp axis, the ep coordinates nearest rank 0 of it (stride: dp's), as
+Expert parallelism: where the runtime can run it (ep divides dp x fsdp x cp) ep folds over the
+ranks holding different tokens (index (dp * fsdp + fsdp) * cp + cp, cp inner), the ep of them
+nearest rank 0, as
 `autopar.runtime.expert_parallel.build_expert_groups` builds the groups; otherwise over the
 innermost ep non-pipeline ranks (Megatron-Core's fold; the runtime refuses those configs).
 "world" is every rank.
@@ -41,18 +42,28 @@ def axis_ranks(cfg: ParallelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _token_rank(cfg: ParallelConfig, i: int) -> int:
+    """The global rank of token index ``i`` (dp outer, fsdp, cp inner: the ranks holding
+    different tokens) on rank 0's stage."""
+    strides = cfg.strides
+    data, c = divmod(i, cfg.cp)
+    return data // cfg.fsdp * strides["dp"] + data % cfg.fsdp * strides["fsdp"] + c * strides["cp"]
+
+
 def expert_data_ranks(cfg: ParallelConfig) -> tuple[int, ...]:
-    """The ranks holding rank 0's experts (dp / ep of them along dp, every ep-th: the expert
-    data group `build_expert_groups` builds), where the experts' gradients are summed."""
-    if cfg.ep == 1 or cfg.fsdp > 1 or cfg.dp % cfg.ep:
+    """The ranks holding rank 0's experts (dp x fsdp x cp / ep of the token ranks, every
+    ep-th: the expert data group `build_expert_groups` builds), where the experts' gradients
+    are summed."""
+    tokens = cfg.dp * cfg.fsdp * cfg.cp
+    if cfg.ep == 1 or tokens % cfg.ep:
         return (0,)
-    return tuple(j * cfg.ep * cfg.strides["dp"] for j in range(cfg.dp // cfg.ep))
+    return tuple(_token_rank(cfg, j * cfg.ep) for j in range(tokens // cfg.ep))
 
 
 def expert_ranks(cfg: ParallelConfig) -> tuple[int, ...]:
-    """The ep group that holds rank 0 (module docstring: folded over dp where it can run)."""
-    if cfg.fsdp == 1 and cfg.dp % cfg.ep == 0:
-        return tuple(i * cfg.strides["dp"] for i in range(cfg.ep))
+    """The ep group that holds rank 0 (module docstring: folded over the token ranks)."""
+    if (cfg.dp * cfg.fsdp * cfg.cp) % cfg.ep == 0:
+        return tuple(_token_rank(cfg, i) for i in range(cfg.ep))
     return tuple(range(cfg.ep))
 
 

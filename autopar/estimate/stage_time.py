@@ -16,14 +16,17 @@ simulation; on ranks that time-share CPU cores, from `cost_models.pipeline_share
 full rate (a rank in a bubble leaves its core to the busy ones).
 
 Data parallel, per stage, gradients G bytes (params on the rank x grad bytes):
-    ZeRO-0   all-reduce G over dp; with ep > 1 the experts' G_e are left out of it and summed
-    over the dp / ep ranks holding the same experts after the backward (exposed; none when
-    dp = ep), as `autopar.runtime.expert_parallel` does; ZeRO-1/2 reduce-scatter G over fsdp
+    ZeRO-0   all-reduce G over dp; with ep > 1 the experts' G_e are left out of it (and of the
+    cp sum) and summed over the dp x cp / ep ranks holding the same experts after the
+    backward (exposed; none where that is one rank), as `autopar.runtime.expert_parallel`
+    does; ZeRO-1/2 reduce-scatter G over fsdp
     (+ all-reduce G/fsdp over dp for HSDP) then all-gather the bf16 params; ZeRO-3
     all-gathers each layer forward and backward and reduce-scatters its gradients, every
     micro-batch (one call per layer, or per parameter tensor with `fsdp_per_tensor`; with
     `fsdp_list_copies` each call also copies to or from its n per-rank views,
-    `cost_models.compute.list_collective_time_s`).
+    `cost_models.compute.list_collective_time_s`). With ep > 1 and fsdp > 1 the experts are
+    FSDP units of their own over the ranks holding the same experts ("expert_dp", dp x fsdp x
+    cp / ep of them; no collective where that is one rank), the dense rest over fsdp as above.
     Overlap (none on a CPU profile: gloo runs on the compute cores): gradient reduction
     hides behind the last micro-batch's backward except the last bucket; FSDP gathers are
     prefetched behind the previous layer's compute (exposed: what the stage's compute cannot
@@ -45,6 +48,8 @@ from autopar.estimate.memory import (
     PRECISION_BYTES,
     StageMemory,
     expert_params_on_rank,
+    expert_replicas,
+    expert_shard_ways,
 )
 from autopar.estimate.mesh import MeshGroups
 from autopar.estimate.options import CostOptions
@@ -148,9 +153,7 @@ class StageTimer:
         grad_ratio = self.options.grad_bytes / pbytes
         gathers, scatters, regathers = [], [], []
 
-        axis, ways = self._shard_group(cfg)
-
-        def timed(collective: str, nbytes: float) -> float:
+        def timed(collective: str, nbytes: float, axis: str, ways: int) -> float:
             t = mesh.time(collective, nbytes, axis)
             if not self.options.fsdp_list_copies:
                 return t
@@ -158,20 +161,23 @@ class StageTimer:
             return list_collective_time_s(self.device, t, nbytes, ways, copies_first=first)
 
         for table in layers:
-            size = self.memory.params(cfg, [table]) * pbytes
-            if not size:
-                continue
-            scatter_size = size
-            size *= self.gather_scale.get(table.name, 1.0)
-            # one collective per layer (FSDP units), or one per parameter tensor (ZeRO-3 as
-            # DeepSpeed ran it in 2021), each paying the group's latency
-            calls = table.num_param_tensors if self.options.fsdp_per_tensor else 1
-            gather = size / calls
-            scatter = scatter_size / calls * grad_ratio
-            gathers.append(calls * timed("all_gather", gather))
-            scatters.append(calls * timed("reduce_scatter", scatter))
-            if recomputed is None or table.name in recomputed:
-                regathers.append(gathers[-1])
+            for params, axis, ways in self._zero_parts(
+                cfg, [table], self.memory.params(cfg, [table])
+            ):
+                size = params * pbytes
+                if not size:
+                    continue
+                scatter_size = size
+                size *= self.gather_scale.get(table.name, 1.0)
+                # one collective per layer (FSDP units), or one per parameter tensor (ZeRO-3 as
+                # DeepSpeed ran it in 2021), each paying the group's latency
+                calls = table.num_param_tensors if self.options.fsdp_per_tensor else 1
+                gather = size / calls
+                scatter = scatter_size / calls * grad_ratio
+                gathers.append(calls * timed("all_gather", gather, axis, ways))
+                scatters.append(calls * timed("reduce_scatter", scatter, axis, ways))
+                if recomputed is None or table.name in recomputed:
+                    regathers.append(gathers[-1])
         if not gathers:
             return 0.0, 0.0
         # backward gathers again; with full recompute the re-run forward gathers once more
@@ -244,29 +250,33 @@ class StageTimer:
         optimizer step and gradient clipping (module docstring)."""
         params = self.memory.stage_params(cfg, layers)
         grad = params * self.options.grad_bytes
-        pbytes = params * PRECISION_BYTES[self.precision]
         sync = 0.0
-        if cfg.zero_stage == 0 and cfg.dp > 1 and cfg.ep > 1:
+        experts = expert_params_on_rank(cfg, layers) * self.options.grad_bytes
+        experts *= cfg.ep > 1  # the experts' gradients, where ep shares them out
+        if cfg.zero_stage == 0 and cfg.ep > 1:
             # the experts are left out of the dp all-reduce and summed over the ranks holding
             # the same experts after the backward (ExpertParallel.sync_gradients): exposed
-            experts = expert_params_on_rank(cfg, layers) * self.options.grad_bytes
             dense = grad - experts
-            sync = self._overlapped(mesh.time("all_reduce", dense, "dp"), dense, st)
-            if cfg.dp > cfg.ep and experts:
+            if cfg.dp > 1:
+                sync = self._overlapped(mesh.time("all_reduce", dense, "dp"), dense, st)
+            if expert_replicas(cfg) > 1 and experts:
                 sync += mesh.time("all_reduce", experts, "expert_dp")
         elif cfg.zero_stage == 0 and cfg.dp > 1:
             sync = self._overlapped(mesh.time("all_reduce", grad, "dp"), grad, st)
         elif cfg.zero_stage in (1, 2):
-            axis, ways = self._shard_group(cfg)
-            reduce = mesh.time("reduce_scatter", grad, axis) + mesh.time(
-                "all_reduce", grad / ways, "dp"
-            )
-            gather = mesh.time("all_gather", pbytes, axis)
+            reduce = gather = 0.0
+            for n, axis, ways in self._zero_parts(cfg, layers, params):  # dense; the experts
+                g = n * self.options.grad_bytes
+                reduce += mesh.time("reduce_scatter", g, axis)
+                if axis != "expert_dp":  # HSDP: the dense shards replicated over dp
+                    reduce += mesh.time("all_reduce", g / ways, "dp")
+                gather += mesh.time("all_gather", n * PRECISION_BYTES[self.precision], axis)
             if self.options.overlap_param_gather:
                 gather = self._hidden(gather, st["forward"])
             sync = self._overlapped(reduce, grad, st) + gather
-        elif cfg.zero_stage == 3 and cfg.dp > 1:
-            sync = self._overlapped(mesh.time("all_reduce", grad / cfg.fsdp, "dp"), grad, st)
+        elif cfg.zero_stage == 3 and cfg.dp > 1:  # HSDP: the dense shards over dp
+            dense = self._zero_parts(cfg, layers, params)[0][0] * self.options.grad_bytes / cfg.fsdp
+            sync = self._overlapped(mesh.time("all_reduce", dense, "dp"), grad, st)
         tied = self.memory.tied_copy(cfg, layers)
         if tied:  # the last stage's copy and the first stage's embedding sum their gradients
             # (Pipeline.sync_tied_gradients, after the backward): priced on the last stage
@@ -276,8 +286,9 @@ class StageTimer:
         if cfg.cp > 1 and not over_cp:  # each cp rank holds its sequence shard's gradient
             # terms: the runtime sums this rank's (FSDP-sharded) gradients over cp after the
             # backward, one all-reduce (autopar.runtime.context_parallel.sync_gradients)
-            sync += mesh.time("all_reduce", grad / cfg.fsdp, "cp")
-        sharded = params / (self._shard_group(cfg)[1] if cfg.zero_stage >= 1 else 1)
+            # (the experts, folded over cp, are summed over their replicas instead)
+            sync += mesh.time("all_reduce", (grad - experts) / cfg.fsdp, "cp")
+        sharded = self.memory.sharded_params(cfg, layers)
         opt_bytes = sharded * OPTIMIZER_BYTES[(self.optimizer, self.precision != "fp32")]
         blocks = sum(t.kind == "block" for t in layers)
         optimizer = (
@@ -295,6 +306,20 @@ class StageTimer:
         """The mesh group ZeRO shards over and its size (`StageMemory.shard_ways`)."""
         ways = self.memory.shard_ways(cfg)
         return ("fsdp" if ways == cfg.fsdp else "fsdp_cp"), ways
+
+    def _zero_parts(
+        self, cfg: ParallelConfig, layers: list[LayerTable], params: float
+    ) -> list[tuple[float, str, int]]:
+        """(parameters, mesh axis, ways) of each set of FSDP units of ``layers`` on a rank,
+        ``params`` of them in all: the dense parameters over the shard group; with ep > 1 the
+        experts, their own units over the ranks holding the same experts where there are
+        several (none where FSDP leaves them out: `expert_shard_ways`)."""
+        experts = expert_params_on_rank(cfg, layers) if cfg.ep > 1 else 0.0
+        parts = [(params - experts, *self._shard_group(cfg))]
+        ways = expert_shard_ways(cfg)
+        if experts and ways > 1:
+            parts.append((experts, "expert_dp", ways))
+        return parts
 
     def _overlapped(self, comm_s: float, nbytes: float, st: StageTimes) -> float:
         """The part of a gradient reduction the last micro-batch's backward cannot hide."""

@@ -157,8 +157,11 @@ def _experts_line(plan: Plan) -> list[str]:
     e = plan.experts
     if not e:
         return []
-    ep = plan.config.ep
+    c = plan.config
+    ep, replicas = c.ep, c.dp * c.fsdp // c.ep
     where = f"{int(e['num_experts']) // ep} per rank over ep={ep}" if ep > 1 else "no ep"
+    if ep > 1 and c.fsdp > 1 and replicas > 1:  # each layer's experts an FSDP unit
+        where += f", their state sharded over the {replicas} ranks holding them"
     even = "tokens spread evenly" if e["imbalance"] == 1.0 else f"x{e['imbalance']:.2f} skew"
     return [
         f"  experts     {int(e['moe_layers'])} MoE layers of {int(e['num_experts'])} experts "

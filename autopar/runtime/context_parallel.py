@@ -252,10 +252,15 @@ class ContextParallel:
         dist.all_reduce(total, group=self.group)
         return local + (total - local.detach())
 
-    def sync_gradients(self, model: nn.Module) -> None:
+    def sync_gradients(self, model: nn.Module, skip: frozenset[str] = frozenset()) -> None:
         """Sum every gradient over cp (each rank's holds its shard's terms), one flat
-        all-reduce per dtype; call after backward, before the data-parallel average."""
-        grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+        all-reduce per dtype; call after backward, before the data-parallel average. ``skip``:
+        parameters summed elsewhere (expert parallelism's experts, folded over cp)."""
+        grads = [
+            _local(p.grad)
+            for name, p in model.named_parameters()
+            if p.grad is not None and name not in skip
+        ]
         all_reduce_flat(grads, self.group)
 
     def as_text(self) -> str:

@@ -27,12 +27,13 @@ ZeRO-1/2's -- while the peak inside forward/backward, where the full parameters 
 ZeRO-1/2's. ZeRO-1 additionally holds full gradients over the accumulation, as DeepSpeed's.
 
 Public functions:
-    apply_data_parallel(model, blocks, mesh, config) -> DataParallel
+    apply_data_parallel(model, blocks, mesh, config, experts=None) -> DataParallel
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,9 @@ from torch.distributed.tensor import DTensor
 from autopar.config import ParallelConfig
 from autopar.runtime.collectives import all_reduce_flat
 from autopar.runtime.mesh import RuntimeMesh
+
+if TYPE_CHECKING:
+    from autopar.runtime.expert_parallel import ExpertParallel
 
 
 @dataclass
@@ -97,7 +101,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def apply_data_parallel(
-    model: nn.Module, blocks: list[tuple[str, nn.Module]], mesh: RuntimeMesh, config: ParallelConfig
+    model: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    mesh: RuntimeMesh,
+    config: ParallelConfig,
+    experts: ExpertParallel | None = None,
 ) -> DataParallel:
     """Shard or replicate ``model`` over the mesh's data axes (in place).
 
@@ -106,18 +114,23 @@ def apply_data_parallel(
         blocks: (path, module) of the repeated blocks, each its own FSDP unit.
         mesh: the plan's mesh.
         config: dp, fsdp, zero_stage.
+        experts: expert parallelism's record: with fsdp its expert modules become FSDP2
+            units of their own first (`ExpertParallel.shard`), or are left out of FSDP.
     """
     if config.fsdp > 1:
         axes = ("dp", "fsdp") if config.dp > 1 else ("fsdp",)
         data_mesh = mesh[axes]
         reshard = config.zero_stage == 3
+        ignored = experts.shard(reshard) if experts is not None else set()
         names = []
         for path, block in blocks:
-            fully_shard(block, mesh=data_mesh, reshard_after_forward=reshard)
+            fully_shard(
+                block, mesh=data_mesh, reshard_after_forward=reshard, ignored_params=ignored
+            )
             names.append(path)
         # the root holds the rest (embeddings, final norm, head); the last unit's parameters
         # are needed again at once by backward, so it never reshards after forward
-        fully_shard(model, mesh=data_mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=data_mesh, reshard_after_forward=False, ignored_params=ignored)
         names.append("<root>")
         kind = "hsdp" if config.dp > 1 else "fsdp"
         return DataParallel(kind, config.zero_stage, model, None, config.fsdp, names)

@@ -21,31 +21,48 @@ The dense block computes out = sum_e w[:, e] * expert_e(x) in expert order with 
 unrouted experts, so both sums add the same terms in the same order: equal up to the matmul's
 rounding on different row counts.
 
+Fold: ep divides the T = dp x fsdp x cp ranks that hold different tokens (cp innermost, then
+fsdp, then dp: Megatron-Core's fold over data and context ranks); the T/ep ranks holding the
+same experts are the "expert data-parallel" group.
+
 Gradients: an expert's gradient on its owner is the sum of the terms of the tokens of every
-ep rank; the ep ranks are data-parallel ranks (ep divides dp here), so with D data ranks the
-owner divides by D after summing over the ranks that hold the same expert (the "expert
-data-parallel" group, D/ep of them) -- `ExpertParallel.sync_gradients`. The router and every
-other parameter are replicated and averaged over the data ranks as usual; the expert
-parameters must be left out of that average (`expert_parameters`). In the global gradient
-norm an expert parameter is held by world/ep ranks instead of world (its share times ep).
+ep rank; summed over the expert data group it holds every token rank's terms, and divided by
+the D = dp x fsdp data ranks it is the mean over samples (a cp rank's loss already weighs its
+sequence shard by the whole sequence's token count) -- `ExpertParallel.sync_gradients`. The
+router and every other parameter are replicated, summed over cp and averaged over the data
+ranks as usual; the expert parameters must be left out of both (`expert_names`). In the global
+gradient norm an expert parameter is held by world/ep ranks instead of world (its share times
+ep).
+
+With FSDP (fsdp > 1, torchtitan's layout) the dense parameters are sharded over the data
+ranks as usual, and each MoE layer's experts are an FSDP2 unit of their own over the expert
+data group (`ExpertParallel.shard`: a 1-D mesh of those T/ep ranks): its reduce-scatter
+averages over them and `sync_gradients` rescales to the sum over D (FSDP's own divide factor
+is a PREMUL_SUM, which gloo lacks). Experts no token reached reduce zeros, so the scatters
+match on every rank. Where ep = T (no other rank holds the same experts) the experts are left
+out of FSDP and divided by D after the backward, as without FSDP.
 
 Public functions:
     expert_owner(expert, num_experts, ep) -> rank
     is_moe_block(module) -> bool                  # what apply_expert_parallel shares out
-    apply_expert_parallel(model, ep_group, expert_data_group=None) -> ExpertParallel
+    apply_expert_parallel(model, groups, num_data_ranks=None, required=True) -> ExpertParallel
     ExpertParallel.expert_parameters(model) -> list of parameters (this rank's experts)
     ExpertParallel.is_expert(name) -> bool
+    ExpertParallel.shard(reshard_after_forward) -> parameters FSDP must ignore  # fsdp > 1
     ExpertParallel.sync_gradients(model)          # after backward: experts' data average
-    build_expert_groups(world, dp, inner, ep, ranks=None) -> (ep group, expert data group)
+    build_expert_groups(world, data, inner, ep, ranks=None, device_type) -> ExpertGroups
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 
 from autopar.runtime.collectives import TokenExchange, all_reduce_flat
 from autopar.runtime.hf_experts import is_hf_experts, shard_hf_experts
@@ -78,17 +95,28 @@ class AllToAllDispatch:
         return torch.zeros_like(x_TH).index_add(0, t_P, weighted)
 
 
+class ExpertGroups(NamedTuple):
+    """This rank's expert-parallel groups (`build_expert_groups`)."""
+
+    ep: dist.ProcessGroup  # the ranks sharing the experts out
+    data: dist.ProcessGroup | None  # the ranks holding the same experts (None: this one only)
+    data_mesh: DeviceMesh | None  # the same ranks as a 1-D mesh: FSDP2 of the experts
+
+
 @dataclass
 class ExpertParallel:
     """A model under expert parallelism and what the training loop calls (module docstring)."""
 
-    group: dist.ProcessGroup
+    groups: ExpertGroups
     size: int
     rank: int
-    expert_data_group: dist.ProcessGroup | None
     num_data_ranks: int
     expert_names: frozenset[str]
     num_blocks: int
+    # per MoE block the modules holding this rank's experts (a MoEBlock's local experts, an
+    # HF expert stack): one FSDP2 unit each under fsdp
+    modules: tuple[tuple[nn.Module, ...], ...] = field(default=(), repr=False, compare=False)
+    sharded: bool = False  # FSDP2 units over the expert data group reduce their gradients
 
     def is_expert(self, name: str) -> bool:
         return name in self.expert_names
@@ -96,23 +124,49 @@ class ExpertParallel:
     def expert_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         return [p for n, p in model.named_parameters() if n in self.expert_names]
 
+    def shard(self, reshard_after_forward: bool) -> set[nn.Parameter]:
+        """fsdp > 1: each block's expert modules one FSDP2 unit over the expert data group
+        (module docstring); returns the
+        parameters the surrounding units must ignore -- every expert's where no other rank
+        holds the same experts (then `sync_gradients` divides them)."""
+        if self.groups.data_mesh is None:
+            return {p for unit in self.modules for m in unit for p in m.parameters()}
+        for unit in self.modules:  # a list of modules is one FSDP2 unit (one gather)
+            fully_shard(
+                list(unit), mesh=self.groups.data_mesh, reshard_after_forward=reshard_after_forward
+            )
+            for module in unit:  # an expert no token reached: zeros, so the scatters match
+                module.set_reduce_scatter_unused_params(True)
+        self.sharded = True
+        return set()
+
     def sync_gradients(self, model: nn.Module) -> None:
-        """Experts' gradients: sum over the expert data group, divide by the data ranks. An
-        expert no token reached on this rank has no gradient: zeros, so every rank of the
-        group reduces the same tensors."""
+        """Experts' gradients: sum over the expert data group, divide by the data ranks (FSDP
+        units have averaged over the group, module docstring). An expert no
+        token reached on this rank has no gradient: zeros, so every rank of the group reduces
+        the same tensors."""
         params = self.expert_parameters(model)
+        if self.sharded:  # averaged over the group: sum / its size; sum / data ranks wanted
+            replicas = dist.get_world_size(self.groups.data)
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        p.grad.mul_(replicas / self.num_data_ranks)
+            return
         for p in params:
             if p.grad is None and p.requires_grad:
                 p.grad = torch.zeros_like(p)
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return
-        all_reduce_flat(grads, self.expert_data_group, divide_by=self.num_data_ranks)
+        all_reduce_flat(grads, self.groups.data, divide_by=self.num_data_ranks)
 
     def as_text(self) -> str:
+        how = "FSDP2 over their replicas" if self.sharded else "summed over their replicas"
         return (
             f"expert parallel over ep={self.size}: {self.num_blocks} MoE blocks, "
-            f"{len(self.expert_names)} expert parameters on this rank, all-to-all dispatch"
+            f"{len(self.expert_names)} expert parameters on this rank ({how}), all-to-all "
+            "dispatch"
         )
 
 
@@ -125,35 +179,35 @@ def is_moe_block(module: nn.Module) -> bool:
 
 def apply_expert_parallel(
     model: nn.Module,
-    ep_group: dist.ProcessGroup,
-    expert_data_group: dist.ProcessGroup | None = None,
+    groups: ExpertGroups,
     num_data_ranks: int | None = None,
     required: bool = True,
 ) -> ExpertParallel:
     """Keep this rank's experts in every MoE block and dispatch by all-to-all (in place).
 
     Args:
-        model: holds `MoEBlock`s (modules with `experts`, `num_experts`, `dispatch`).
-        ep_group: the ep ranks (data-parallel ranks that share the experts out).
-        expert_data_group: the ranks holding the same experts (None: ep covers every data
-            rank).
+        model: holds `MoEBlock`s (modules with `experts`, `num_experts`, `dispatch`) or
+            Hugging Face expert stacks.
+        groups: this rank's ep group (data-parallel ranks that share the experts out) and
+            expert data group (`build_expert_groups`).
         num_data_ranks: ranks that see different samples (default: ep times the size of
-            ``expert_data_group``).
+            the expert data group).
         required: whether ``model`` must hold an MoE block (False for a pipeline chunk: a
             chunk of DeepSeek-V3's dense first layers has none).
 
     Raises:
         ValueError: no MoE block, or ep does not divide a block's number of experts.
     """
+    ep_group = groups.ep
     ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
-    edp = dist.get_world_size(expert_data_group) if expert_data_group is not None else 1
+    edp = dist.get_world_size(groups.data) if groups.data is not None else 1
     names: set[str] = set()
-    blocks = 0
+    holders: list[tuple[nn.Module, ...]] = []
     for path, module in list(model.named_modules()):
         prefix = f"{path}." if path else ""
         if is_hf_experts(module):  # transformers' stacked experts: sliced under their names
             names.update(prefix + n for n in shard_hf_experts(module, ep_group))
-            blocks += 1
+            holders.append((module,))
             continue
         if not is_moe_block(module):
             continue
@@ -167,43 +221,46 @@ def apply_expert_parallel(
         module.experts = nn.ModuleDict({str(e): module.experts[e] for e in keep})
         module.dispatch = AllToAllDispatch(ep_group, num_experts)
         names.update(f"{prefix}experts.{n}" for n, _ in module.experts.named_parameters())
-        blocks += 1
-    if not blocks and required:
+        holders.append(tuple(module.experts.values()))
+    if not holders and required:
         raise ValueError(f"expert parallelism: {type(model).__name__} has no MoE block")
+    data_ranks = num_data_ranks or ep * edp
     return ExpertParallel(
-        ep_group, ep, rank, expert_data_group, num_data_ranks or ep * edp, frozenset(names), blocks
+        groups, ep, rank, data_ranks, frozenset(names), len(holders), tuple(holders)
     )
 
 
 def build_expert_groups(
-    world: int, dp: int, inner: int, ep: int, ranks: torch.Tensor | None = None
-) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-    """This rank's ep group and expert data group, for ep folded over the dp axis.
+    world: int,
+    tokens: int,
+    inner: int,
+    ep: int,
+    ranks: torch.Tensor | None = None,
+    device_type: str = "cpu",
+) -> ExpertGroups:
+    """This rank's expert groups, ep folded over the ranks that hold different tokens (dp x
+    fsdp x cp, cp innermost: Megatron-Core's fold over data and context ranks).
 
     ``ranks``: the mesh's ranks indexed [pp, dp, fsdp, cp, tp] (`RuntimeMesh.mesh.mesh`, laid
-    out in the plan's axis order); default `arange(world)` as [pp, dp, inner] (inner =
-    fsdp*cp*tp, the default order). The dp index splits into (dp/ep, ep), ep inner, so rank 0's
-    ep group is the ep ranks along dp nearest it (`autopar.estimate.mesh.expert_ranks`). Every
-    rank must call this (new_group is collective). Returns (ep group, expert data group or None
-    when dp == ep).
+    out in the plan's axis order); default `arange(world)` as [pp, tokens, inner] (inner = tp,
+    the default order). The token index splits into (tokens/ep, ep), ep inner, so rank 0's ep
+    group is the ep token ranks nearest it (`autopar.estimate.mesh.expert_ranks`). Every rank
+    must call this (the mesh's groups are made collectively).
 
     Raises:
-        ValueError: ep does not divide dp.
+        ValueError: ep does not divide the token ranks.
     """
-    if dp % ep:
-        raise ValueError(f"expert parallelism folds over dp here: ep={ep} must divide dp={dp}")
+    if tokens % ep:
+        raise ValueError(
+            f"expert parallelism folds over the dp x fsdp x cp ranks: ep={ep} must divide {tokens}"
+        )
     base = torch.arange(world) if ranks is None else ranks
-    layout = base.reshape(-1, dp // ep, ep, inner)
-    me = dist.get_rank()
-    ep_group = edp_group = None
-    for ranks in layout.permute(0, 1, 3, 2).reshape(-1, ep).tolist():
-        group = dist.new_group(ranks)
-        if me in ranks:
-            ep_group = group
-    if dp > ep:
-        for ranks in layout.permute(0, 2, 3, 1).reshape(-1, dp // ep).tolist():
-            group = dist.new_group(ranks)
-            if me in ranks:
-                edp_group = group
-    assert ep_group is not None
-    return ep_group, edp_group
+    layout = base.reshape(-1, tokens // ep, ep, inner)
+    # one mesh over the world: its "ep" and "edp" groups, and "edp" as FSDP2's mesh
+    mesh = DeviceMesh(device_type, layout, mesh_dim_names=("pp", "edp", "ep", "inner"))
+    replicas = tokens > ep
+    return ExpertGroups(
+        mesh.get_group("ep"),
+        mesh.get_group("edp") if replicas else None,
+        mesh["edp"] if replicas else None,
+    )

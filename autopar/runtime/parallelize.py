@@ -18,8 +18,10 @@ back for each).
 
     cp > 1   the model runs as one `stages.StageModule` (original paths), whose forward takes
              a sequence shard's global positions, so FSDP's root hooks wrap it as well
-    ep > 1   folded over dp (fsdp == 1): the experts are left out of the dp average
-             (`DataParallel.skip`); `expert_parallel` syncs them
+    ep > 1   folded over the dp x fsdp x cp token ranks (cp innermost): the experts are left
+             out of the dp average (`DataParallel.skip`) and the cp sum, and
+             `expert_parallel` syncs them; with fsdp > 1 each MoE layer's experts are an FSDP2
+             unit over the ranks holding the same experts
 
 Public functions:
     PipelineSpec(num_microbatches, loss_fn, stage_layers=None, schedule=None, traced=None)
@@ -51,7 +53,7 @@ from autopar.runtime.tensor_parallel import apply_tensor_parallel, find_blocks, 
 
 if TYPE_CHECKING:
     from autopar.runtime.context_parallel import ContextParallel
-    from autopar.runtime.expert_parallel import ExpertParallel
+    from autopar.runtime.expert_parallel import ExpertGroups, ExpertParallel
 
 
 @dataclass(frozen=True)
@@ -141,20 +143,22 @@ def parallelize_model(
     return ParallelModel(model, mesh, dp, plan, names, None, [dp], part.context, part.experts)
 
 
-def _expert_groups(mesh: RuntimeMesh, config: ParallelConfig) -> tuple | None:
-    """ep > 1: (ep group, expert data group) of this rank, ep folded over dp (collective)."""
+def _expert_groups(mesh: RuntimeMesh, config: ParallelConfig) -> ExpertGroups | None:
+    """ep > 1: this rank's expert groups, ep folded over the dp x fsdp x cp token ranks
+    (collective)."""
     if config.ep == 1:
         return None
-    if config.fsdp > 1:
-        raise ValueError(
-            f"expert parallelism runs with replicated data parallelism here: ep={config.ep} "
-            f"folds over dp={config.dp}; fsdp={config.fsdp} would shard the experts as well"
-        )
     from autopar.runtime.expert_parallel import build_expert_groups  # see _parallelize_part
 
-    inner = config.fsdp * config.cp * config.tp
     ranks = mesh.mesh.mesh  # [pp, dp, fsdp, cp, tp], laid out in the plan's axis order
-    return build_expert_groups(dist.get_world_size(), config.dp, inner, config.ep, ranks)
+    return build_expert_groups(
+        dist.get_world_size(),
+        config.dp * config.fsdp * config.cp,
+        config.tp,
+        config.ep,
+        ranks,
+        mesh.mesh.device_type,
+    )
 
 
 def _parallelize_part(
@@ -163,7 +167,7 @@ def _parallelize_part(
     mesh: RuntimeMesh,
     config: ParallelConfig,
     plan: dict[str, str],
-    expert_groups: tuple | None = None,
+    expert_groups: ExpertGroups | None = None,
     whole: nn.Module | None = None,
     compile_blocks: bool = False,
 ) -> _Part:
@@ -180,15 +184,14 @@ def _parallelize_part(
     if expert_groups is not None:  # ep > 1: this rank's experts, all-to-all token dispatch
         from autopar.runtime.expert_parallel import apply_expert_parallel
 
-        ep_group, data_group = expert_groups
         experts = apply_expert_parallel(
-            model, ep_group, data_group, mesh.num_data_ranks, required=config.pp == 1
+            model, expert_groups, mesh.num_data_ranks, required=config.pp == 1
         )
     apply_recompute(blocks, config.recompute, config.recompute_layers)  # first k: the plan's
     if compile_blocks:  # after recompute (the checkpoint is compiled), before FSDP's hooks
         for _, block in blocks:
             block.compile(dynamic=False)
-    data_parallel = apply_data_parallel(model, blocks, mesh, config)
+    data_parallel = apply_data_parallel(model, blocks, mesh, config, experts)
     if experts is not None:  # experts are synced by expert_parallel, not averaged over dp
         data_parallel.skip = experts.expert_names
     return _Part(data_parallel, context, experts)
@@ -201,7 +204,7 @@ def _parallelize_pipeline(
     placements: dict | None,
     tp: dict[str, str] | None,
     spec: PipelineSpec | None,
-    expert_groups: tuple | None = None,
+    expert_groups: ExpertGroups | None = None,
     compile_blocks: bool = False,
 ) -> ParallelModel:
     """pp > 1: this rank's chunks, each parallelised by `_parallelize_part`, and the schedule."""

@@ -29,10 +29,11 @@ Context parallelism (cp > 1, `autopar.runtime.context_parallel`): the model runs
 global positions; the loss is the shard's share of the micro-batch's token mean (its value
 the whole mean), and after backward every gradient is summed over cp, before the
 data-parallel sync. No vocabulary split of the head (the cp loss reads whole logits).
-Expert parallelism (ep > 1, `autopar.runtime.expert_parallel`, folded over dp; fsdp == 1):
-each rank keeps num_experts/ep experts and dispatches tokens by all-to-all; the experts'
-gradients are summed over their replicas and divided by the data ranks (left out of the dp
-average), and their norm share is ep times a replicated parameter's.
+Expert parallelism (ep > 1, `autopar.runtime.expert_parallel`, folded over the dp x fsdp x cp
+token ranks): each rank keeps num_experts/ep experts and dispatches tokens by all-to-all; the
+experts' gradients are summed over their replicas (FSDP2 units of their own with fsdp > 1) and
+divided by the data ranks (left out of the cp sum and the dp average), and their norm share
+is ep times a replicated parameter's.
 
 Data: data rank r of D = dp*fsdp gets samples [r*B/D, (r+1)*B/D) of the step's global batch,
 split into consecutive micro-batches of `micro_batch_size`.
@@ -283,7 +284,8 @@ def train(
             pm.pipeline.sync_tied_gradients()  # a tied embedding: first + last stage summed
         reduce_partial_grads(model)  # SP norms: weight-grad all-reduce over tp
         if pm.context_parallel is not None:  # each cp rank holds its shard's terms: sum
-            pm.context_parallel.sync_gradients(model)
+            experts = pm.expert_parallel.expert_names if pm.expert_parallel else frozenset()
+            pm.context_parallel.sync_gradients(model, skip=experts)
         if pm.expert_parallel is not None:  # experts: sum over their replicas, / data ranks
             pm.expert_parallel.sync_gradients(model)
         for data_parallel in pm.data_parallels:  # one per pipeline chunk

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError
 from autopar.estimate import Estimate, Estimator
+from autopar.estimate.memory import dispatched
 from autopar.estimate.mesh import layout_signature
 from autopar.solve.space import (
     SpaceLimits,
@@ -43,7 +44,6 @@ from autopar.solve.space import (
     inner_choices,
     recompute_layer_choices,
 )
-from cost_models.memory import model_state_bytes
 
 GiB = 2**30
 
@@ -286,40 +286,40 @@ def _distinct_orders(
 
 class _Bounds:
     """Cheap lower bounds on a config's peak memory: model state and one micro-batch's
-    activations of the average stage (the busiest stage holds at least that)."""
+    activations of the average stage (the busiest stage holds at least that), both cached."""
 
     def __init__(self, estimator: Estimator) -> None:
         self.estimator = estimator
         self._activations: dict[tuple, float] = {}
+        self._states: dict[tuple, float] = {}
 
     def memory(self, cfg: ParallelConfig) -> float:
-        key = (cfg.recompute, cfg.tp, cfg.cp, cfg.sequence_parallel)
+        key = (cfg.recompute, cfg.tp, cfg.cp, cfg.sequence_parallel, cfg.ep > 1)
         if key not in self._activations:
             t, c = cfg.tp, cfg.cp
             div = {"tp": t * c, "rep": c * (t if cfg.sequence_parallel else 1), "expert": t * c}
             self._activations[key] = self.estimator.act_scale * sum(
                 v / div[k]
                 for table in self.estimator.tables.layers
-                for k, v in table.activations.get(cfg.recompute, {}).items()
+                # as the runtime dispatches it: with ep, each token's top k experts only
+                for k, v in dispatched(cfg, table).activations.get(cfg.recompute, {}).items()
             )
         activations = self._activations[key] * cfg.micro_batch_size / cfg.pp
-        return _state_lower_bound(self.estimator, cfg) + activations
+        return self.state(cfg) + activations
+
+    def state(self, cfg: ParallelConfig) -> float:
+        """The model state of the average stage: every layer's over pp (ZeRO by
+        `StageMemory.model_state`, the experts' sharding included)."""
+        key = (cfg.dp, cfg.fsdp, cfg.cp, cfg.tp, cfg.pp, cfg.ep, cfg.zero_stage)
+        if key not in self._states:
+            memory = self.estimator.memory
+            layers = list(self.estimator.tables.layers)
+            self._states[key] = memory.model_state(cfg, layers).total_bytes / cfg.pp
+        return self._states[key]
 
 
 def _rank(est: Estimate) -> tuple[float, str]:
     return (round(est.step_time_s, 12), est.config.as_text())
-
-
-def _state_lower_bound(estimator: Estimator, cfg: ParallelConfig) -> float:
-    params = estimator.memory.params(cfg, list(estimator.tables.layers))
-    state = model_state_bytes(
-        params / cfg.pp,
-        precision=estimator.precision,  # type: ignore[arg-type]
-        optimizer=estimator.optimizer,  # type: ignore[arg-type]
-        zero_stage=cfg.zero_stage,
-        shard_degree=cfg.fsdp,
-    )
-    return state.total_bytes
 
 
 def _degrees(cfg: ParallelConfig) -> tuple[int, ...]:
@@ -371,8 +371,9 @@ def _infeasible_message(
             f"{frugal.peak_memory_bytes / GiB:.1f} GiB per device"
         )
     else:
+        bounds = _Bounds(estimator)
         bound = min(
-            _state_lower_bound(estimator, cfg)
+            bounds.state(cfg)
             for degrees in degree_choices(limits)
             for cfg in inner_choices(limits, degrees)
         )

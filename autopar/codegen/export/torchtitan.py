@@ -104,10 +104,10 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None, priced: Priced | Non
             "tp without sequence parallelism: torchtitan always shards the norms' sequence "
             "with tp (less activation memory, the same communication volume)"
         )
-    if c.ep > 1:
+    if c.ep > 1 and (c.cp > 1 or c.fsdp % c.ep):
         gaps.append(
             f"ep={c.ep}: torchtitan folds the experts over its dp_shard x cp ranks; the plan "
-            "folds them over the data-parallel replicas"
+            f"folds them over the dp x fsdp data ranks (here dp={c.dp} fsdp={c.fsdp} cp={c.cp})"
         )
     if c.axis_order is not None and c.axis_order != DEFAULT_AXIS_ORDER:
         gaps.append(

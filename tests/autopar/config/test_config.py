@@ -36,7 +36,7 @@ def test_every_problem_is_reported_at_once():
     assert "zero_stage=2 needs fsdp > 1" in text
     assert "needs at least 2 virtual_stages, got 1" in text
     assert "sequence_parallel needs tp > 1" in text
-    assert "ep=2 must divide dp with fsdp=1" in text and "ep=2 does not divide dp=3" in text
+    assert "ep=2 must divide the dp x fsdp x cp = 3 ranks" in text
 
 
 @pytest.mark.parametrize(
@@ -56,12 +56,13 @@ def test_single_rule_violations(kwargs, fragment):
         ParallelConfig(**kwargs).validate()
 
 
-def test_ep_refolds_the_replicated_data_parallel_ranks(h100x2):
-    # ep is not a factor of the world size: 4-way expert parallel inside dp=4 x tp=2 x pp=2.
-    cfg = ParallelConfig(dp=4, tp=2, pp=2, ep=4).validate(h100x2)
-    assert cfg.world_size == 16
-    # the runtime folds ep over dp only (Megatron-Core's fold over tp too is not run)
-    with pytest.raises(ConfigError, match="ep=8 must divide dp with fsdp=1"):
+def test_ep_refolds_the_data_parallel_ranks(h100x2):
+    # ep is not a factor of the world size: 4-way expert parallel inside dp=4 x tp=2 x pp=2,
+    # or inside dp=2 x fsdp=2 (the experts then sharded over the ranks holding the same ones)
+    assert ParallelConfig(dp=4, tp=2, pp=2, ep=4).validate(h100x2).world_size == 16
+    ParallelConfig(dp=2, fsdp=2, zero_stage=3, tp=2, pp=2, ep=4).validate(h100x2)
+    # the runtime folds ep over dp x fsdp x cp only (Megatron-Core's fold over tp is not run)
+    with pytest.raises(ConfigError, match="ep=8 must divide the dp x fsdp x cp = 2 ranks"):
         ParallelConfig(dp=2, tp=4, pp=2, ep=8).validate(h100x2)
 
 

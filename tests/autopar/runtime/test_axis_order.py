@@ -18,6 +18,9 @@ LAYOUTS = [
     C(fsdp=2, cp=2, zero_stage=3, axis_order=("tp", "fsdp", "cp", "dp")),
     C(dp=2, tp=2, ep=2, axis_order=DP_TP),
     C(dp=2, tp=2, ep=2),
+    # ep folded over fsdp x cp (cp first), and over dp x cp with an expert data group
+    C(fsdp=2, cp=2, zero_stage=3, ep=2, axis_order=("tp", "fsdp", "cp", "dp")),
+    C(dp=2, cp=2, ep=2),
 ]
 CASES = [
     Case("gpt-tiny", C(dp=2, tp=2, axis_order=DP_TP)),
@@ -48,7 +51,9 @@ def _groups_then_train(layouts: list[C], cases: list[Case]) -> tuple[list, list]
         got = {a: dist.get_process_group_ranks(mesh.group(a)) for a in AXES if mesh.size(a) > 1}
         expert = _expert_groups(mesh, cfg)
         if expert is not None:
-            got["ep"] = dist.get_process_group_ranks(expert[0])
+            got["ep"] = dist.get_process_group_ranks(expert.ep)
+            if expert.data is not None:
+                got["expert_dp"] = dist.get_process_group_ranks(expert.data)
         groups.append(got)
     return groups, run_cases(cases)
 
@@ -63,7 +68,7 @@ def test_runtime_groups_equal_the_estimators_and_reordered_meshes_match_one_proc
             for axis, ranks in groups[i].items():
                 if 0 in ranks:  # the estimator prices the group that holds rank 0
                     assert tuple(sorted(ranks)) == want[axis], (cfg.as_text(), axis, rank)
-                if axis != "ep":  # every group: the ranks differing only in that coordinate
+                if axis not in ("ep", "expert_dp"):  # the ranks differing in that coordinate
                     stride = cfg.strides[axis]
                     base = rank - rank // stride % getattr(cfg, axis) * stride
                     assert sorted(ranks) == [base + k * stride for k in range(getattr(cfg, axis))]

@@ -12,7 +12,7 @@ from harness import Case, check_cases, run_ranks
 
 from autopar.config import ParallelConfig as C
 from autopar.models.moe import MoEBlock
-from autopar.runtime.expert_parallel import apply_expert_parallel, expert_owner
+from autopar.runtime.expert_parallel import ExpertGroups, apply_expert_parallel, expert_owner
 
 
 def test_expert_owner_takes_contiguous_blocks():
@@ -37,7 +37,7 @@ def _dispatch_errors() -> dict[str, float]:
     (want * g_all).sum().backward()
 
     block = _block()
-    ep = apply_expert_parallel(block, dist.group.WORLD)
+    ep = apply_expert_parallel(block, ExpertGroups(dist.group.WORLD, None, None))
     x = x_all[rank].clone().requires_grad_()
     got = block(x)
     (got * g_all[rank]).sum().backward()

@@ -1,10 +1,18 @@
 """Expert parallelism over Hugging Face expert stacks (`autopar.runtime.hf_experts`) composed
-with the other dimensions trains as one process on 4 gloo ranks: EP2 x PP2 (Qwen3-MoE), EP2
-folded over DP2 beside CP2 (DeepSeek-V3: shared expert, dense first layer, MLA) and beside TP2
-(Mixtral). EP2 over DP2 for the three families runs on 2 ranks in test_numerics_cp_ep.py.
-Measured beside these with the same harness (2026-11-24): EP2 over DP4 (an expert data group
-of 2) 1.1e-7; EP2 x PP2 1.5e-7 (Mixtral), 9.9e-8 (DeepSeek-V3); EP2 with CP2 1.2e-7
-(Mixtral); EP2 with TP2 9.9e-8 (DeepSeek-V3)."""
+with every other dimension trains as one process on 4 gloo ranks (fp32, 3 steps, loss and
+gradient norm within 1e-5), for Mixtral, Qwen3-MoE and DeepSeek-V3 (shared expert, dense first
+layer, MLA):
+    EP2 x FSDP2 (HSDP over dp=2, ZeRO-3): each layer's experts an FSDP2 unit over the two ranks
+                                holding them
+    EP2 x TP2                   (sequence parallelism is refused around the routers)
+    EP2 x PP2
+    EP4 folded over DP2 x CP2   (the experts left out of the cp gradient sum)
+and two where ep covers every data rank, so FSDP leaves the experts out
+(`ExpertParallel.shard`): EP2 x FSDP2 x PP2 (Qwen3-MoE) and EP2 x FSDP2 beside TP2 (Mixtral).
+EP2 over DP2 for the three families runs on 2 ranks in test_numerics_cp_ep.py. Measured
+2026-11-25 (max relative error): the matrix 4.9e-8 to 1.2e-7; beside it with the same harness,
+EP2 over FSDP4 (ZeRO-3) 9.8e-8 to 1.2e-7, EP4 over FSDP4 (ZeRO-1) 1.0e-7, EP2 x FSDP2 x CP2
+(ZeRO-3) 9.8e-8 to 1.2e-7, and the zoo MoE under EP x FSDP and EP over CP 7.2e-8 to 8.0e-8."""
 
 from __future__ import annotations
 
@@ -13,13 +21,23 @@ from harness import Case, check_cases
 
 from autopar.config import ParallelConfig as C
 
+FAMILIES = ("mixtral-tiny-hf", "qwen3-moe-tiny-hf", "deepseek-v3-tiny-hf")
+MATRIX = (
+    C(dp=2, fsdp=2, zero_stage=3, ep=2),
+    C(dp=2, tp=2, ep=2),
+    C(dp=2, pp=2, ep=2, micro_batch_size=1),
+    C(dp=2, cp=2, ep=4),
+)
+
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_ep2_composed_with_pp2_cp2_tp2_matches_single_process():
-    cases = [
-        Case("qwen3-moe-tiny-hf", C(dp=2, ep=2, pp=2, micro_batch_size=1), seq_len=32),
-        Case("deepseek-v3-tiny-hf", C(dp=2, cp=2, ep=2), seq_len=32),
-        Case("mixtral-tiny-hf", C(dp=2, tp=2, ep=2), seq_len=32),
+def test_ep_composed_with_fsdp_tp_pp_cp_matches_single_process():
+    cases = [Case(m, c, seq_len=32) for m in FAMILIES for c in MATRIX]
+    cases += [
+        Case(
+            "qwen3-moe-tiny-hf", C(fsdp=2, ep=2, pp=2, micro_batch_size=1, zero_stage=3), seq_len=32
+        ),
+        Case("mixtral-tiny-hf", C(fsdp=2, tp=2, ep=2, zero_stage=3), seq_len=32),
     ]
     check_cases(4, cases)

@@ -1,6 +1,7 @@
 """The program does what the plan says: collectives, state bytes and activations of one step.
 
-For TP2, TP2+SP, FSDP (ZeRO-3), CP2 (all-gather-KV attention), EP2 over DP2, PP2 (1F1B) and
+For TP2, TP2+SP, FSDP (ZeRO-3), CP2 (all-gather-KV attention), EP2 over DP2, EP2 over FSDP4
+(the experts FSDP units of their own), EP2 beside DP2 x CP2 (folded over cp), PP2 (1F1B) and
 DP2xTP2 on the tiny GPT, Llama and MoE, one training step on gloo ranks issues exactly the
 collectives `Plan.communication` predicts (kind, calls, bytes per call; the loss-parallel
 reductions by count, their bytes being an upper bound; expert parallelism's all-to-alls by
@@ -41,7 +42,14 @@ CASES_2 = [
     # broadcast and the tied embedding's gradient all-reduce between the first and last stage
     Case("gpt-tiny", C(pp=2, schedule="1f1b")),
 ]
-CASES_4 = [Case("gpt-tiny", C(dp=2, tp=2)), Case("llama-tiny", C(dp=2, tp=2))]
+CASES_4 = [
+    Case("gpt-tiny", C(dp=2, tp=2)),
+    Case("llama-tiny", C(dp=2, tp=2)),
+    # EP2 x FSDP4: each layer's experts an FSDP unit over the 2 ranks holding them
+    Case("mixtral-tiny-hf", C(fsdp=4, zero_stage=3, ep=2), seq_len=32),
+    # EP2 folded over the cp ranks: the experts left out of the cp sum, summed over dp
+    Case("moe-tiny", C(dp=2, cp=2, ep=2)),
+]
 
 
 def plan_of(case: Case) -> autopar.Plan:

@@ -1,6 +1,6 @@
 """Expert parallelism in the search space is what the runtime runs.
 
-The runtime folds ep over the replicated data-parallel ranks (fsdp = 1, ep divides dp;
+The runtime folds ep over the ranks holding different tokens (ep divides dp x fsdp x cp;
 `autopar.runtime.parallelize._expert_groups`, `expert_parallel.build_expert_groups`). Every
 config the space yields for an MoE model, in every axis order, is handed to the runtime's own
 group construction under torch's fake process group (no ranks spawned): none is refused. A
@@ -59,14 +59,10 @@ def test_every_expert_config_of_the_space_builds_its_runtime_groups(moe, num_nod
     ("degrees", "fragments"),
     [
         (
-            {"fsdp": 16, "zero_stage": 3, "ep": 4},
-            ["ep=4 must divide dp with fsdp=1", "dp=1, fsdp=16", "fsdp=16 would shard"],
-        ),
-        (
             {"dp": 2, "tp": 8, "ep": 4},
-            ["ep=4 must divide dp with fsdp=1", "got dp=2, fsdp=1", "ep=4 does not divide dp=2"],
+            ["ep=4 must divide the dp x fsdp x cp = 2 ranks", "got dp=2, fsdp=1, cp=1"],
         ),
-        ({"dp": 2, "fsdp": 8, "zero_stage": 1, "ep": 2}, ["fsdp=8 would shard the experts"]),
+        ({"fsdp": 2, "zero_stage": 3, "tp": 8, "ep": 4}, ["dp=1, fsdp=2, cp=1"]),
     ],
 )
 def test_expert_degrees_the_runtime_cannot_fold_are_refused(degrees, fragments):
@@ -78,11 +74,11 @@ def test_expert_degrees_the_runtime_cannot_fold_are_refused(degrees, fragments):
 
 
 def test_runtime_refuses_what_validate_refuses():
-    """The runtime's own check, for the config the first refusal names."""
-    cfg = ParallelConfig(fsdp=2, zero_stage=3, ep=2)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    """The runtime's own check, for a config the refusals name (validate not called)."""
+    cfg = ParallelConfig(dp=2, tp=2, ep=4)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
     try:
-        with pytest.raises(ValueError, match="fsdp=2 would shard the experts as well"):
+        with pytest.raises(ValueError, match="ep=4 must divide 2"):
             _expert_groups(build_mesh(cfg, "cpu"), cfg)
     finally:
         dist.destroy_process_group()
@@ -96,4 +92,4 @@ def test_moe_plan_and_its_alternatives_run_on_the_runtime(moe):
     texts = [plan.config.as_text()] + [a["config"] for a in plan.alternatives]
     for text in texts:  # "dp=8 fsdp=1 cp=1 tp=1 pp=2 ep=1 | ..."
         d = {k: int(v) for k, v in (kv.split("=") for kv in text.split("|")[0].split())}
-        assert d["ep"] == 1 or (d["fsdp"] == 1 and d["dp"] % d["ep"] == 0), text
+        assert d["ep"] == 1 or (d["dp"] * d["fsdp"] * d["cp"]) % d["ep"] == 0, text
