@@ -101,6 +101,7 @@ def search(
     progress: Callable[[int, int], None] | None = None,
     time_limit_s: float | None = None,
     incumbent_s: float | None = None,
+    capacity_bytes: float | None = None,
 ) -> SearchResult:
     """Price the whole space; raise InfeasibleError when nothing fits.
 
@@ -108,12 +109,13 @@ def search(
     fits; the report says how many and bounds the optimality gap. ``incumbent_s``: the step
     time of a config known to fit (what-ifs: the chosen plan on the changed cluster); configs
     that cannot beat it are pruned from the start, so only faster ones are returned
-    (InfeasibleError when there are none).
+    (InfeasibleError when there are none). ``capacity_bytes``: the memory a config must fit
+    in (default: the estimator's device's).
     """
     start = time.perf_counter()
     deadline = None if time_limit_s is None else start + time_limit_s
     num_unsearched = 0
-    capacity = estimator.device.memory_bytes
+    capacity = estimator.device.memory_bytes if capacity_bytes is None else capacity_bytes
     pruned: Counter[str] = Counter()
     feasible: list[Estimate] = []
     over: list[Estimate] = []

@@ -82,6 +82,7 @@ def solve(
             optimizer=estimator.optimizer,
             options=options.cost,
             time_limit_s=options.time_limit_s,
+            base=estimator,
         )
     notes, alternatives = [], result.alternatives
     report = result.report
