@@ -1,9 +1,10 @@
 """Published grids (data/published_grids.csv) -> what autopar needs to price each row.
 
 In: the csv's rows (columns in data/README.md). Out: one frozen `GridRun` per row: the model's
-shape (`ModelDims`, a zoo GPT or Llama), the shipped hardware profile, the ParallelConfig,
-the global batch and sequence length, the software stack that ran it, and what was measured:
-seconds per step, and peak memory per device where the source gives it. A row autopar cannot
+shape (`ModelDims`, a zoo GPT or Llama, or the DeepSeek-V3 Hugging Face preset), the shipped
+hardware profile, the ParallelConfig, the global batch and sequence length, the software stack
+that ran it, and what was measured: seconds per step, and peak memory per device where the
+source gives it. A row autopar cannot
 express carries a `skip` reason instead of guessed degrees; every value not read from the row
 is listed in `assumptions`.
 
@@ -49,6 +50,18 @@ MPT_SHAPES = {
     "mpt-30b": (48, 7168, 64),
 }
 GPT2_VOCAB = 50257
+# A GB200 NVL72 rack holds 72 GPUs; a job of more GPUs that is not a multiple of 72 (the
+# Megatron-Bridge DeepSeek-V3 rows' 256) uses 64 per rack: 16 of its 18 compute trays, the
+# power-of-two slice SLURM segments hand out.
+NVL72, NVL72_JOB_GPUS = 72, 64
+# The DeepSeek-V3 rows leave recompute and the optimizer blank; Megatron-Bridge's DeepSeek-V3
+# performance scripts recompute modules autopar's policies do not name, so the rows' peak is
+# not checked; their step time is, priced as stated.
+MBRIDGE_DSV3_RECOMPUTE = (
+    "recompute unstated: Megatron-Bridge's DeepSeek-V3 performance scripts recompute the MLA "
+    "up-projections and the MLP (scripts/performance, recompute_modules), which no autopar "
+    "policy names; priced as the row states it, without recompute"
+)
 
 PROFILES = (  # hardware text -> shipped profile (first match)
     ("H100 96GB", "h100_grand_teton"),
@@ -80,6 +93,8 @@ class GridRun:
     family: str = "gpt"  # "gpt" (zoo GPT) or "llama" (zoo Llama)
     profile: str = ""
     num_devices: int = 0
+    devices_per_node: int | None = None  # fewer than the profile's (an NVL72 rack's 64)
+    memory_unstated: str = ""  # why the stated config does not set the peak (not checked)
     config: autopar.ParallelConfig | None = None
     global_batch: int = 0
     precision: str = "bf16"
@@ -121,6 +136,10 @@ def parse_row(row: dict[str, str], run_id: str) -> GridRun:
     num_devices = _int(row["hardware"].split("x")[0])
     profile = next((p for key, p in PROFILES if key in row["hardware"]), "")
     config, batch = _config(row, num_devices, notes)
+    per_node = None
+    if profile == "gb200_nvl72" and num_devices > NVL72 and num_devices % NVL72:
+        per_node = NVL72_JOB_GPUS
+        notes.append(f"{num_devices} GPUs as racks of {per_node} (of the NVL72's {NVL72})")
     stack = next(s for key, s in STACKS.items() if row["source_id"].startswith(key))
     if "compile" in (row["notes"] + row["precision"]).lower():
         stack += "-compile"
@@ -139,6 +158,8 @@ def parse_row(row: dict[str, str], run_id: str) -> GridRun:
             "family": family,
             "profile": profile,
             "num_devices": num_devices,
+            "devices_per_node": per_node,
+            "memory_unstated": MBRIDGE_DSV3_RECOMPUTE if _deepseek_v3(row) else "",
             "config": config,
             "global_batch": batch,
             "precision": _precision(row["precision"]),
@@ -191,8 +212,8 @@ def _unsupported(row: dict[str, str]) -> str | None:
         return "MaxText runs JAX/XLA: autopar prices PyTorch stacks only"
     if "BERT" in row["model"]:
         return "BERT is an encoder: the zoo has no masked-LM encoder to trace (issue 19)"
-    if "experts" in row["model"] or "DeepSeek" in row["model"]:
-        return "MoE with expert parallelism over Megatron's fold (issue 20)"
+    if ("experts" in row["model"] or "DeepSeek" in row["model"]) and not _deepseek_v3(row):
+        return "MoE other than DeepSeek-V3: no preset of its shape"
     if not any(key in row["hardware"] for key, _ in PROFILES):
         return f"no shipped profile for {row['hardware']!r}"
     return None
@@ -208,6 +229,9 @@ def _dims(row: dict[str, str], notes: list[str]) -> tuple[ModelDims, str]:
         notes.append(f"{name}: {layers}L h{hidden} {heads}H (llm-foundry's yaml), ALiBi as no PE")
         dims = ModelDims(layers, hidden, 4 * hidden, heads, heads, MPT_VOCAB, seq, bias=False)
         return dims, "gpt"
+    if _deepseek_v3(row):  # transformers' DeepseekV3 preset, the row's shape (hf.py)
+        notes.append("DeepSeek-V3: the hf preset (MLA, 256 experts top 8, 3 dense layers)")
+        return ModelDims(61, 7168, 18432, 128, 128, 129280, seq, bias=False), "deepseek-v3"
     if shape is None:
         raise ValueError(f"{row['grid_id']}: cannot read a shape from {model!r}")
     layers, hidden, ffn, heads, kv, vocab = shape.groups()
@@ -232,6 +256,11 @@ def _dims(row: dict[str, str], notes: list[str]) -> tuple[ModelDims, str]:
         dropout=0.1 if hf_eager or megatron else 0.0,
     )  # fmt: skip
     return dims, "gpt"
+
+
+def _deepseek_v3(row: dict[str, str]) -> bool:
+    """A DeepSeek-V3 671B row without multi-token prediction (the preset has none)."""
+    return row["model"].startswith("DeepSeek-V3 671B") and "w/o MTP" in row["model"]
 
 
 def _seq_len(row: dict[str, str], notes: list[str]) -> int:
@@ -282,6 +311,7 @@ def _config(
         virtual_stages=vp if schedule == "interleaved_1f1b" else 1,
         recompute=recompute,
         sequence_parallel=tp > 1,
+        ep=_int(row["ep"]) or 1,
     )
     if tp > 1:
         notes.append("sequence parallelism with tp (Megatron's and torchtitan's default)")
