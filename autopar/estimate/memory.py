@@ -93,11 +93,12 @@ def tied_elements(tables: ModelTables) -> float:
     return max(0.0, weights - head.params_tp - head.params_rep)
 
 
-def dispatched(cfg: ParallelConfig, table: LayerTable) -> LayerTable:
+def dispatched(cfg: ParallelConfig, table: LayerTable, imbalance: float = 1.0) -> LayerTable:
     """The layer as the runtime runs it under ``cfg``: with ep > 1 the all-to-all dispatch
     runs each token on its top k experts only (`tables.routed_layer`); without, a
-    dense-dispatch MoE runs every expert on every token, as traced."""
-    return routed_layer(table) if cfg.ep > 1 else table
+    dense-dispatch MoE runs every expert on every token, as traced. ``imbalance``: the busiest
+    ep rank's routed rows over the mean (`CostOptions.moe_imbalance`)."""
+    return routed_layer(table, imbalance) if cfg.ep > 1 else table
 
 
 class StageMemory:
@@ -232,7 +233,8 @@ class StageMemory:
         key = (table.name, policy, b, t, c, sp, cfg.ep > 1)
         if key not in self._activation_cache:
             div = {"tp": t * c, "rep": c * (t if sp else 1), "expert": t * c}
-            split = dispatched(cfg, table).activations.get(policy, {})
+            imbalance = self.options.moe_imbalance
+            split = dispatched(cfg, table, imbalance).activations.get(policy, {})
             kept = sum(v * b / div[k] for k, v in split.items())
             if c > 1 and policy == "none":
                 # context parallelism all-gathers K and V: the backward keeps the whole

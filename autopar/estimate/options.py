@@ -78,6 +78,11 @@ class CostOptions:
     # the logits and their gradient; a loss that upcasts to fp32 and keeps its log-softmax
     # holds more, a fused or vocabulary-parallel one fewer.
     logit_copies: float = 2.0
+    # Mixture of experts under ep > 1: the busiest ep rank's routed rows over the mean (1.0:
+    # tokens spread evenly, as a force-balanced or capacity-limited router keeps them; a
+    # learned router's skew is above 1). That rank's expert matmuls, saved rows and
+    # all-to-all bytes are priced, since every ep rank waits for it at the combine.
+    moe_imbalance: float = 1.0
     # The stack these values describe (`autopar.estimate.stacks`), recorded in the plan; ""
     # for values of one's own, whose kernel factors then scale the profile's curves directly.
     stack: str = ""
@@ -96,5 +101,10 @@ class CostOptions:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not (math.isfinite(self.moe_imbalance) and self.moe_imbalance >= 1.0):
+            raise ValueError(
+                f"moe_imbalance must be a finite number >= 1 (the busiest ep rank's routed rows "
+                f"over the mean), got {self.moe_imbalance}"
+            )
         if not (math.isfinite(self.logit_copies) and self.logit_copies >= 0):
             raise ValueError(f"logit_copies must be a finite number >= 0, got {self.logit_copies}")

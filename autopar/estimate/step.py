@@ -17,7 +17,9 @@ memory, MFU). `Estimator.evaluate` sequences the parts, each in its own module:
 Layer times and the chunk split depend on fewer fields than a config has (`_times_key`), so
 configs that differ only in ZeRO stage, schedule or per-layer recompute share them (cached).
 Expert layers: with ep > 1 their experts run the top-k routed rows (`tables.routed_layer`: a
-dense-dispatch MoE's traced expert work times top_k / num_experts), without it as traced.
+dense-dispatch MoE's traced expert work times top_k / num_experts), on the busiest rank times
+`CostOptions.moe_imbalance` (its matmuls, saved rows and all-to-all bytes); without ep as
+traced.
 
 Per-layer recompute (cfg.recompute_layers = k): the policy applies to the first k blocks of
 each model chunk (`_recomputed`); the other layers keep their activations ("none") and cost no
@@ -323,7 +325,7 @@ class Estimator:
             key = (table.class_id, model, recipe is not None)
             if key not in by_class:
                 by_class[key] = layer_time(
-                    dispatched(cfg, table),
+                    dispatched(cfg, table, self.options.moe_imbalance),
                     cfg,
                     self.device,
                     self.precision,

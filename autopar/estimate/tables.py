@@ -264,7 +264,7 @@ def _layer_table(
     )
 
 
-def routed_layer(table: LayerTable) -> LayerTable:
+def routed_layer(table: LayerTable, imbalance: float = 1.0) -> LayerTable:
     """``table`` with its expert work at the routed rows: what a dispatching runtime runs.
 
     A dense-dispatch MoE's graph (`autopar.models.moe`) runs all E experts on all T tokens;
@@ -274,12 +274,17 @@ def routed_layer(table: LayerTable) -> LayerTable:
     itself keeps two more copies of the routed rows without recompute (D = moe_dispatch_bytes,
     k T H per sample): each expert's gathered input rows (the dense graph's experts share the
     block's x) and the weighted rows `index_add` keeps (`autopar.runtime.expert_parallel`;
-    measured on moe-tiny EP2: rows of 64 x 64 fp32, two per layer beyond the experts'). The
-    table itself when f = 1 (a graph that routes already, or no MoE)."""
+    measured on moe-tiny EP2: rows of 64 x 64 fp32, two per layer beyond the experts').
+    ``imbalance``: the busiest rank's routed rows over the mean (`CostOptions.moe_imbalance`):
+    every expert-class term and the dispatched rows (moe_dispatch_bytes, which the all-to-all
+    moves) of that rank scale by it. The table itself when f = 1 and the routing is even (a
+    graph that routes already, or no MoE)."""
     f = table.moe_routed_fraction
-    if f == 1.0:
+    if not table.moe_num_experts or (f == 1.0 and imbalance == 1.0):
         return table
-    extra = {"none": 2 * table.moe_dispatch_bytes}
+    dispatch = table.moe_dispatch_bytes * imbalance
+    extra = {"none": 2 * dispatch} if f != 1.0 else {}
+    f *= imbalance
 
     def matmul(op: MatmulOp) -> MatmulOp:
         if op.shard != "expert":
@@ -305,6 +310,7 @@ def routed_layer(table: LayerTable) -> LayerTable:
             }
             for policy, split in table.activations.items()
         },
+        moe_dispatch_bytes=dispatch,
         moe_routed_fraction=1.0,
     )
 

@@ -90,20 +90,15 @@ def plan_from_estimate(
         mesh=mesh_axes(cluster, estimate.config),
         communication=_communication(estimate, estimator),
         stack=(estimator.options.stack or "custom") if estimator is not None else "custom",
-        experts=experts_of(graph),
+        experts=experts_of(graph, estimator.options.moe_imbalance if estimator else 1.0),
     )
 
 
-# The load-imbalance factor the estimate assumes: the expert matmuls and the all-to-alls are
-# priced for tokens spread evenly over the experts (`autopar.estimate`); a router's real skew
-# is not priced yet, and the summary says so.
-EVEN_ROUTING = 1.0
-
-
-def experts_of(graph: ModelGraph) -> dict[str, float]:
+def experts_of(graph: ModelGraph, imbalance: float = 1.0) -> dict[str, float]:
     """A mixture-of-experts model's routing as the plan prices it (`Plan.experts`): MoE
-    layers, experts and top k (of the first MoE layer), and the parameters a token passes
-    through -- every parameter but the experts it is not routed to."""
+    layers, experts and top k (of the first MoE layer), the parameters a token passes
+    through -- every parameter but the experts it is not routed to -- and the load imbalance
+    priced (`CostOptions.moe_imbalance`)."""
     moe = [layer.moe for layer in graph.layers if layer.moe is not None]
     if not moe:
         return {}
@@ -113,7 +108,7 @@ def experts_of(graph: ModelGraph) -> dict[str, float]:
         "num_experts": moe[0].num_experts,
         "top_k": moe[0].top_k,
         "active_params": graph.num_params - idle,
-        "imbalance": EVEN_ROUTING,
+        "imbalance": imbalance,
     }
 
 

@@ -162,12 +162,16 @@ def _experts_line(plan: Plan) -> list[str]:
     where = f"{int(e['num_experts']) // ep} per rank over ep={ep}" if ep > 1 else "no ep"
     if ep > 1 and c.fsdp > 1 and replicas > 1:  # each layer's experts an FSDP unit
         where += f", their state sharded over the {replicas} ranks holding them"
-    even = "tokens spread evenly" if e["imbalance"] == 1.0 else f"x{e['imbalance']:.2f} skew"
+    even = (
+        "tokens spread evenly; a learned router's skew is higher: CostOptions.moe_imbalance"
+        if e["imbalance"] == 1.0
+        else "the busiest ep rank's routed rows over the mean"
+    )
     return [
         f"  experts     {int(e['moe_layers'])} MoE layers of {int(e['num_experts'])} experts "
         f"({where}), top {int(e['top_k'])}: {e['active_params'] / 1e9:.1f} B of "
         f"{plan.num_params / 1e9:.1f} B parameters active per token (routed FLOPs priced); "
-        f"load imbalance {e['imbalance']:.2f} ({even}: a router's skew is not priced)"
+        f"load imbalance {e['imbalance']:.2f} priced ({even})"
     ]
 
 

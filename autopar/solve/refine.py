@@ -54,6 +54,7 @@ from typing import Any
 from autopar.config import ParallelConfig
 from autopar.estimate import Estimate, Estimator
 from autopar.estimate.layer_cost import LayerTime, layer_time, runtime_overhead_s
+from autopar.estimate.memory import dispatched
 from autopar.estimate.mesh import MeshGroups
 from autopar.estimate.tables import LayerTable
 from autopar.hardware import Cluster
@@ -339,7 +340,7 @@ def _repriced(
     def analytic(c: ParallelConfig) -> LayerTime:
         mesh = MeshGroups(estimator.cluster, c)
         return layer_time(
-            table,
+            dispatched(c, table, estimator.options.moe_imbalance),  # as the search priced it
             c,
             estimator.device,
             estimator.precision,
