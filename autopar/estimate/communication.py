@@ -51,10 +51,10 @@ training element bytes and g the gradient element bytes:
             ep folds over the dp x fsdp x cp ranks, cp innermost (the cp gradient sum leaves
             the experts out). Expert gradients are summed over the ranks holding the same
             experts (dp x fsdp x cp / ep of them, axis "expert_dp") when there are more than
-            one: P_expert g; with
-            fsdp > 1 each MoE layer's experts are an FSDP unit of their own over those ranks
-            (gathered and reduce-scattered as a block is, over "expert_dp"), and the block's
-            unit holds the rest.
+            one: P_expert g; with fsdp > 1 each MoE layer's experts are an FSDP unit of their
+            own over those ranks instead (gathered and reduce-scattered as a block is, over
+            "expert_dp"; nothing where they are one rank), and the block's unit holds the
+            rest.
     clip    the global gradient norm and the loss: one all-reduce of 16 bytes over the world.
     pp      pipeline parallelism (`autopar.runtime.pipeline`, torch.distributed.pipelining):
             the model chunks are the runs of consecutive layers of a stage (`_chunk_runs`;

@@ -16,17 +16,16 @@ simulation; on ranks that time-share CPU cores, from `cost_models.pipeline_share
 full rate (a rank in a bubble leaves its core to the busy ones).
 
 Data parallel, per stage, gradients G bytes (params on the rank x grad bytes):
-    ZeRO-0   all-reduce G over dp; with ep > 1 the experts' G_e are left out of it (and of the
-    cp sum) and summed over the dp x cp / ep ranks holding the same experts after the
-    backward (exposed; none where that is one rank), as `autopar.runtime.expert_parallel`
-    does; ZeRO-1/2 reduce-scatter G over fsdp
-    (+ all-reduce G/fsdp over dp for HSDP) then all-gather the bf16 params; ZeRO-3
-    all-gathers each layer forward and backward and reduce-scatters its gradients, every
-    micro-batch (one call per layer, or per parameter tensor with `fsdp_per_tensor`; with
+    ZeRO-0   all-reduce G over dp; with ep > 1 the experts' G_e are left out of it (and of the cp
+    sum) and summed over the dp x cp / ep ranks holding the same experts after the backward
+    (exposed; none where that is one rank), as `autopar.runtime.expert_parallel` does; ZeRO-1/2
+    reduce-scatter G over fsdp (+ all-reduce G/fsdp over dp for HSDP) then all-gather the bf16
+    params; ZeRO-3 all-gathers each layer forward and backward and reduce-scatters its gradients,
+    every micro-batch (one call per layer, or per parameter tensor with `fsdp_per_tensor`; with
     `fsdp_list_copies` each call also copies to or from its n per-rank views,
-    `cost_models.compute.list_collective_time_s`). With ep > 1 and fsdp > 1 the experts are
-    FSDP units of their own over the ranks holding the same experts ("expert_dp", dp x fsdp x
-    cp / ep of them; no collective where that is one rank), the dense rest over fsdp as above.
+    `cost_models.compute.list_collective_time_s`). With ep > 1 and fsdp > 1 the experts are FSDP
+    units of their own over the ranks holding the same experts ("expert_dp", dp x fsdp x cp / ep of
+    them; no collective where that is one rank), the dense rest over fsdp as above.
     Overlap (none on a CPU profile: gloo runs on the compute cores): gradient reduction
     hides behind the last micro-batch's backward except the last bucket; FSDP gathers are
     prefetched behind the previous layer's compute (exposed: what the stage's compute cannot
@@ -251,8 +250,10 @@ class StageTimer:
         params = self.memory.stage_params(cfg, layers)
         grad = params * self.options.grad_bytes
         sync = 0.0
-        experts = expert_params_on_rank(cfg, layers) * self.options.grad_bytes
-        experts *= cfg.ep > 1  # the experts' gradients, where ep shares them out
+        # the experts' gradients, where ep shares them out
+        experts = (
+            expert_params_on_rank(cfg, layers) * self.options.grad_bytes if cfg.ep > 1 else 0.0
+        )
         if cfg.zero_stage == 0 and cfg.ep > 1:
             # the experts are left out of the dp all-reduce and summed over the ranks holding
             # the same experts after the backward (ExpertParallel.sync_gradients): exposed

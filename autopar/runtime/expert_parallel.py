@@ -50,7 +50,7 @@ Public functions:
     ExpertParallel.is_expert(name) -> bool
     ExpertParallel.shard(reshard_after_forward) -> parameters FSDP must ignore  # fsdp > 1
     ExpertParallel.sync_gradients(model)          # after backward: experts' data average
-    build_expert_groups(world, data, inner, ep, ranks=None, device_type) -> ExpertGroups
+    build_expert_groups(world, tokens, inner, ep, ranks=None, device_type) -> ExpertGroups
 """
 
 from __future__ import annotations
@@ -126,9 +126,8 @@ class ExpertParallel:
 
     def shard(self, reshard_after_forward: bool) -> set[nn.Parameter]:
         """fsdp > 1: each block's expert modules one FSDP2 unit over the expert data group
-        (module docstring); returns the
-        parameters the surrounding units must ignore -- every expert's where no other rank
-        holds the same experts (then `sync_gradients` divides them)."""
+        (module docstring). Returns the parameters the surrounding units must ignore: every
+        expert's where no other rank holds the same experts (`sync_gradients` divides them)."""
         if self.groups.data_mesh is None:
             return {p for unit in self.modules for m in unit for p in m.parameters()}
         for unit in self.modules:  # a list of modules is one FSDP2 unit (one gather)
@@ -142,9 +141,9 @@ class ExpertParallel:
 
     def sync_gradients(self, model: nn.Module) -> None:
         """Experts' gradients: sum over the expert data group, divide by the data ranks (FSDP
-        units have averaged over the group, module docstring). An expert no
-        token reached on this rank has no gradient: zeros, so every rank of the group reduces
-        the same tensors."""
+        units have averaged over the group, module docstring). An expert no token reached on
+        this rank has no gradient: zeros, so every rank of the group reduces the same
+        tensors."""
         params = self.expert_parameters(model)
         if self.sharded:  # averaged over the group: sum / its size; sum / data ranks wanted
             replicas = dist.get_world_size(self.groups.data)
