@@ -231,8 +231,10 @@ def _parallelize_pipeline(
         )
         plans.update(plan)
         blocks.extend(p for p, _ in named)
+        # the whole model for context parallelism: a Hugging Face model's attention
+        # implementation is set on its config, which a chunk does not hold
         part = _parallelize_part(
-            chunk, named, mesh, config, plan, expert_groups, compile_blocks=compile_blocks
+            chunk, named, mesh, config, plan, expert_groups, model, compile_blocks
         )
         data_parallels.append(part.data_parallel)
         contexts.extend([part.context] if part.context is not None else [])

@@ -8,7 +8,9 @@ layer, MLA):
     EP2 x PP2
     EP4 folded over DP2 x CP2   (the experts left out of the cp gradient sum)
 and two where ep covers every data rank, so FSDP leaves the experts out
-(`ExpertParallel.shard`): EP2 x FSDP2 x PP2 (Qwen3-MoE) and EP2 x FSDP2 beside TP2 (Mixtral).
+(`ExpertParallel.shard`): EP2 x FSDP2 x PP2 (Qwen3-MoE) and EP2 x FSDP2 beside TP2 (Mixtral);
+and EP2 over CP2 x PP2 (Qwen3-MoE: a pipeline chunk of a Hugging Face model routes its
+attention through the whole model's config; the runtime refused CP x PP for them before).
 EP2 over DP2 for the three families runs on 2 ranks in test_numerics_cp_ep.py. Measured
 2026-11-25 (max relative error): the matrix 4.9e-8 to 1.2e-7; beside it with the same harness,
 EP2 over FSDP4 (ZeRO-3) 9.8e-8 to 1.2e-7, EP4 over FSDP4 (ZeRO-1) 1.0e-7, EP2 x FSDP2 x CP2
@@ -39,5 +41,6 @@ def test_ep_composed_with_fsdp_tp_pp_cp_matches_single_process():
             "qwen3-moe-tiny-hf", C(fsdp=2, ep=2, pp=2, micro_batch_size=1, zero_stage=3), seq_len=32
         ),
         Case("mixtral-tiny-hf", C(fsdp=2, tp=2, ep=2, zero_stage=3), seq_len=32),
+        Case("qwen3-moe-tiny-hf", C(cp=2, pp=2, ep=2, micro_batch_size=1), seq_len=32),
     ]
     check_cases(4, cases)
