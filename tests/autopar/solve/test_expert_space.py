@@ -5,7 +5,9 @@ The runtime folds ep over the ranks holding different tokens (ep divides dp x fs
 config the space yields for an MoE model, in every axis order, is handed to the runtime's own
 group construction under torch's fake process group (no ranks spawned): none is refused. A
 config outside that fold is refused by `ParallelConfig.validate` with the numbers, and the
-plan `parallelize` returns for an MoE model on 8 ranks (and its alternatives) validates.
+plan `parallelize` returns for an MoE model on 8 ranks (and its alternatives) validates. On 1
+to 64 nodes, for the zoo MoE and transformers' Mixtral, Qwen3-MoE and DeepSeek-V3 presets, no
+expert config of the space is one `runtime_problems` refuses.
 """
 
 from __future__ import annotations
@@ -93,3 +95,38 @@ def test_moe_plan_and_its_alternatives_run_on_the_runtime(moe):
     for text in texts:  # "dp=8 fsdp=1 cp=1 tp=1 pp=2 ep=1 | ..."
         d = {k: int(v) for k, v in (kv.split("=") for kv in text.split("|")[0].split())}
         assert d["ep"] == 1 or (d["dp"] * d["fsdp"] * d["cp"]) % d["ep"] == 0, text
+
+
+@pytest.mark.parametrize(
+    "name", ["moe-tiny", "mixtral-tiny-hf", "qwen3-moe-tiny-hf", "deepseek-v3-tiny-hf"]
+)
+def test_no_expert_config_of_the_space_is_one_the_runtime_refuses(moe, name):
+    """A property over the MoE zoo and transformers' MoE presets on 1 to 64 nodes: every
+    expert-parallel config the planner's space yields (bounded by `runtime_limits`, as
+    `parallelize` bounds it) validates on the cluster, folds ep over the token ranks and
+    divides the experts, and `runtime_problems` finds nothing to refuse."""
+    from autopar.models import hf
+    from autopar.runtime.capability import runtime_limits, runtime_problems
+
+    if name == "moe-tiny":
+        model, graph = moe
+    else:
+        model = hf.build(name)
+        graph = autopar.trace(model, hf.example_inputs(name, model, seq_len=64))
+    num_experts = next(layer.moe.num_experts for layer in graph.layers if layer.moe)
+    checked = 0
+    for nodes in (1, 8, 64):
+        cluster = autopar.Cluster.from_profile("dgx_h100", nodes)
+        lim = space_limits(model, graph, cluster, global_batch_size=512)
+        lim, _ = runtime_limits(model, lim)
+        for dp, fsdp, cp, tp, pp, ep in degree_choices(lim):
+            if ep == 1:
+                continue
+            cfg = ParallelConfig(
+                dp=dp, fsdp=fsdp, cp=cp, tp=tp, pp=pp, ep=ep, zero_stage=1 if fsdp > 1 else 0
+            )
+            cfg.validate(cluster)
+            assert (dp * fsdp * cp) % ep == 0 and num_experts % ep == 0, cfg.as_text()
+            assert not runtime_problems(model, cfg, lim.num_blocks), cfg.as_text()
+            checked += 1
+    assert checked > 20, checked
