@@ -42,7 +42,7 @@ training element bytes and g the gradient element bytes:
             fsdp where FSDP shards the gradients).
     ep      expert parallelism, all-to-all token dispatch (`autopar.runtime.expert_parallel`):
             per MoE layer and micro-batch, one all-to-all of the E per-expert row counts
-            (int64, 8 E bytes; forward only), and the routed rows, D b x / (t c) bytes with D
+            (int64, 8 E bytes; forward only), and the routed rows, D b x / c bytes with D
             the layer's `moe_dispatch_bytes` (tokens x top_k x hidden): dispatch and combine
             forward, their adjoints backward, so 4 per micro-batch (6 with full recompute,
             which re-runs the forward's 2 and the counts). The rows one rank sends in the
@@ -270,7 +270,7 @@ def _expert_parallel(
         if not t.moe_num_experts:
             continue
         forwards = 2 if cfg.recompute == "full" else 1
-        rows = t.moe_dispatch_bytes * cfg.micro_batch_size * x / (cfg.tp * cfg.cp)
+        rows = t.moe_dispatch_bytes * cfg.micro_batch_size * x / cfg.cp  # every tp rank's
         counts = 8.0 * t.moe_num_experts  # int64 rows per expert
         out.append(PlannedCollective("ep", "all_to_all", "ep", forwards * m, counts, t.name))
         out.append(

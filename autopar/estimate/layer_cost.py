@@ -5,8 +5,11 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
     forward  = sum_matmul op_time(F_i b / d_i) + sum_attn op_time(F_a b / (t c))
                + sum_buckets op_time(memory-bound bytes b / m_k)                 (compute_forward)
     backward = the same with each op's backward FLOPs, memory-bound ops twice the bytes
-    d_i = t c for tensor- and expert-parallel matmuls, c for replicated ones (the router);
-    m_k = t c for sharded values, c (t with sequence parallelism) for replicated ones.
+    d_i = t c for tensor-parallel matmuls, c for replicated ones (the router) and for the
+    experts: autopar's runtime splits them over ep only, each tp rank running its tokens'
+    experts whole (its TP plan leaves them replicated; expert tensor parallelism is not run);
+    m_k = t c for sharded values, c for the experts', c (t with sequence parallelism) for
+    replicated ones.
 
     TP: each forward all-reduce of the table, size A b / c (all-gather + reduce-scatter of the
         same size with sequence parallelism), once forward and once backward, exposed by
@@ -15,7 +18,7 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
         gathered; the runtime's `context_parallel` and torch's default rotate method), exposed;
         backward reduce-scatters dK and dV, the same sizes.
     EP: two all-to-alls of tokens x top_k x hidden forward (dispatch, combine), two backward,
-        over the ep group, tokens b s / (t c) per rank.
+        over the ep group, tokens b s / c per rank (every tp rank dispatches its tokens).
     low precision (a recipe of `autopar.config.precision`, on the blocks it converts): each
         linear's three GEMMs run at the recipe's rate (its `gemm_dtype` peak on the matmul
         curve, FLOPs over `gemm_efficiency`); its scaling, casts and transposes are one
@@ -106,8 +109,9 @@ def layer_time(
     (`autopar.config.precision`), their GEMMs at its rate plus its casts' traffic, times
     ``cast_traffic`` (`CostOptions.cast_traffic`)."""
     b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
-    weight_div = {"tp": t, "rep": 1, "expert": max(cfg.ep, t)}
-    flop_div = {"tp": t * c, "rep": c, "expert": t * c}
+    # experts: split over ep, whole on every tp rank (each runs its tokens' experts)
+    weight_div = {"tp": t, "rep": 1, "expert": cfg.ep}
+    flop_div = {"tp": t * c, "rep": c, "expert": c}
     fwd = bwd = wgrad = 0.0
     cast_f = cast_b = 0.0  # a recipe's scaling, casts and transposes (module docstring)
     for op in table.matmuls:
@@ -192,7 +196,7 @@ def _memory_ops_time(
     table: LayerTable, cfg: ParallelConfig, device: DeviceSpec, act_scale: float
 ) -> float:
     t, c = cfg.tp, cfg.cp
-    div = {"tp": t * c, "rep": c * (t if cfg.sequence_parallel else 1), "expert": t * c}
+    div = {"tp": t * c, "rep": c * (t if cfg.sequence_parallel else 1), "expert": c}
     total = 0.0
     for shard, nbytes, count in table.memory_ops:
         per_op = nbytes * cfg.micro_batch_size * act_scale / div[shard] / count
@@ -229,5 +233,5 @@ def _cp_comm(
 def _ep_comm(table: LayerTable, cfg: ParallelConfig, act_scale: float, comm: CommFn) -> float:
     if cfg.ep == 1 or not table.moe_num_experts:
         return 0.0
-    payload = table.moe_dispatch_bytes * cfg.micro_batch_size * act_scale / (cfg.tp * cfg.cp)
+    payload = table.moe_dispatch_bytes * cfg.micro_batch_size * act_scale / cfg.cp
     return 2 * comm("all_to_all", payload, "ep")

@@ -6,7 +6,7 @@ the `CostOptions`. Out: parameter counts on one rank and a stage's `PeakMemory`
 
 Parameters of layers L on a rank, before data-parallel sharding:
     P(L) = sum_l (params_tp_l / tp + params_rep_l)              `dense_params_on_rank`
-           + sum_l params_expert_l / max(ep, tp)                `expert_params_on_rank`
+           + sum_l params_expert_l / ep                         `expert_params_on_rank`
 A stage holding the head of a tied embedding without the embedding holds its own copy of the
 tied weight, T / tp elements (`tied_elements`; autopar.runtime.pipeline: the last stage's copy,
 its gradients summed with the first stage's after the backward): `StageMemory.stage_params`.
@@ -25,8 +25,8 @@ Peak memory of a stage (`StageMemory.stage_memory`):
                   layer and the prefetched next); else two DDP buckets
     reserve       the allocator's share (`cost_models.memory.allocator_reserve_bytes`)
 Activations per shard class (`StageMemory.activation_bytes`): "tp" divided by tp * cp, "rep"
-by cp (and by tp with sequence parallelism), "expert" by tp * cp; with cp > 1 the backward
-keeps the whole sequence's K and V (context parallelism all-gathers them).
+by cp (and by tp with sequence parallelism), "expert" by cp (whole on every tp rank); with
+cp > 1 the backward keeps the whole sequence's K and V (context parallelism all-gathers them).
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ def dense_params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float
 
 
 def expert_params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
-    """The expert parameters of ``layers`` on a rank (split over max(ep, tp))."""
-    return sum(t.params_expert / max(cfg.ep, cfg.tp) for t in layers)
+    """The expert parameters of ``layers`` on a rank: split over ep, whole on every tp rank
+    (`layer_cost` module docstring)."""
+    return sum(t.params_expert / cfg.ep for t in layers)
 
 
 def params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
@@ -232,7 +233,7 @@ class StageMemory:
         b, t, c, sp = cfg.micro_batch_size, cfg.tp, cfg.cp, cfg.sequence_parallel
         key = (table.name, policy, b, t, c, sp, cfg.ep > 1)
         if key not in self._activation_cache:
-            div = {"tp": t * c, "rep": c * (t if sp else 1), "expert": t * c}
+            div = {"tp": t * c, "rep": c * (t if sp else 1), "expert": c}
             imbalance = self.options.moe_imbalance
             split = dispatched(cfg, table, imbalance).activations.get(policy, {})
             kept = sum(v * b / div[k] for k, v in split.items())

@@ -299,7 +299,7 @@ class _Bounds:
         key = (cfg.recompute, cfg.tp, cfg.cp, cfg.sequence_parallel, cfg.ep > 1)
         if key not in self._activations:
             t, c = cfg.tp, cfg.cp
-            div = {"tp": t * c, "rep": c * (t if cfg.sequence_parallel else 1), "expert": t * c}
+            div = {"tp": t * c, "rep": c * (t if cfg.sequence_parallel else 1), "expert": c}
             self._activations[key] = self.estimator.act_scale * sum(
                 v / div[k]
                 for table in self.estimator.tables.layers

@@ -1,8 +1,9 @@
 """The program does what the plan says: collectives, state bytes and activations of one step.
 
 For TP2, TP2+SP, FSDP (ZeRO-3), CP2 (all-gather-KV attention), EP2 over DP2, EP2 over FSDP4
-(the experts FSDP units of their own), EP2 beside DP2 x CP2 (folded over cp), PP2 (1F1B) and
-DP2xTP2 on the tiny GPT, Llama and MoE, one training step on gloo ranks issues exactly the
+(the experts FSDP units of their own), EP2 beside DP2 x CP2 (folded over cp), EP2 beside TP2
+(the experts whole on every tp rank: priced split over tp before, the parameters 1.8x and the
+all-to-all bytes 2x the plan), PP2 (1F1B) and DP2xTP2 on the tiny GPT, Llama and MoE, one training step on gloo ranks issues exactly the
 collectives `Plan.communication` predicts (kind, calls, bytes per call; the loss-parallel
 reductions by count, their bytes being an upper bound; expert parallelism's all-to-alls by
 count on every rank and by bytes summed over the ranks, since routing decides how many rows
@@ -49,6 +50,8 @@ CASES_4 = [
     Case("mixtral-tiny-hf", C(fsdp=4, zero_stage=3, ep=2), seq_len=32),
     # EP2 folded over the cp ranks: the experts left out of the cp sum, summed over dp
     Case("moe-tiny", C(dp=2, cp=2, ep=2)),
+    # EP2 beside TP2: the experts whole on each tp rank, every tp rank dispatching its tokens
+    Case("mixtral-tiny-hf", C(dp=2, tp=2, ep=2), seq_len=32),
 ]
 
 
