@@ -10,7 +10,9 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
                         (`autopar.runtime.traced_stages`), with tp = cp = ep = 1 (its stages
                         hold aten ops, not the modules those split); else pp = 1
     tensor parallelism  `tensor_parallel.unsplit_block` finds a block it would leave
-                        replicated while the estimate prices it sharded -> tp = 1
+                        replicated while the estimate prices it sharded, or
+                        `whole_width_norm` a q/k norm over a whole column-parallel output
+                        (OLMo2's) -> tp = 1
     sequence par.       needs a column/row pair in every block and every block parameter
                         taken by a style (a router's or an expert's replicated weight would
                         see a sequence shard: `tensor_parallel.tp_plan`) -> else tensor
@@ -41,7 +43,7 @@ from autopar.hardware.profile import HardwareProfile
 from autopar.runtime.expert_parallel import is_moe_block
 from autopar.runtime.low_precision import runnable
 from autopar.runtime.parts import has_parts
-from autopar.runtime.tensor_parallel import tp_plan, unsplit_block
+from autopar.runtime.tensor_parallel import tp_plan, unsplit_block, whole_width_norm
 from autopar.runtime.traced_stages import traced_blocks, why_no_block_list
 from autopar.solve.space import SpaceLimits
 
@@ -96,9 +98,11 @@ def runtime_limits(
         limits = replace(limits, max_cp=1)
         notes.append(f"no context-parallel plans: {_no_cp(name)}")
     unsplit = unsplit_block(model, limits.num_blocks)
-    if unsplit:
+    wide = whole_width_norm(model)
+    if unsplit or wide:
         limits = replace(limits, max_tp=1)
-        notes.append(f"no tensor-parallel plans: {_no_tp(name, unsplit)}")
+        why = _no_tp(name, unsplit) if unsplit else _wide_norm(wide)
+        notes.append(f"no tensor-parallel plans: {why}")
     elif no_sp := _no_sp(model):
         limits = replace(limits, no_sequence_parallel=True)
         notes.append(f"tensor parallelism without sequence parallelism: {no_sp}")
@@ -134,8 +138,11 @@ def runtime_problems(
     if config.ep > 1 and not _dispatches_experts(model):
         out.append(f"ep={config.ep}: {_no_ep(name)}")
     unsplit = unsplit_block(model, num_blocks) if config.tp > 1 else None
+    wide = whole_width_norm(model) if config.tp > 1 else None
     if unsplit:
         out.append(f"tp={config.tp}: {_no_tp(name, unsplit)}")
+    elif wide:
+        out.append(f"tp={config.tp}: {_wide_norm(wide)}")
     elif config.tp > 1 and config.sequence_parallel and (no_sp := _no_sp(model)):
         out.append(f"sequence_parallel: {no_sp}")
     return out
@@ -185,6 +192,14 @@ def _no_tp(name: str, block: str) -> str:
     return (
         f"autopar's runtime would leave {name}'s blocks replicated, {block} first (it splits "
         "nn.Linear projections it can pair column/row), while the estimate prices them sharded"
+    )
+
+
+def _wide_norm(norm: str) -> str:
+    return (
+        f"{norm} normalises the whole output of a column-parallel projection, of which each "
+        "tp rank holds a slice: its statistics would be a slice's (autopar's runtime splits "
+        "per-head q/k norms only)"
     )
 
 

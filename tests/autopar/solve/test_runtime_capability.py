@@ -90,6 +90,19 @@ def test_a_model_without_one_list_of_blocks_gets_no_pipeline_plan():
     ), plan.notes
 
 
+def _olmo2() -> nn.Module:
+    """OLMo2: q/k norms over all heads at once (weight = the projection's whole width); under
+    tp=2 the runtime failed on the weight's shape (32 against a 16-wide shard) while evaluate
+    priced it."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    config = Olmo2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4,
+    )  # fmt: skip
+    return Olmo2ForCausalLM(config)
+
+
 def test_evaluate_refuses_what_the_runtime_cannot_run_naming_the_model_and_why():
     cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=4)
     cases = [
@@ -103,6 +116,9 @@ def test_evaluate_refuses_what_the_runtime_cannot_run_naming_the_model_and_why()
          dict(dp=2, tp=2, sequence_parallel=True),
          "for MixtralForCausalLM: sequence_parallel would run model.layers.0.mlp.gate "
          "(MixtralTopKRouter) on sequence shards with a replicated weight"),
+        (_olmo2(), (torch.randint(0, 128, (1, 64)),), dict(dp=2, tp=2),
+         "tp=2: model.layers.0.self_attn.q_norm (Olmo2RMSNorm) normalises the whole output of "
+         "a column-parallel projection"),
         (_llama4(), (torch.randint(0, 128, (1, 64)),), dict(dp=4, ep=2),
          "ep=2: autopar's runtime dispatches tokens to experts over ranks for its own MoE "
          "blocks (autopar.models.moe) and Hugging Face expert stacks"),
