@@ -11,7 +11,7 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
                         hold aten ops, not the modules those split); else pp = 1
     tensor parallelism  `tensor_parallel.unsplit_block` finds a block it would leave
                         replicated while the estimate prices it sharded, or
-                        `whole_width_norm` a q/k norm over a whole column-parallel output
+                        `whole_width_norm` (here) a q/k norm over a whole column-parallel output
                         (OLMo2's) -> tp = 1
     sequence par.       needs a column/row pair in every block and every block parameter
                         taken by a style (a router's or an expert's replicated weight would
@@ -43,7 +43,7 @@ from autopar.hardware.profile import HardwareProfile
 from autopar.runtime.expert_parallel import is_moe_block
 from autopar.runtime.low_precision import runnable
 from autopar.runtime.parts import has_parts
-from autopar.runtime.tensor_parallel import tp_plan, unsplit_block, whole_width_norm
+from autopar.runtime.tensor_parallel import find_blocks, tp_plan, unsplit_block
 from autopar.runtime.traced_stages import traced_blocks, why_no_block_list
 from autopar.solve.space import SpaceLimits
 
@@ -193,6 +193,28 @@ def _no_tp(name: str, block: str) -> str:
         f"autopar's runtime would leave {name}'s blocks replicated, {block} first (it splits "
         "nn.Linear projections it can pair column/row), while the estimate prices them sharded"
     )
+
+
+def whole_width_norm(model: nn.Module) -> str | None:
+    """The first q/k norm ("path (Class)") whose weight spans the whole output of the
+    column-parallel projection it normalises (OLMo2's, over all heads at once), or None. Under
+    tp each rank holds 1/tp of that output, so the norm's statistics would be a shard's:
+    tensor parallelism would compute another model (and fails on the weight's shape)."""
+    for path, block in find_blocks(model):
+        for name, scope in block.named_modules():
+            for norm_name in ("q_norm", "k_norm"):
+                norm = getattr(scope, norm_name, None)
+                proj = getattr(scope, norm_name[0] + "_proj", None)
+                weight = getattr(norm, "weight", None)
+                if (
+                    isinstance(proj, nn.Linear)
+                    and weight is not None
+                    and weight.dim() == 1
+                    and weight.numel() == proj.out_features > 1
+                ):
+                    where = ".".join(p for p in (path, name, norm_name) if p)
+                    return f"{where} ({type(norm).__name__})"
+    return None
 
 
 def _wide_norm(norm: str) -> str:

@@ -161,28 +161,6 @@ def unsplit_block(model: nn.Module, num_blocks: int) -> str | None:
     return None
 
 
-def whole_width_norm(model: nn.Module) -> str | None:
-    """The first q/k norm ("path (Class)") whose weight spans the whole output of the
-    column-parallel projection it normalises (OLMo2's, over all heads at once), or None. Under
-    tp each rank holds 1/tp of that output, so the norm's statistics would be a shard's:
-    tensor parallelism would compute another model (and fails on the weight's shape)."""
-    for path, block in find_blocks(model):
-        for name, scope in block.named_modules():
-            for norm_name in ("q_norm", "k_norm"):
-                norm = getattr(scope, norm_name, None)
-                proj = getattr(scope, norm_name[0] + "_proj", None)
-                weight = getattr(norm, "weight", None)
-                if (
-                    isinstance(proj, nn.Linear)
-                    and weight is not None
-                    and weight.dim() == 1
-                    and weight.numel() == proj.out_features > 1
-                ):
-                    where = ".".join(p for p in (path, name, norm_name) if p)
-                    return f"{where} ({type(norm).__name__})"
-    return None
-
-
 def _has_linear(module: nn.Module) -> bool:
     return any(isinstance(m, nn.Linear) for m in module.modules())
 
