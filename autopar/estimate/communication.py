@@ -81,10 +81,10 @@ from autopar.config import ParallelConfig
 from autopar.estimate.memory import (
     PRECISION_BYTES,
     dense_params_on_rank,
-    expert_params_on_rank,
     expert_replicas,
     expert_shard_ways,
     params_on_rank,
+    shared_out_experts,
     tied_elements,
 )
 from autopar.estimate.tables import LayerTable, ModelTables
@@ -292,7 +292,7 @@ def _data_parallel(
         scatters = m if cfg.zero_stage >= 2 else 1
         experts_sharded = cfg.ep > 1 and expert_shard_ways(cfg) > 1
         for name, unit, gathers in units:
-            experts = expert_params_on_rank(cfg, unit) if cfg.ep > 1 else 0.0
+            experts = shared_out_experts(cfg, unit)
             p = params_on_rank(cfg, unit) - experts
             out.append(PlannedCollective("fsdp", "all_gather", "fsdp", gathers * m, p * w, name))
             out.append(PlannedCollective("fsdp", "reduce_scatter", "fsdp", scatters, p * g, name))
@@ -312,7 +312,7 @@ def _data_parallel(
     if cfg.dp > 1:
         p = dense_params_on_rank(cfg, layers) if cfg.ep > 1 else params_on_rank(cfg, layers)
         out.append(PlannedCollective("dp", "all_reduce", "dp", 1, p * g, "gradients"))
-    experts = expert_params_on_rank(cfg, layers) * g if cfg.ep > 1 else 0.0
+    experts = shared_out_experts(cfg, layers) * g
     if experts and expert_replicas(cfg) > 1:
         out.append(PlannedCollective("ep", "all_reduce", "expert_dp", 1, experts, "experts"))
     return out

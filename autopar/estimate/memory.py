@@ -64,6 +64,12 @@ def expert_params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> floa
     return sum(t.params_expert / cfg.ep for t in layers)
 
 
+def shared_out_experts(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
+    """The expert parameters of ``layers`` a rank holds as ep's share (synced and sharded on
+    their own); 0 with ep = 1, where experts are parameters like any other."""
+    return expert_params_on_rank(cfg, layers) if cfg.ep > 1 else 0.0
+
+
 def params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
     """Parameters a rank holds of ``layers`` before data-parallel sharding (TP and EP split)."""
     return dense_params_on_rank(cfg, layers) + expert_params_on_rank(cfg, layers)
@@ -160,8 +166,7 @@ class StageMemory:
     def model_state(self, cfg: ParallelConfig, layers: list[LayerTable]) -> ModelStateBytes:
         """Parameters, gradients and optimizer state of a stage's ``layers`` on one rank: the
         dense ones sharded `shard_ways`, the experts `expert_shard_ways`."""
-        params = self.stage_params(cfg, layers)
-        experts = expert_params_on_rank(cfg, layers) if self._experts and cfg.ep > 1 else 0.0
+        dense, experts = self._split(cfg, layers)
 
         def state(n: float, ways: int) -> ModelStateBytes:
             return model_state_bytes(
@@ -172,14 +177,14 @@ class StageMemory:
                 shard_degree=ways,
             )
 
-        dense = state(params - experts, self.shard_ways(cfg))
+        rest = state(dense, self.shard_ways(cfg))
         if not experts:
-            return dense
+            return rest
         expert = state(experts, expert_shard_ways(cfg))
         return ModelStateBytes(
-            dense.parameters_bytes + expert.parameters_bytes,
-            dense.gradients_bytes + expert.gradients_bytes,
-            dense.optimizer_bytes + expert.optimizer_bytes,
+            rest.parameters_bytes + expert.parameters_bytes,
+            rest.gradients_bytes + expert.gradients_bytes,
+            rest.optimizer_bytes + expert.optimizer_bytes,
         )
 
     def sharded_params(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
@@ -187,9 +192,13 @@ class StageMemory:
         its shards; the experts' over `expert_shard_ways`)."""
         if cfg.zero_stage == 0:
             return self.stage_params(cfg, layers)
-        experts = expert_params_on_rank(cfg, layers) if self._experts and cfg.ep > 1 else 0.0
-        dense = self.stage_params(cfg, layers) - experts
+        dense, experts = self._split(cfg, layers)
         return dense / self.shard_ways(cfg) + experts / expert_shard_ways(cfg)
+
+    def _split(self, cfg: ParallelConfig, layers: list[LayerTable]) -> tuple[float, float]:
+        """A stage's parameters on a rank: (the rest, the experts ep shares out)."""
+        experts = shared_out_experts(cfg, layers) if self._experts else 0.0
+        return self.stage_params(cfg, layers) - experts, experts
 
     def stage_memory(
         self,

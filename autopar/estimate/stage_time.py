@@ -46,9 +46,9 @@ from autopar.estimate.memory import (
     OPTIMIZER_BYTES,
     PRECISION_BYTES,
     StageMemory,
-    expert_params_on_rank,
     expert_replicas,
     expert_shard_ways,
+    shared_out_experts,
 )
 from autopar.estimate.mesh import MeshGroups
 from autopar.estimate.options import CostOptions
@@ -251,9 +251,7 @@ class StageTimer:
         grad = params * self.options.grad_bytes
         sync = 0.0
         # the experts' gradients, where ep shares them out
-        experts = (
-            expert_params_on_rank(cfg, layers) * self.options.grad_bytes if cfg.ep > 1 else 0.0
-        )
+        experts = shared_out_experts(cfg, layers) * self.options.grad_bytes
         if cfg.zero_stage == 0 and cfg.ep > 1:
             # the experts are left out of the dp all-reduce and summed over the ranks holding
             # the same experts after the backward (ExpertParallel.sync_gradients): exposed
@@ -315,7 +313,7 @@ class StageTimer:
         ``params`` of them in all: the dense parameters over the shard group; with ep > 1 the
         experts, their own units over the ranks holding the same experts where there are
         several (none where FSDP leaves them out: `expert_shard_ways`)."""
-        experts = expert_params_on_rank(cfg, layers) if cfg.ep > 1 else 0.0
+        experts = shared_out_experts(cfg, layers)
         parts = [(params - experts, *self._shard_group(cfg))]
         ways = expert_shard_ways(cfg)
         if experts and ways > 1:

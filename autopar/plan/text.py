@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from autopar.config.precision import recipe_of
+from autopar.estimate.memory import expert_shard_ways
 
 if TYPE_CHECKING:
     from autopar.plan.types import Plan
@@ -157,11 +158,10 @@ def _experts_line(plan: Plan) -> list[str]:
     e = plan.experts
     if not e:
         return []
-    c = plan.config
-    ep, replicas = c.ep, c.dp * c.fsdp // c.ep
+    ep, ways = plan.config.ep, expert_shard_ways(plan.config)
     where = f"{int(e['num_experts']) // ep} per rank over ep={ep}" if ep > 1 else "no ep"
-    if ep > 1 and c.fsdp > 1 and replicas > 1:  # each layer's experts an FSDP unit
-        where += f", their state sharded over the {replicas} ranks holding them"
+    if ep > 1 and ways > 1:  # each layer's experts an FSDP unit
+        where += f", their state sharded over the {ways} ranks holding them"
     even = (
         "tokens spread evenly; a learned router's skew is higher: CostOptions.moe_imbalance"
         if e["imbalance"] == 1.0

@@ -91,17 +91,23 @@ def sensitivity(
             + " bandwidth",
             scaled_cluster(cluster, inter_node_bandwidth=INTER_NODE_FACTOR),
             _no_inter_node(cluster),
+            False,
         ),
-        (f"+{MEMORY_FACTOR - 1:.0%} HBM", scaled_cluster(cluster, memory=MEMORY_FACTOR), None),
+        (
+            f"+{MEMORY_FACTOR - 1:.0%} HBM",
+            scaled_cluster(cluster, memory=MEMORY_FACTOR),
+            None,
+            True,  # memory only: every config prices as on ``cluster``
+        ),
     ]
     out: list[dict[str, Any]] = []
-    for what, changed, skipped in scenarios:
+    for what, changed, skipped, memory_only in scenarios:
         entry: dict[str, Any] = {"what": what, "baseline_step_time_s": best.step_time_s}
         if skipped:
             out.append({**entry, "skipped": skipped})
             continue
         capacity = changed.profile.device.memory_bytes
-        if base is not None and _same_but_memory(changed, cluster):
+        if base is not None and memory_only:
             estimator = base
         else:
             estimator = Estimator(
@@ -131,12 +137,6 @@ def sensitivity(
             }
         )
     return tuple(out)
-
-
-def _same_but_memory(changed: Cluster, cluster: Cluster) -> bool:
-    """Whether ``changed`` differs from ``cluster`` in its device memory only."""
-    device = replace(changed.profile.device, memory_bytes=cluster.profile.device.memory_bytes)
-    return replace(changed, profile=replace(changed.profile, device=device)) == cluster
 
 
 def _no_inter_node(cluster: Cluster) -> str | None:
