@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from autopar.config.precision import recipe_of
-from autopar.estimate.memory import expert_shard_ways
 
 if TYPE_CHECKING:
     from autopar.plan.types import Plan
@@ -158,6 +157,8 @@ def _experts_line(plan: Plan) -> list[str]:
     e = plan.experts
     if not e:
         return []
+    from autopar.estimate.memory import expert_shard_ways  # here: `import autopar` stays torch-free
+
     ep, ways = plan.config.ep, expert_shard_ways(plan.config)
     where = f"{int(e['num_experts']) // ep} per rank over ep={ep}" if ep > 1 else "no ep"
     if ep > 1 and ways > 1:  # each layer's experts an FSDP unit
