@@ -86,6 +86,8 @@ from autopar.estimate.memory import (
     params_on_rank,
     shared_out_experts,
     tied_elements,
+    token_summed_params,
+    token_ways,
 )
 from autopar.estimate.tables import LayerTable, ModelTables
 
@@ -167,7 +169,7 @@ def _pipeline(
     if cfg.pp == 1:
         return out
     runs = _chunk_runs(tables, stage_layers)
-    div = cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)
+    div = token_ways(cfg)
     hidden = tables.seq_len * tables.hidden * tables.traced_float_bytes
     nbytes = hidden * cfg.micro_batch_size * x / div
     for (a, i), (b, _) in pairwise(runs):
@@ -229,9 +231,13 @@ def _tensor_parallel(
             tokens = b * tables.seq_len / cfg.cp
             out.append(PlannedCollective("loss", "all_reduce", "tp", 3 * m, 4 * tokens, t.name))
     if cfg.sequence_parallel:
-        rep = sum(t.params_rep for t in _sequence_parallel_layers(layers)) * g
+        sp_layers = _sequence_parallel_layers(layers)
+        rep = sum(t.params_rep - t.params_router for t in sp_layers) * g
         if rep:
             out.append(PlannedCollective("sp", "all_reduce", "tp", 1, rep, "norms"))
+        summed = token_summed_params(cfg, layers) * g  # routers and experts on shards
+        if summed:
+            out.append(PlannedCollective("sp", "all_reduce", "tp", 1, summed, "routers, experts"))
     return out
 
 
@@ -270,7 +276,7 @@ def _expert_parallel(
         if not t.moe_num_experts:
             continue
         forwards = 2 if cfg.recompute == "full" else 1
-        rows = t.moe_dispatch_bytes * cfg.micro_batch_size * x / cfg.cp  # every tp rank's
+        rows = t.moe_dispatch_bytes * cfg.micro_batch_size * x / token_ways(cfg)  # each tp rank's
         counts = 8.0 * t.moe_num_experts  # int64 rows per expert
         out.append(PlannedCollective("ep", "all_to_all", "ep", forwards * m, counts, t.name))
         out.append(

@@ -8,8 +8,9 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
     d_i = t c for tensor-parallel matmuls, c for replicated ones (the router) and for the
     experts: autopar's runtime splits them over ep only, each tp rank running its tokens'
     experts whole (its TP plan leaves them replicated; expert tensor parallelism is not run);
-    m_k = t c for sharded values, c for the experts', c (t with sequence parallelism) for
-    replicated ones.
+    with sequence parallelism the router and experts run on the rank's sequence shard, t c;
+    m_k = t c for sharded values, c for the experts' and replicated ones (t c with sequence
+    parallelism) (`memory.shard_divisors`).
 
     TP: each forward all-reduce of the table, size A b / c (all-gather + reduce-scatter of the
         same size with sequence parallelism), once forward and once backward, exposed by
@@ -52,6 +53,7 @@ from dataclasses import dataclass
 
 from autopar.config import SPLIT_BACKWARD, ParallelConfig
 from autopar.config.precision import Recipe
+from autopar.estimate.memory import shard_divisors, token_ways
 from autopar.estimate.tables import LayerTable
 from cost_models.compute import DeviceSpec, op_time_s
 
@@ -111,7 +113,7 @@ def layer_time(
     b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
     # experts: split over ep, whole on every tp rank (each runs its tokens' experts)
     weight_div = {"tp": t, "rep": 1, "expert": cfg.ep}
-    flop_div = {"tp": t * c, "rep": c, "expert": c}
+    flop_div = shard_divisors(cfg)
     fwd = bwd = wgrad = 0.0
     cast_f = cast_b = 0.0  # a recipe's scaling, casts and transposes (module docstring)
     for op in table.matmuls:
@@ -195,8 +197,7 @@ def recompute_overhead_s(overheads: Mapping[str, float] | None, policy: str) -> 
 def _memory_ops_time(
     table: LayerTable, cfg: ParallelConfig, device: DeviceSpec, act_scale: float
 ) -> float:
-    t, c = cfg.tp, cfg.cp
-    div = {"tp": t * c, "rep": c * (t if cfg.sequence_parallel else 1), "expert": c}
+    div = shard_divisors(cfg)
     total = 0.0
     for shard, nbytes, count in table.memory_ops:
         per_op = nbytes * cfg.micro_batch_size * act_scale / div[shard] / count
@@ -233,5 +234,5 @@ def _cp_comm(
 def _ep_comm(table: LayerTable, cfg: ParallelConfig, act_scale: float, comm: CommFn) -> float:
     if cfg.ep == 1 or not table.moe_num_experts:
         return 0.0
-    payload = table.moe_dispatch_bytes * cfg.micro_batch_size * act_scale / cfg.cp
+    payload = table.moe_dispatch_bytes * cfg.micro_batch_size * act_scale / token_ways(cfg)
     return 2 * comm("all_to_all", payload, "ep")

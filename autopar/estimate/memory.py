@@ -24,8 +24,9 @@ Peak memory of a stage (`StageMemory.stage_memory`):
     buffers       ZeRO-3: twice the largest layer's parameters and gradients (the gathered
                   layer and the prefetched next); else two DDP buckets
     reserve       the allocator's share (`cost_models.memory.allocator_reserve_bytes`)
-Activations per shard class (`StageMemory.activation_bytes`): "tp" divided by tp * cp, "rep"
-by cp (and by tp with sequence parallelism), "expert" by cp (whole on every tp rank); with
+Activations per shard class (`StageMemory.activation_bytes`, `shard_divisors`): "tp" divided by
+tp * cp, "rep" and "expert" by cp (and by tp with sequence parallelism; experts are whole on
+every tp rank, each on its own tokens); with
 cp > 1 the backward keeps the whole sequence's K and V (context parallelism all-gathers them).
 """
 
@@ -73,6 +74,33 @@ def shared_out_experts(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
 def params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
     """Parameters a rank holds of ``layers`` before data-parallel sharding (TP and EP split)."""
     return dense_params_on_rank(cfg, layers) + expert_params_on_rank(cfg, layers)
+
+
+def token_ways(cfg: ParallelConfig) -> int:
+    """The ranks one sample's tokens are split over for per-token work: cp, and tp with
+    sequence parallelism (norms, routers and experts then run on sequence shards)."""
+    return cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)
+
+
+def shard_divisors(cfg: ParallelConfig) -> dict[str, int]:
+    """Per shard class, what divides a layer's per-sample work and activations on one rank:
+    "tp" by tp x cp; "rep" (norms, routers) and "expert" by `token_ways` (experts run whole
+    on every tp rank, each on its own tokens)."""
+    ways = token_ways(cfg)
+    return {"tp": cfg.tp * cfg.cp, "rep": ways, "expert": ways}
+
+
+def token_summed_params(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
+    """With sequence parallelism, the routers' and this rank's experts' parameters of
+    ``layers``: whole weights that saw the rank's sequence shard, their gradients summed over
+    tp after the backward (`autopar.runtime.tp_apply`, "token_sum"); as sharded on the rank
+    (the experts over their replicas where ep and fsdp shard them, else over fsdp)."""
+    if not (cfg.sequence_parallel and cfg.tp > 1):
+        return 0.0
+    fsdp = cfg.fsdp if cfg.fsdp > 1 and cfg.zero_stage >= 1 else 1
+    experts = expert_params_on_rank(cfg, layers)
+    ways = expert_shard_ways(cfg) if cfg.ep > 1 else fsdp
+    return sum(t.params_router for t in layers) / fsdp + experts / ways
 
 
 def expert_replicas(cfg: ParallelConfig) -> int:
@@ -242,7 +270,7 @@ class StageMemory:
         b, t, c, sp = cfg.micro_batch_size, cfg.tp, cfg.cp, cfg.sequence_parallel
         key = (table.name, policy, b, t, c, sp, cfg.ep > 1)
         if key not in self._activation_cache:
-            div = {"tp": t * c, "rep": c * (t if sp else 1), "expert": c}
+            div = shard_divisors(cfg)
             imbalance = self.options.moe_imbalance
             split = dispatched(cfg, table, imbalance).activations.get(policy, {})
             kept = sum(v * b / div[k] for k, v in split.items())

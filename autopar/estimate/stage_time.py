@@ -49,6 +49,8 @@ from autopar.estimate.memory import (
     expert_replicas,
     expert_shard_ways,
     shared_out_experts,
+    token_summed_params,
+    token_ways,
 )
 from autopar.estimate.mesh import MeshGroups
 from autopar.estimate.options import CostOptions
@@ -213,7 +215,7 @@ class StageTimer:
         boundary = max(
             (t.output_bytes for t in self.tables.layers if t.kind == "block"), default=0.0
         )
-        div = cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)
+        div = token_ways(cfg)
         p2p = mesh.time("send_recv", boundary * cfg.micro_batch_size * self.act_scale / div, "pp")
         split = cfg.schedule in SPLIT_BACKWARD
         fwd = tuple(s["forward"] for s in per_stage)
@@ -281,6 +283,10 @@ class StageTimer:
             # (Pipeline.sync_tied_gradients, after the backward): priced on the last stage
             g = tied * self.options.grad_bytes / (cfg.fsdp if cfg.zero_stage >= 1 else 1)
             sync += mesh.time("all_reduce", g, "pp")
+        summed = token_summed_params(cfg, layers) * self.options.grad_bytes
+        if summed:  # SP: routers and experts saw the rank's sequence shard; after the
+            # backward their gradients are summed over tp (autopar.runtime.tp_apply)
+            sync += mesh.time("all_reduce", summed, "tp")
         over_cp = self.options.fsdp_over_cp and cfg.zero_stage >= 1
         if cfg.cp > 1 and not over_cp:  # each cp rank holds its sequence shard's gradient
             # terms: the runtime sums this rank's (FSDP-sharded) gradients over cp after the

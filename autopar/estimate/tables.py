@@ -59,6 +59,7 @@ class LayerTable:
     params_rep: int
     params_expert: int
     num_param_tensors: int
+    params_router: int  # the MoE router's, counted in params_rep too
     # activation bytes per policy split by shard class: {policy: {shard: bytes per sample}}
     activations: dict[str, dict[Shard, float]]
     output_bytes: float  # what a pipeline cut after this layer sends, per sample
@@ -356,7 +357,7 @@ def _param_split(
     biases of column-parallel matmuls, split with their output features as Megatron's
     ColumnParallelLinear and torch's ColwiseParallel do), expert, replicated (norms, the
     router, biases of row-parallel layers: added after the all-reduce, so whole)."""
-    tp, rep, expert, tensors = 0, 0, 0, 0
+    tp, rep, expert, tensors, routing = 0, 0, 0, 0, 0
     sharded: set[str] = set()
     for name in layer.nodes:
         node = nodes[name]
@@ -374,6 +375,7 @@ def _param_split(
             expert += p.numel
         elif router and p.name.startswith(router + "."):
             rep += p.numel
+            routing += p.numel
         elif p.name in sharded and (len(p.shape) >= 2 or p.name in column):
             tp += p.numel
         else:
@@ -383,6 +385,7 @@ def _param_split(
         "params_rep": rep,
         "params_expert": expert,
         "num_param_tensors": tensors,
+        "params_router": routing,
     }
 
 

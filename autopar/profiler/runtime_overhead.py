@@ -151,7 +151,7 @@ class _Runner:
             torch.cuda.synchronize(self.device)
 
     def micro_batch(self) -> float:
-        from autopar.runtime.tensor_parallel import loss_context
+        from autopar.runtime.tp_apply import loss_context
 
         self.pm.model.zero_grad(set_to_none=True)
         dist.barrier()

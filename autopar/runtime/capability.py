@@ -14,9 +14,9 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
                         `whole_width_norm` (here) a q/k norm over a whole column-parallel output
                         (OLMo2's) -> tp = 1
     sequence par.       needs a column/row pair in every block and every block parameter
-                        taken by a style (a router's or an expert's replicated weight would
-                        see a sequence shard: `tensor_parallel.tp_plan`) -> else tensor
-                        parallelism without it
+                        taken by a style (routers and experts are: their gradients are summed
+                        over tp; MLA's down-projections are not: `tensor_parallel.tp_plan`)
+                        -> else tensor parallelism without it
     context parallelism needs a forward at a shard's global positions (`parts`) -> else cp = 1
     expert parallelism  needs MoE blocks with a token dispatch (`expert_parallel`: the zoo's,
                         and transformers' stacked experts, `hf_experts`) -> else ep = 1

@@ -49,7 +49,8 @@ from autopar.runtime.parts import parts_of
 from autopar.runtime.pipeline import Pipeline, build_pipeline, layout_for
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.stages import build_stage_modules, even_layout
-from autopar.runtime.tensor_parallel import apply_tensor_parallel, find_blocks, tp_plan
+from autopar.runtime.tensor_parallel import find_blocks, tp_plan
+from autopar.runtime.tp_apply import apply_tensor_parallel
 
 if TYPE_CHECKING:
     from autopar.runtime.context_parallel import ContextParallel

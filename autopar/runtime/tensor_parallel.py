@@ -1,9 +1,10 @@
-"""Tensor and sequence parallelism on DTensor: plan placements -> a TP plan -> parallelize_module.
+"""Tensor and sequence parallelism planned: plan placements -> a TP plan.
 
 In: a model, the plan's `ParallelConfig` and `plan.placements` (per repeated-layer class, the
 intra-layer ILP's parameter placements, "S(0)" / "S(1)" / "R"). Out: a *TP plan*, plain data
-`{module path: style}` that a generated program prints and passes back, and the model with
-its parameters turned into DTensors on the mesh's "tp" axis by torch's `parallelize_module`.
+`{module path: style}` that a generated program prints and passes back;
+`autopar.runtime.tp_apply` turns the model's parameters into DTensors on the mesh's "tp" axis
+by it (torch's `parallelize_module`).
 
 Where the placements come from. With `plan.placements` present, a linear whose weight is
 "S(0)" (output features split) is column parallel, "S(1)" (input features split) row
@@ -13,7 +14,11 @@ input (q/k/v, qkv, fc, gate/up) are column parallel, the one that writes back (o
 row parallel. A model with no repeated blocks (the zoo's MLP) is a chain of linears: column,
 row, column, ... as the estimator's propagation alternates; a chain that ends sharded gathers
 its output. Convolutions, norms (without SP), position embeddings, MoE routers and experts stay
-replicated: exact, and what the estimator assumes for them.
+replicated: exact, and what the estimator assumes for them. With SP, routers and experts run on
+the rank's sequence shard (a token's routing and its experts read that token only), so each tp
+rank dispatches its own tokens, as Megatron-Core's MoE layer does with SP; their weights stay
+whole and their gradients, each rank's tokens' share, are summed over tp after the backward
+("token_sum", `reduce_partial_grads`).
 
 Vocabulary parallelism (`vocab_parallel=True`, Megatron's, priced by the estimator: the token
 embedding is a tensor-parallel layer with one all-reduce, the head a column-parallel matmul):
@@ -51,44 +56,34 @@ The styles and the collectives they imply (forward; the backward mirrors them):
     vocab_head_seq           all-gather of the input along the sequence; bwd: reduce-scatter
     head_norm                a per-head q/k norm (Qwen3) on the rank's heads: bwd weight-grad
                              all-reduce (a replicated weight that saw part of the heads)
+    token_sum                none: a router or experts on the rank's sequence shard (SP); after
+                             the backward one all-reduce of their weight grads over tp
+    latent_kv/R              none: MLA's replicated KV down-projection; bwd: all-reduce of the
+                             gradient of its last R outputs (the rotary key all heads share)
 
 Public functions:
     tp_plan(model, config, placements=None, vocab_parallel=False) -> dict[str, str]
     splits_every_block(model, num_blocks) -> bool   # what the planner may offer tp > 1 for
     unsplit_block(model, num_blocks) -> "path (Class)" | None   # the first block it would not
-    apply_tensor_parallel(model, tp_mesh, plan) -> model   # re-ties a tied head
-    loss_context(plan) -> context manager                   # loss_parallel() for a vocab head
-    reduce_partial_grads(model) -> int  # SP norm weight grads: Partial -> Replicate
     collectives_of(style) -> str      # the comment the program prints
+    STYLES                            # the style names
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
 
 from autopar.config import ParallelConfig
 
 # Megatron roles by attribute name (zoo, Hugging Face Llama / GPT-2 / Mixtral, torchtitan).
 COLUMN_NAMES = frozenset({"qkv", "q_proj", "k_proj", "v_proj", "fc", "gate_proj", "up_proj"})
 COLUMN_NAMES |= {"c_attn", "c_fc", "wq", "wk", "wv", "w1", "w3"}
+# multi-head latent attention (DeepSeek-V2/V3): the up-projections split by head, as
+# Megatron-Core's MLA does; the down-projections (q_a_proj, kv_a_proj_with_mqa) and their norms
+# stay whole
+COLUMN_NAMES |= {"q_b_proj", "kv_b_proj"}
 ROW_NAMES = frozenset({"proj", "o_proj", "down_proj", "c_proj", "wo", "w2"})
 REPLICATED_SCOPES = frozenset({"experts", "router", "gate"})  # expert parallelism's, or tiny
 
@@ -100,6 +95,8 @@ _COLLECTIVES = {
     "rowwise_to_seq": "fwd: reduce-scatter of the output along the sequence; bwd: all-gather",
     "sequence_parallel": "fwd: none (norm on a sequence shard); bwd: weight-grad all-reduce",
     "head_norm": "fwd: none (norm on the rank's heads); bwd: weight-grad all-reduce",
+    "token_sum": "fwd: none (on the rank's sequence shard); after bwd: weight-grad all-reduce",
+    "latent_kv": "fwd: none; bwd: all-reduce of the shared rotary key's output gradient (MLA)",
     "replicate_in": "fwd: none; bwd: one all-reduce of the summed input gradient",
     "gather_seq": "fwd: all-gather of the input along the sequence; bwd: reduce-scatter",
     "shard_seq": "fwd: none (local split along the sequence); bwd: all-gather",
@@ -110,6 +107,7 @@ _COLLECTIVES = {
     "vocab_head": "fwd: none (logits vocab-sharded, loss_parallel); bwd: all-reduce of input grad",
     "vocab_head_seq": "fwd: all-gather of the input along the sequence; bwd: reduce-scatter",
 }
+STYLES = tuple(_COLLECTIVES)
 
 
 def collectives_of(style: str) -> str:
@@ -215,8 +213,9 @@ def tp_plan(
         _add_sequence_parallel(plan, blocks, split_ends=not megatron_ends)
         if whole := _whole_on_shards(plan, blocks):
             raise ValueError(
-                f"sequence_parallel would run {whole} on sequence shards with a replicated "
-                "weight (each tp rank's gradient a partial sum): run without sequence_parallel"
+                f"sequence_parallel: {whole} holds a weight no tensor-parallel style takes "
+                "(neither split, nor a norm, router or experts, whose gradients it sums over "
+                "tp): run without sequence_parallel"
             )
         if megatron_ends:
             assert vocab is not None and vocab[2] is not None
@@ -239,14 +238,20 @@ def _add_shared_inputs(plan: dict[str, str], model: nn.Module) -> None:
     """A module whose input feeds several column-parallel linears (q, k, v; gate, up) takes
     it as one replicated DTensor ("replicate_in"), so autograd sums their partial input
     gradients first and one all-reduce follows, as for a fused QKV (Megatron's f), instead
-    of one per linear."""
+    of one per linear. Not where a parameter no style takes reads inside the module (MLA's
+    down-projections): it would meet a DTensor with a plain weight."""
     users: dict[str, int] = {}
     for key, style in plan.items():
         if style == "colwise":
             parent = key.rsplit(".", 1)[0]
             users[parent] = users.get(parent, 0) + 1
     for parent, count in users.items():
-        if count > 1:
+        unplanned = any(
+            f"{parent}.{name}" not in plan
+            for name, m in model.get_submodule(parent).named_modules()
+            if name and next(m.parameters(recurse=False), None) is not None
+        )
+        if count > 1 and not unplanned:
             plan[parent] = f"replicate_in/{_num_inputs(model.get_submodule(parent))}"
 
 
@@ -326,6 +331,9 @@ def _block_plan(
         if paired:  # per-head norms (Qwen3's q_norm, k_norm) on the rank's heads
             scope = block.get_submodule(group) if group else block
             plan.update({f"{path}.{n}": "head_norm" for n in _head_norms(scope, group)})
+            key, rope = _shared_rope_key(scope, f"{path}.{group}" if group else path)
+            if key:
+                plan[key] = f"latent_kv/{rope}"
         for full, placement in cols:
             if placement == "S(0)":
                 plan[full] = "colwise" if paired else "colwise_gather"
@@ -351,22 +359,50 @@ def _head_norms(scope: nn.Module, group: str) -> list[str]:
     return out
 
 
+def _shared_rope_key(scope: nn.Module, prefix: str) -> tuple[str, int]:
+    """In a paired attention group: MLA's (DeepSeek-V2/V3) replicated down-projection
+    ``kv_a_proj_with_mqa``, whose last ``qk_rope_head_dim`` outputs are one rotary key every
+    head reads. With the up-projection ``kv_b_proj`` split by head, each tp rank reads it for
+    its own heads, so that slice's gradient is a partial sum: (its path, the slice's width),
+    or ("", 0)."""
+    down, up = getattr(scope, "kv_a_proj_with_mqa", None), getattr(scope, "kv_b_proj", None)
+    rope = getattr(scope, "qk_rope_head_dim", 0)
+    if isinstance(down, nn.Linear) and isinstance(up, nn.Linear) and rope:
+        return f"{prefix}.kv_a_proj_with_mqa", int(rope)
+    return "", 0
+
+
 # styles that take a module's parameters (sharded, or replicated with their gradients summed)
-_PARAMETER_STYLES = ("colwise", "rowwise", "sequence_parallel", "head_norm")
+_PARAMETER_STYLES = ("colwise", "rowwise", "sequence_parallel", "head_norm", "token_sum")
 
 
 def _whole_on_shards(plan: dict[str, str], blocks: list[tuple[str, nn.Module]]) -> str:
-    """The first block parameter no style takes (a router, an expert, a gate, a learned scale):
-    under sequence parallelism its module sees the rank's sequence shard only, so its
-    gradient would be a partial sum. "" when every parameter is taken."""
+    """The first block parameter no style takes (a learned scale, a convolution): under
+    sequence parallelism its module sees the rank's sequence shard only, so its gradient
+    would be a partial sum. "" when every parameter is taken (a "token_sum" module's
+    submodules are)."""
+    summed = tuple(k + "." for k, style in plan.items() if style == "token_sum")
     for path, block in blocks:
         for name, module in block.named_modules():
             if next(module.parameters(recurse=False), None) is None:
                 continue
             key = f"{path}.{name}" if name else path
-            if not plan.get(key, "").startswith(_PARAMETER_STYLES):
+            if not plan.get(key, "").startswith(_PARAMETER_STYLES) and not key.startswith(summed):
                 return f"{key} ({type(module).__name__})"
     return ""
+
+
+def _token_modules(block: nn.Module) -> list[str]:
+    """Paths (from the block) of its routers and expert stacks: the outermost modules named
+    in `REPLICATED_SCOPES` that hold parameters. They compute each token on its own, so on a
+    sequence shard they give that shard's rows exactly."""
+    out: list[str] = []
+    for name, module in block.named_modules():
+        inside = any(name.startswith(p + ".") for p in out)
+        scope = name and not inside and name.split(".")[-1] in REPLICATED_SCOPES
+        if scope and next(module.parameters(), None) is not None:
+            out.append(name)
+    return out
 
 
 def _chain_plan(model: nn.Module, weights: dict[str, str]) -> dict[str, str]:
@@ -411,6 +447,7 @@ def _add_sequence_parallel(
         for name, child in block.named_children():
             if "norm" in type(child).__name__.lower():
                 plan[f"{path}.{name}"] = "sequence_parallel"
+        plan.update({f"{path}.{name}": "token_sum" for name in _token_modules(block)})
         parents = {
             k.rsplit(".", 1)[0] for k in plan if k.startswith(path + ".") and "wise" in plan[k]
         }
@@ -419,166 +456,3 @@ def _add_sequence_parallel(
         for key, style in list(plan.items()):
             if key.startswith(path + ".") and style == "rowwise":
                 plan[key] = "rowwise_to_seq"
-
-
-def _style(style: str) -> ParallelStyle:
-    name, _, count = style.partition("/")
-    rest = (None,) * (int(count or 1) - 1)
-    if name == "colwise":
-        return ColwiseParallel()
-    if name == "rowwise":
-        return RowwiseParallel()
-    if name == "colwise_gather":
-        return ColwiseParallel(output_layouts=Replicate())
-    if name == "rowwise_from_replicate":
-        return RowwiseParallel(input_layouts=Replicate())
-    if name == "rowwise_to_seq":
-        return RowwiseParallel(output_layouts=Shard(1))
-    if name == "sequence_parallel":
-        return SequenceParallel(use_local_output=True)
-    if name == "head_norm":  # [batch, seq, heads, head_dim]: the rank's heads on dim 2
-        return SequenceParallel(sequence_dim=2, use_local_output=True)
-    if name == "replicate_in":
-        return _FirstInput(Replicate(), Replicate(), local=False)
-    if name == "gather_seq":  # a DTensor, so q/k/v's partial input grads sum before one RS
-        return _FirstInput(Shard(1), Replicate(), local=False)
-    if name == "shard_seq":
-        return _FirstInput(Replicate(), Shard(1), local=True)
-    if name == "gather_out":
-        return PrepareModuleOutput(
-            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
-        )
-    if name == "vocab_embedding":
-        return RowwiseParallel(input_layouts=Replicate())
-    if name == "vocab_embedding_seq":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-    if name == "vocab_head":
-        return ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-    if name == "vocab_head_seq":
-        return ColwiseParallel(
-            input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
-        )
-    if name == "shard_seq_gather_out":
-        return PrepareModuleInputOutput(
-            input_layouts=(Replicate(), *rest),
-            desired_input_layouts=(Shard(1), *rest),
-            use_local_input=True,
-            output_layouts=Shard(1),
-            desired_output_layouts=Replicate(),
-        )
-    raise ValueError(f"unknown tensor-parallel style {style!r}; known: {', '.join(_COLLECTIVES)}")
-
-
-class _FirstInput(ParallelStyle):
-    """A module's first input -- positional, or the keyword of forward's first parameter
-    (Hugging Face attention is called as ``self_attn(hidden_states=...)``) -- made a DTensor
-    of ``given`` placement and redistributed to ``wanted``; other inputs pass unchanged.
-    torch's PrepareModuleInput needs to know beforehand whether inputs come positionally or
-    by keyword; this does not."""
-
-    def __init__(self, given: Placement, wanted: Placement, *, local: bool) -> None:
-        super().__init__()
-        self.given, self.wanted, self.local = given, wanted, local
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        first = next(iter(inspect.signature(module.forward).parameters))
-
-        def convert(x: Any) -> Any:
-            if not isinstance(x, torch.Tensor):
-                return x
-            if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, device_mesh, (self.given,), run_check=False)
-            if x.placements != (self.wanted,):
-                x = x.redistribute(device_mesh, (self.wanted,))
-            return x.to_local() if self.local else x
-
-        def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            if args:
-                return (convert(args[0]), *args[1:]), kwargs
-            if first in kwargs:
-                return args, {**kwargs, first: convert(kwargs[first])}
-            return args, kwargs
-
-        module.register_forward_pre_hook(hook, with_kwargs=True)
-        return module
-
-
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str]) -> nn.Module:
-    """Turn ``model``'s planned modules into DTensor modules on the 1-D ``tp_mesh`` (in place).
-
-    Module paths are applied in plan order; an empty plan leaves the model as it is. A
-    parameter shared by two planned modules (a head tied to its embedding, both Shard(0) over
-    the vocabulary) is shared again afterwards: parallelize_module replaces each module's
-    parameter on its own, which would untie them.
-    """
-    if not plan:
-        return model
-    tied = _tied_parameters(model, plan)
-    parallelize_module(model, tp_mesh, {path: _style(s) for path, s in plan.items()})
-    for (owner, name), (user, user_name) in tied:
-        setattr(model.get_submodule(user), user_name, getattr(model.get_submodule(owner), name))
-    return model
-
-
-def _tied_parameters(
-    model: nn.Module, plan: dict[str, str]
-) -> list[tuple[tuple[str, str], tuple[str, str]]]:
-    """((owner module, name), (user module, name)) for each planned module's parameter that
-    an earlier planned module also holds."""
-    seen: dict[int, tuple[str, str]] = {}
-    out = []
-    for path in plan:
-        for name, p in model.get_submodule(path).named_parameters(recurse=False):
-            if id(p) in seen:
-                out.append((seen[id(p)], (path, name)))
-            else:
-                seen[id(p)] = (path, name)
-    return out
-
-
-def loss_context(plan: dict[str, str]) -> Any:
-    """The context the loss and its backward run in: torch's `loss_parallel()` when the plan
-    leaves the logits sharded over the vocabulary, otherwise a no-op."""
-    if any(style.startswith("vocab_head") for style in plan.values()):
-        return loss_parallel()
-    return contextlib.nullcontext()
-
-
-def reduce_partial_grads(model: nn.Module) -> int:
-    """All-reduce the gradients DTensor left as partial sums (a sequence-parallel norm's weight
-    sees only its sequence shard) into replicated ones, and give every gradient its
-    parameter's placements; returns how many partial gradients there were.
-
-    Gradients with the same mesh and placements go in one flat all-reduce (as Megatron
-    all-reduces its sequence-parallel layer-norm gradients coalesced), so a step issues one
-    call per such group, not one per parameter: the count `Plan.communication` predicts."""
-    groups: dict[tuple, list[nn.Parameter]] = {}
-    for p in model.parameters():
-        g = p.grad
-        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
-            groups.setdefault((id(g.device_mesh), tuple(g.placements)), []).append(p)
-    for params in groups.values():
-        first = params[0].grad
-        assert isinstance(first, DTensor)
-        mesh, placements = first.device_mesh, first.placements
-        locals_ = [p.grad.to_local() for p in params]  # type: ignore[union-attr]
-        flat = torch.cat([t.reshape(-1) for t in locals_])
-        for dim, pl in enumerate(placements):
-            if pl.is_partial():  # Partial("sum"): DTensor's gradient partials are sums
-                dist.all_reduce(flat, group=mesh.get_group(dim))
-        replicated = [Replicate() if pl.is_partial() else pl for pl in placements]
-        offset = 0
-        for p, t in zip(params, locals_, strict=True):
-            local = flat[offset : offset + t.numel()].view_as(t)
-            offset += t.numel()
-            p.grad = DTensor.from_local(
-                local, mesh, replicated, run_check=False, shape=p.shape, stride=p.stride()
-            )
-    for p in model.parameters():
-        g = p.grad
-        if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
-            # DTensor's embedding backward from a replicated output gradient gives a
-            # replicated weight gradient; the parameter is split over the vocabulary, so
-            # keep only this rank's rows (Replicate -> Shard is a local slice, no collective)
-            p.grad = g.redistribute(p.device_mesh, p.placements)
-    return sum(len(ps) for ps in groups.values())

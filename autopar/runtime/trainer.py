@@ -76,7 +76,8 @@ from autopar.runtime.mesh import RuntimeMesh, build_mesh
 from autopar.runtime.metrics import Metrics
 from autopar.runtime.parallelize import ParallelModel, PipelineSpec, parallelize_model
 from autopar.runtime.task import Task
-from autopar.runtime.tensor_parallel import find_blocks, loss_context, reduce_partial_grads
+from autopar.runtime.tensor_parallel import find_blocks
+from autopar.runtime.tp_apply import loss_context, reduce_partial_grads
 
 MiB = 2**20
 

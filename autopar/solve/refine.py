@@ -54,7 +54,7 @@ from typing import Any
 from autopar.config import ParallelConfig
 from autopar.estimate import Estimate, Estimator
 from autopar.estimate.layer_cost import LayerTime, layer_time, runtime_overhead_s
-from autopar.estimate.memory import dispatched
+from autopar.estimate.memory import dispatched, params_on_rank
 from autopar.estimate.mesh import MeshGroups
 from autopar.estimate.tables import LayerTable
 from autopar.hardware import Cluster
@@ -378,10 +378,10 @@ def _repriced(
 
 
 def _weight_bytes(table: LayerTable, cfg: ParallelConfig, estimator: Estimator) -> float:
-    """Weight bytes of one layer on a rank as the analytic model holds them (split over tp)."""
+    """Weight bytes of one layer on a rank as the analytic model holds them (split over tp;
+    experts over ep only, `memory.params_on_rank`)."""
     width = estimator.act_scale * estimator.tables.traced_float_bytes
-    params = table.params_tp / cfg.tp + table.params_rep
-    return width * (params + table.params_expert / max(cfg.ep, cfg.tp))
+    return width * params_on_rank(cfg, [table])
 
 
 def _total(lt: LayerTime) -> float:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError
 from autopar.estimate import Estimate, Estimator
-from autopar.estimate.memory import dispatched
+from autopar.estimate.memory import dispatched, shard_divisors
 from autopar.estimate.mesh import layout_signature
 from autopar.solve.space import (
     SpaceLimits,
@@ -298,8 +298,7 @@ class _Bounds:
     def memory(self, cfg: ParallelConfig) -> float:
         key = (cfg.recompute, cfg.tp, cfg.cp, cfg.sequence_parallel, cfg.ep > 1)
         if key not in self._activations:
-            t, c = cfg.tp, cfg.cp
-            div = {"tp": t * c, "rep": c * (t if cfg.sequence_parallel else 1), "expert": c}
+            div = shard_divisors(cfg)
             self._activations[key] = self.estimator.act_scale * sum(
                 v / div[k]
                 for table in self.estimator.tables.layers

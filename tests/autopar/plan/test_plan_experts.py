@@ -63,3 +63,32 @@ def test_a_dense_plan_has_no_experts():
         global_batch_size=4,
     )  # fmt: skip
     assert plan.experts == {} and "experts" not in plan.summary()
+
+
+def test_sequence_parallel_runs_the_experts_on_each_tp_ranks_sequence_shard(mixtral):
+    """With SP each tp rank routes its own sequence shard (autopar.runtime.tp_apply,
+    "token_sum"): the experts' activations and all-to-all rows halve at tp=2, and the routers'
+    and this rank's experts' gradients are summed over tp, one all-reduce listed."""
+    model, graph = mixtral
+    cluster = autopar.Cluster.from_profile("dgx_h100", 2)
+    plans = [
+        autopar.evaluate(
+            model,
+            cluster,
+            autopar.ParallelConfig(dp=4, tp=2, ep=4, pp=2, recompute="full", sequence_parallel=sp),
+            graph=graph,
+            global_batch_size=64,
+        )  # fmt: skip
+        for sp in (False, True)
+    ]
+    whole, shards = plans
+    assert shards.breakdown["ep_comm"] < 0.55 * whole.breakdown["ep_comm"]
+    assert shards.breakdown["compute_forward"] < whole.breakdown["compute_forward"]
+    summed = [c for c in shards.communication[0] if c["layer"] == "routers, experts"]
+    assert [c["axis"] for c in summed] == ["tp"] and not any(
+        c["layer"] == "routers, experts" for c in whole.communication[0]
+    )
+    # 16 layers a stage, 2 of the 8 experts (ep=4) at 3 x 4096 x 14336 each, and the routers
+    # (4096 x 8 each), fp32 gradients: bf16 training keeps fp32 gradients (grad_bytes)
+    experts = 16 * (2 * 3 * 4096 * 14336 + 4096 * 8)
+    assert summed[0]["bytes"] == pytest.approx(experts * 4, rel=0.01)

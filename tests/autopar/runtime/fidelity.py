@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.runtime.mesh import build_mesh
-from autopar.runtime.tensor_parallel import loss_context
+from autopar.runtime.tp_apply import loss_context
 from autopar.runtime.trainer import TrainOptions, parallelize_model, train
 
 Key = tuple[str, float]  # (kind, bytes per call)

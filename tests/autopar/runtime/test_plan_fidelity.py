@@ -52,6 +52,9 @@ CASES_4 = [
     Case("moe-tiny", C(dp=2, cp=2, ep=2)),
     # EP2 beside TP2: the experts whole on each tp rank, every tp rank dispatching its tokens
     Case("mixtral-tiny-hf", C(dp=2, tp=2, ep=2), seq_len=32),
+    # with SP each tp rank dispatches its sequence shard (all-to-all rows / tp), and the
+    # router's and experts' gradients are summed over tp after the backward
+    Case("moe-tiny", C(dp=2, tp=2, ep=2, sequence_parallel=True)),
 ]
 
 

@@ -112,10 +112,10 @@ def test_evaluate_refuses_what_the_runtime_cannot_run_naming_the_model_and_why()
          "tp=2: autopar's runtime would leave GPT2LMHeadModel's blocks replicated"),
         (Classifier(), (torch.randn(1, 32),), dict(pp=2, dp=2),
          "pp=2: autopar's runtime cannot cut Classifier into pipeline stages"),
-        (hf.build("mixtral-tiny-hf"), (torch.randint(0, 128, (1, 64)),),
+        (hf.build("deepseek-v3-tiny-hf"), (torch.randint(0, 128, (1, 64)),),
          dict(dp=2, tp=2, sequence_parallel=True),
-         "for MixtralForCausalLM: sequence_parallel would run model.layers.0.mlp.gate "
-         "(MixtralTopKRouter) on sequence shards with a replicated weight"),
+         "for DeepseekV3ForCausalLM: sequence_parallel: model.layers.0.self_attn.q_a_proj "
+         "(Linear) holds a weight no tensor-parallel style takes"),
         (_olmo2(), (torch.randint(0, 128, (1, 64)),), dict(dp=2, tp=2),
          "tp=2: model.layers.0.self_attn.q_norm (Olmo2RMSNorm) normalises the whole output of "
          "a column-parallel projection"),
