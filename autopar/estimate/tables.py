@@ -316,9 +316,23 @@ def routed_layer(table: LayerTable, imbalance: float = 1.0) -> LayerTable:
     )
 
 
+# Projections tensor parallelism keeps whole: multi-head latent attention's down-projections
+# (DeepSeek-V2/V3), "duplicated" in Megatron-Core's MLA and left whole by autopar's runtime
+# (`autopar.runtime.tensor_parallel`), which splits the up-projections after them by head.
+WHOLE_PROJECTIONS = frozenset({"q_a_proj", "kv_a_proj_with_mqa"})
+
+
+def _whole(node: NodeInfo, router: str | None) -> bool:
+    """A weight matmul TP keeps replicated: the router, an MLA down-projection."""
+    path = node.module_path
+    return bool(router and path == router) or path.rsplit(".", 1)[-1] in WHOLE_PROJECTIONS
+
+
 def _propagate(node: NodeInfo, classes: list[Shard], router: str | None) -> Shard:
     if _is_expert(node):
         return "expert"
+    if node.op_class == "matmul" and node.params and _whole(node, router):
+        return "rep"
     if router and node.module_path == router:
         return "rep"
     if node.op_class == "matmul" and node.params:
@@ -335,10 +349,11 @@ def _indexed_by_tokens(node: NodeInfo, nodes: dict[str, NodeInfo]) -> bool:
 
 
 def _compute_shard(node: NodeInfo, router: str | None) -> Shard:
-    """Where a weight matmul's FLOPs go: experts by EP, the router replicated, the rest by TP."""
+    """Where a weight matmul's FLOPs go: experts by EP, the router and the MLA
+    down-projections replicated, the rest by TP."""
     if _is_expert(node):
         return "expert"
-    return "rep" if router and node.module_path == router else "tp"
+    return "rep" if _whole(node, router) else "tp"
 
 
 def _value_bytes(node: NodeInfo) -> float:
@@ -356,17 +371,18 @@ def _param_split(
     """Parameters owned by the layer, by how they shard: tp (matmul/embedding weights, and the
     biases of column-parallel matmuls, split with their output features as Megatron's
     ColumnParallelLinear and torch's ColwiseParallel do), expert, replicated (norms, the
-    router, biases of row-parallel layers: added after the all-reduce, so whole)."""
+    router, MLA's down-projections, biases of row-parallel layers: added after the all-reduce,
+    so whole)."""
     tp, rep, expert, tensors, routing = 0, 0, 0, 0, 0
     sharded: set[str] = set()
+    router = layer.moe.router if layer.moe else None
     for name in layer.nodes:
         node = nodes[name]
         if node.kind == "call" and (
-            node.op_class == "matmul"
+            (node.op_class == "matmul" and not _whole(node, router))
             or (node.op == "aten.embedding.default" and _indexed_by_tokens(node, nodes))
         ):
             sharded.update(node.params)
-    router = layer.moe.router if layer.moe else None
     for p in graph.parameters.values():
         if p.layer != layer.name:
             continue
