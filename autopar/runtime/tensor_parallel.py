@@ -47,6 +47,9 @@ The styles and the collectives they imply (forward; the backward mirrors them):
     replicate_in/N           none: input 0 as one replicated DTensor for several colwise
                              users; bwd: one all-reduce of their summed input gradients
     gather_seq/N             all-gather of input 0 along the sequence (SP), N positional inputs
+    gather_seq_local/N       the same as a plain tensor, for a module with weights no style takes
+                             (MLA's down-projections); bwd: a local split (the gradients reach
+                             it whole: each column-parallel input all-reduces its own)
     shard_seq/N              none: input 0 split along the sequence (the first block, SP)
     gather_out               all-gather of the output along the sequence (the last block, SP)
     shard_seq_gather_out/N   both (a model with one block)
@@ -99,6 +102,7 @@ _COLLECTIVES = {
     "latent_kv": "fwd: none; bwd: all-reduce of the shared rotary key's output gradient (MLA)",
     "replicate_in": "fwd: none; bwd: one all-reduce of the summed input gradient",
     "gather_seq": "fwd: all-gather of the input along the sequence; bwd: reduce-scatter",
+    "gather_seq_local": "fwd: all-gather of the input along the sequence; bwd: local split",
     "shard_seq": "fwd: none (local split along the sequence); bwd: all-gather",
     "gather_out": "fwd: all-gather of the output along the sequence; bwd: local split",
     "shard_seq_gather_out": "fwd: local split in, all-gather of the output along the sequence",
@@ -246,13 +250,19 @@ def _add_shared_inputs(plan: dict[str, str], model: nn.Module) -> None:
             parent = key.rsplit(".", 1)[0]
             users[parent] = users.get(parent, 0) + 1
     for parent, count in users.items():
-        unplanned = any(
-            f"{parent}.{name}" not in plan
-            for name, m in model.get_submodule(parent).named_modules()
-            if name and next(m.parameters(recurse=False), None) is not None
-        )
-        if count > 1 and not unplanned:
+        if count > 1 and not _holds_unplanned(model.get_submodule(parent), parent, plan):
             plan[parent] = f"replicate_in/{_num_inputs(model.get_submodule(parent))}"
+
+
+def _holds_unplanned(scope: nn.Module, prefix: str, plan: dict[str, str]) -> bool:
+    """Whether a module inside ``scope`` (at path ``prefix``) holds parameters no style takes
+    (MLA's down-projections): given the module's input as a DTensor, it would meet it with a
+    plain weight."""
+    return any(
+        f"{prefix}.{name}" not in plan
+        for name, m in scope.named_modules()
+        if name and next(m.parameters(recurse=False), None) is not None
+    )
 
 
 def find_vocab_layers(
@@ -381,13 +391,16 @@ def _whole_on_shards(plan: dict[str, str], blocks: list[tuple[str, nn.Module]]) 
     sequence parallelism its module sees the rank's sequence shard only, so its gradient
     would be a partial sum. "" when every parameter is taken (a "token_sum" module's
     submodules are)."""
-    summed = tuple(k + "." for k, style in plan.items() if style == "token_sum")
+    # a token_sum module's submodules are taken; a gathered module's run on the whole sequence
+    taken = tuple(
+        k + "." for k, style in plan.items() if style == "token_sum" or style.startswith("gather")
+    )
     for path, block in blocks:
         for name, module in block.named_modules():
             if next(module.parameters(recurse=False), None) is None:
                 continue
             key = f"{path}.{name}" if name else path
-            if not plan.get(key, "").startswith(_PARAMETER_STYLES) and not key.startswith(summed):
+            if not plan.get(key, "").startswith(_PARAMETER_STYLES) and not key.startswith(taken):
                 return f"{key} ({type(module).__name__})"
     return ""
 
@@ -452,7 +465,9 @@ def _add_sequence_parallel(
             k.rsplit(".", 1)[0] for k in plan if k.startswith(path + ".") and "wise" in plan[k]
         }
         for parent in parents:
-            plan[parent] = f"gather_seq/{_num_inputs(block.get_submodule(parent[len(path) + 1 :]))}"
+            scope = block.get_submodule(parent[len(path) + 1 :])
+            local = "_local" if _holds_unplanned(scope, parent, plan) else ""
+            plan[parent] = f"gather_seq{local}/{_num_inputs(scope)}"
         for key, style in list(plan.items()):
             if key.startswith(path + ".") and style == "rowwise":
                 plan[key] = "rowwise_to_seq"

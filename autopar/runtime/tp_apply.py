@@ -62,6 +62,8 @@ def _style(style: str) -> ParallelStyle:
         return _FirstInput(Replicate(), Replicate(), local=False)
     if name == "gather_seq":  # a DTensor, so q/k/v's partial input grads sum before one RS
         return _FirstInput(Shard(1), Replicate(), local=False)
+    if name == "gather_seq_local":
+        return _FirstInput(Shard(1), Replicate(), local=True)
     if name == "shard_seq":
         return _FirstInput(Replicate(), Shard(1), local=True)
     if name == "gather_out":

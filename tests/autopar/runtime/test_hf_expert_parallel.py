@@ -4,10 +4,9 @@ gradient norm within 1e-5), for Mixtral, Qwen3-MoE and DeepSeek-V3 (shared exper
 layer, MLA):
     EP2 x FSDP2 (HSDP over dp=2, ZeRO-3): each layer's experts an FSDP2 unit over the two ranks
                                 holding them
-    EP2 x TP2 (+SP)             with SP each tp rank routes its sequence shard's tokens and the
-                                routers' and experts' gradients are summed over tp; DeepSeek-V3
-                                without SP (MLA's replicated down-projections), its attention
-                                split by head
+    EP2 x TP2 + SP              each tp rank routes its sequence shard's tokens, the routers'
+                                and experts' gradients summed over tp; DeepSeek-V3's MLA split
+                                by head, its down-projections on the gathered sequence
     EP2 x PP2
     EP4 folded over DP2 x CP2   (the experts left out of the cp gradient sum)
 and two where ep covers every data rank, so FSDP leaves the experts out
@@ -37,17 +36,15 @@ MATRIX = (
 )
 
 
-def _sp(model: str, config: C) -> C:
-    """With tp, sequence parallelism where the runtime runs it."""
-    if config.tp == 1 or model.startswith("deepseek"):
-        return config
-    return replace(config, sequence_parallel=True)
+def _sp(config: C) -> C:
+    """With tp, sequence parallelism."""
+    return replace(config, sequence_parallel=True) if config.tp > 1 else config
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_ep_composed_with_fsdp_tp_pp_cp_matches_single_process():
-    cases = [Case(m, _sp(m, c), seq_len=32) for m in FAMILIES for c in MATRIX]
+    cases = [Case(m, _sp(c), seq_len=32) for m in FAMILIES for c in MATRIX]
     cases += [
         Case(
             "qwen3-moe-tiny-hf", C(fsdp=2, ep=2, pp=2, micro_batch_size=1, zero_stage=3), seq_len=32

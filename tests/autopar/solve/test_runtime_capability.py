@@ -15,7 +15,7 @@ import autopar
 from autopar.errors import ConfigError
 from autopar.models import hf, zoo
 from autopar.runtime.parts import has_parts
-from autopar.runtime.tensor_parallel import splits_every_block
+from autopar.runtime.tensor_parallel import splits_every_block, tp_plan
 
 
 def _plan(model: nn.Module, inputs: tuple, devices: int) -> autopar.Plan:
@@ -112,10 +112,6 @@ def test_evaluate_refuses_what_the_runtime_cannot_run_naming_the_model_and_why()
          "tp=2: autopar's runtime would leave GPT2LMHeadModel's blocks replicated"),
         (Classifier(), (torch.randn(1, 32),), dict(pp=2, dp=2),
          "pp=2: autopar's runtime cannot cut Classifier into pipeline stages"),
-        (hf.build("deepseek-v3-tiny-hf"), (torch.randint(0, 128, (1, 64)),),
-         dict(dp=2, tp=2, sequence_parallel=True),
-         "for DeepseekV3ForCausalLM: sequence_parallel: model.layers.0.self_attn.q_a_proj "
-         "(Linear) holds a weight no tensor-parallel style takes"),
         (_olmo2(), (torch.randint(0, 128, (1, 64)),), dict(dp=2, tp=2),
          "tp=2: model.layers.0.self_attn.q_norm (Olmo2RMSNorm) normalises the whole output of "
          "a column-parallel projection"),
@@ -193,3 +189,34 @@ def test_plans_for_the_compiled_stack_keep_blocks_whole_on_each_rank():
     assert any("no tensor-, context- or expert-parallel plans" in n for n in compiled.notes)
     eager = plans["autopar"].report["num_degree_choices"]
     assert compiled.report["num_degree_choices"] < eager  # the eager stack's space has tp
+
+
+class _ScaledBlock(nn.Module):
+    """A pre-norm attention block whose residual branch has a learned scale (LayerScale)."""
+
+    def __init__(self, h: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(h)
+        self.attn = nn.ModuleDict({n: nn.Linear(h, h) for n in ("q_proj", "v_proj", "o_proj")})
+        self.gamma = nn.Parameter(torch.ones(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        return x + self.gamma * self.attn["o_proj"](self.attn["q_proj"](y) * self.attn["v_proj"](y))
+
+
+def test_sequence_parallelism_is_refused_for_a_block_weight_no_style_takes():
+    """The learned scale would see a rank's sequence shard, its gradient a partial sum; the
+    routers and experts of an MoE block are taken (their gradients summed over tp), and so is
+    every weight of DeepSeek-V3's block (MLA's down-projections run on the gathered sequence)."""
+    model = nn.Sequential()
+    model.layers = nn.ModuleList([_ScaledBlock(), _ScaledBlock()])
+    with pytest.raises(ValueError, match=r"sequence_parallel: layers.0 \(_ScaledBlock\) holds a "
+                       "weight no tensor-parallel style takes"):  # fmt: skip
+        tp_plan(model, autopar.ParallelConfig(tp=2, sequence_parallel=True))
+    for name in ("mixtral-tiny-hf", "deepseek-v3-tiny-hf"):
+        plan = tp_plan(hf.build(name), autopar.ParallelConfig(tp=2, sequence_parallel=True))
+        assert plan["model.layers.1.mlp.gate"] == "token_sum"
+        assert plan["model.layers.1.mlp.experts"] == "token_sum"
+    assert plan["model.layers.1.self_attn"] == "gather_seq_local/3"
+    assert plan["model.layers.1.self_attn.kv_a_proj_with_mqa"] == "latent_kv/8"
