@@ -13,12 +13,16 @@ x = act_scale (training over traced element bytes), c = cp, A an entry of a laye
 training element bytes and g the gradient element bytes:
 
     tp      no SP: all-reduce of A b x / c, twice per micro-batch (Megatron's f and g: once
-            forward, once backward), three times with full recompute of a block (with
-            recompute_layers k: the first k blocks of each chunk, `_recomputed_blocks`);
-            SP: all-gather and reduce-scatter of A b x / c, each twice per micro-batch.
-            The token embedding's entry is the vocabulary-parallel lookup's all-reduce forward
-            and the column-parallel head's input-gradient all-reduce backward (SP: its
-            reduce-scatter and the head's all-gather, Megatron's ends).
+            forward, once backward); a block under full recompute (with recompute_layers k:
+            the first k blocks of each chunk, `_recomputed_blocks`) runs its forward's again
+            up to its last saved tensor (torch's checkpoint stops early): three times but for
+            the block's last entry; SP: all-gather and reduce-scatter of A b x / c, each twice
+            per micro-batch (recomputed: one more all-gather, and reduce-scatter but for the
+            last entry). The token embedding's entry is the vocabulary-parallel lookup's
+            all-reduce forward and the column-parallel head's input-gradient all-reduce
+            backward (SP: its reduce-scatter and the head's all-gather, Megatron's ends);
+            where the stack leaves them whole (`memory.vocab_whole`: autopar's runtime with
+            pp or cp > 1) neither has collectives and the loss is not vocabulary-parallel.
     loss    vocabulary-parallel cross entropy (torch's loss_parallel): three all-reduces per
             micro-batch (max, sum of exponentials, target logit) of b s fp32 values (next-token
             losses read s - 1 positions: an upper bound).
@@ -61,15 +65,21 @@ training element bytes and g the gradient element bytes:
             a V schedule's two middle chunks on the last stage are one run, torch hands their
             activations over in memory). Across each cut between runs on different stages,
             per micro-batch the forward activation (the hidden states, b S H w_a / (c t_sp),
-            w_a = traced float bytes x act_scale, t_sp = t with SP, else 1, the estimator's
-            `_pipeline` divisor) goes downstream and its gradient (same bytes) upstream: the
-            earlier stage sends m and receives m, the later one receives m and sends m; one
-            isend or irecv per tensor (gloo does not coalesce batch_isend_irecv). Each step
+            w_a = traced float bytes x act_scale, t_sp = t with SP, else 1,
+            `memory.stage_boundary_ways`) goes downstream and its gradient (same bytes)
+            upstream: the earlier stage sends m and receives m, the later one receives m and
+            sends m; one isend or irecv per tensor (gloo does not coalesce batch_isend_irecv).
+            Each step
             the last chunk's loss (one fp32) is broadcast over pp, and a tied embedding whose
             first and last chunks lie on different stages has its gradient all-reduced
             between the two (T g / t, T the tied elements, divided by fsdp where FSDP shards
-            the gradients). Not counted: the shape-inference messages the first step sends
-            (pickled metadata by send_object_list, once per run, not per step).
+            the gradients; whole, T g, where the vocabulary is not split). With SP where the
+            stack gathers the sequence at each chunk's ends (autopar's runtime:
+            `CostOptions.pipeline_sends_sequence_shards` false) t_sp = 1, and each chunk of a
+            stage all-gathers the sequence twice per micro-batch (its output forward, its
+            input's gradient backward; the final norm then runs whole, outside the sp sum).
+            Not counted: the shape-inference messages the first step sends (pickled metadata
+            by send_object_list, once per run, not per step).
 """
 
 from __future__ import annotations
@@ -89,7 +99,7 @@ from autopar.estimate.memory import (
     token_summed_params,
     token_ways,
 )
-from autopar.estimate.tables import LayerTable, ModelTables
+from autopar.estimate.tables import LayerTable, ModelTables, whole_vocabulary
 
 # Training element bytes: FSDP gathers the weights in the training precision.
 
@@ -119,20 +129,29 @@ def stage_communication(
     precision: str,
     grad_bytes: int,
     act_scale: float,
+    vocab_whole: bool = False,
+    boundary_ways: int | None = None,
 ) -> tuple[tuple[PlannedCollective, ...], ...]:
-    """Per stage, the collectives of one step on one of its ranks (module docstring)."""
+    """Per stage, the collectives of one step on one of its ranks (module docstring);
+    ``vocab_whole``: the embedding and head run whole on every tp rank (`memory.vocab_whole`);
+    ``boundary_ways``: what divides a stage's sent activation (`memory.stage_boundary_ways`;
+    default the token ranks)."""
     weight_bytes = PRECISION_BYTES[precision]
-    by_name = {t.name: t for t in tables.layers}
+    as_run = whole_vocabulary if vocab_whole else (lambda t: t)
+    by_name = {t.name: as_run(t) for t in tables.layers}
     last = tables.layers[-1].name if tables.layers else ""
     out = []
+    ways = token_ways(cfg) if boundary_ways is None else boundary_ways
     for names in stage_layers:
         layers = [by_name[n] for n in names]
         m, g, x = num_microbatches, grad_bytes, act_scale
-        stage = _tensor_parallel(tables, cfg, layers, m, g, x)
+        # chunks that gather at their ends run the final norm on the whole sequence
+        ends_gathered = cfg.pp > 1 and ways < token_ways(cfg)
+        stage = _tensor_parallel(tables, cfg, layers, m, g, x, ends_gathered)
         stage += _context_parallel(cfg, layers, m, g, x, holds_loss=last in names)
         stage += _expert_parallel(cfg, layers, m, x)
         stage += _data_parallel(cfg, layers, m, weight_bytes, g)
-        stage += _pipeline(tables, cfg, stage_layers, len(out), m, g, x)
+        stage += _pipeline(tables, cfg, stage_layers, len(out), m, g, x, vocab_whole, ways)
         if cfg.world_size > 1:
             stage.append(PlannedCollective("clip", "all_reduce", "world", 1, 16.0, "norm and loss"))
         out.append(tuple(stage))
@@ -164,14 +183,19 @@ def _pipeline(
     m: int,
     g: int,
     x: float,
+    vocab_whole: bool = False,
+    div: int = 1,
 ) -> list[PlannedCollective]:
     out: list[PlannedCollective] = []
     if cfg.pp == 1:
         return out
     runs = _chunk_runs(tables, stage_layers)
-    div = token_ways(cfg)
     hidden = tables.seq_len * tables.hidden * tables.traced_float_bytes
     nbytes = hidden * cfg.micro_batch_size * x / div
+    if div < token_ways(cfg):  # SP: each chunk on this stage gathers at its end, splits at
+        # its start (the all-gather of its output forward, of its input's gradient backward)
+        calls = 2 * m * cfg.virtual_stages
+        out.append(PlannedCollective("tp", "all_gather", "tp", calls, nbytes, "chunk ends"))
     for (a, i), (b, _) in pairwise(runs):
         cut = f"after {tables.layers[i].name}"
         if here == a:  # activations down, their gradients back
@@ -185,7 +209,7 @@ def _pipeline(
     tied = tied_elements(tables)
     if tied and first != last and here in (first, last):
         sharded = cfg.fsdp if cfg.fsdp > 1 and cfg.zero_stage >= 1 else 1
-        grads = tied / cfg.tp * g / sharded
+        grads = tied / (1 if vocab_whole else cfg.tp) * g / sharded
         out.append(PlannedCollective("pp", "all_reduce", "pp", 1, grads, "tied embedding"))
     return out
 
@@ -209,7 +233,13 @@ def _recomputed_blocks(
 
 
 def _tensor_parallel(
-    tables: ModelTables, cfg: ParallelConfig, layers: list[LayerTable], m: int, g: int, x: float
+    tables: ModelTables,
+    cfg: ParallelConfig,
+    layers: list[LayerTable],
+    m: int,
+    g: int,
+    x: float,
+    ends_gathered: bool = False,
 ) -> list[PlannedCollective]:
     out: list[PlannedCollective] = []
     if cfg.tp == 1:
@@ -219,19 +249,25 @@ def _tensor_parallel(
     recomputed = _recomputed_blocks(tables, cfg, layers)
     for t in layers:
         again = cfg.recompute == "full" and t.name in recomputed
-        for size in t.tp_allreduce_bytes:
+        for i, size in enumerate(t.tp_allreduce_bytes):
             nbytes = size * b * x / cfg.cp
+            # a recomputed block runs its forward collectives again up to its last saved
+            # tensor (torch's checkpoint stops early): all but the last row output's
+            last = i == len(t.tp_allreduce_bytes) - 1
             if cfg.sequence_parallel:
-                out.append(PlannedCollective("tp", "all_gather", "tp", 2 * m, nbytes, t.name))
-                out.append(PlannedCollective("tp", "reduce_scatter", "tp", 2 * m, nbytes, t.name))
+                gathers, scatters = (3 * m, (2 if last else 3) * m) if again else (2 * m, 2 * m)
+                out.append(PlannedCollective("tp", "all_gather", "tp", gathers, nbytes, t.name))
+                out.append(
+                    PlannedCollective("tp", "reduce_scatter", "tp", scatters, nbytes, t.name)
+                )
             else:
-                calls = (3 if again else 2) * m
+                calls = (2 if last or not again else 3) * m
                 out.append(PlannedCollective("tp", "all_reduce", "tp", calls, nbytes, t.name))
-        if t.vocab_logits_bytes and has_blocks:  # the vocabulary-parallel head (tied or not)
+        if t.vocab_logits_bytes and t.vocab_split and has_blocks:  # vocabulary-parallel head
             tokens = b * tables.seq_len / cfg.cp
             out.append(PlannedCollective("loss", "all_reduce", "tp", 3 * m, 4 * tokens, t.name))
     if cfg.sequence_parallel:
-        sp_layers = _sequence_parallel_layers(layers)
+        sp_layers = _sequence_parallel_layers(layers, final_norm=not ends_gathered)
         rep = sum(t.params_rep - t.params_router for t in sp_layers) * g
         if rep:
             out.append(PlannedCollective("sp", "all_reduce", "tp", 1, rep, "norms"))
@@ -324,9 +360,12 @@ def _data_parallel(
     return out
 
 
-def _sequence_parallel_layers(layers: list[LayerTable]) -> list[LayerTable]:
-    """The blocks and the final norm after them (the layer between the last block and the
-    head holding only replicated parameters): the layers that run on sequence shards."""
+def _sequence_parallel_layers(
+    layers: list[LayerTable], final_norm: bool = True
+) -> list[LayerTable]:
+    """The blocks and, with ``final_norm``, the final norm after them (the layer between the
+    last block and the head holding only replicated parameters): the layers that run on
+    sequence shards."""
     blocks = [i for i, t in enumerate(layers) if t.kind == "block"]
     if not blocks:
         return []
@@ -335,7 +374,7 @@ def _sequence_parallel_layers(layers: list[LayerTable]) -> list[LayerTable]:
         for t in layers[blocks[-1] + 1 :]
         if t.params_rep and not t.params_tp and not t.vocab_logits_bytes
     ]
-    return [layers[i] for i in blocks] + after[:1]
+    return [layers[i] for i in blocks] + (after[:1] if final_norm else [])
 
 
 def as_text(collectives: tuple[PlannedCollective, ...]) -> str:

@@ -112,7 +112,7 @@ def layer_time(
     ``cast_traffic`` (`CostOptions.cast_traffic`)."""
     b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
     # experts: split over ep, whole on every tp rank (each runs its tokens' experts)
-    weight_div = {"tp": t, "rep": 1, "expert": cfg.ep}
+    weight_div = {"tp": t, "rep": 1, "expert": cfg.ep, "whole": 1}
     flop_div = shard_divisors(cfg)
     fwd = bwd = wgrad = 0.0
     cast_f = cast_b = 0.0  # a recipe's scaling, casts and transposes (module docstring)

@@ -85,9 +85,9 @@ def token_ways(cfg: ParallelConfig) -> int:
 def shard_divisors(cfg: ParallelConfig) -> dict[str, int]:
     """Per shard class, what divides a layer's per-sample work and activations on one rank:
     "tp" by tp x cp; "rep" (norms, routers) and "expert" by `token_ways` (experts run whole
-    on every tp rank, each on its own tokens)."""
+    on every tp rank, each on its own tokens); "whole" (an unsplit vocabulary layer) by cp."""
     ways = token_ways(cfg)
-    return {"tp": cfg.tp * cfg.cp, "rep": ways, "expert": ways}
+    return {"tp": cfg.tp * cfg.cp, "rep": ways, "expert": ways, "whole": cfg.cp}
 
 
 def token_summed_params(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
@@ -126,6 +126,21 @@ def tied_elements(tables: ModelTables) -> float:
     head = heads[-1]
     weights = sum(mm.weight_bytes for mm in head.matmuls) / tables.traced_float_bytes
     return max(0.0, weights - head.params_tp - head.params_rep)
+
+
+def vocab_whole(cfg: ParallelConfig, options: CostOptions) -> bool:
+    """Whether ``cfg`` runs the token embedding and the LM head whole on every tp rank: tp > 1
+    where the stack splits the vocabulary only with pp = cp = 1
+    (`CostOptions.vocab_parallel_everywhere`, `tables.whole_vocabulary`)."""
+    split_elsewhere = options.vocab_parallel_everywhere or (cfg.pp == 1 and cfg.cp == 1)
+    return cfg.tp > 1 and not split_elsewhere
+
+
+def stage_boundary_ways(cfg: ParallelConfig, options: CostOptions) -> int:
+    """What divides the activation a pipeline stage sends: the token ranks (`token_ways`), or
+    cp alone where the stack gathers the sequence at each chunk's end
+    (`CostOptions.pipeline_sends_sequence_shards`)."""
+    return token_ways(cfg) if options.pipeline_sends_sequence_shards else cfg.cp
 
 
 def dispatched(cfg: ParallelConfig, table: LayerTable, imbalance: float = 1.0) -> LayerTable:
@@ -184,7 +199,8 @@ class StageMemory:
         first = self.tables.layers[0].name
         if not self.tied or any(t.name == first for t in layers):
             return 0.0
-        return self.tied / cfg.tp if any(t.vocab_logits_bytes for t in layers) else 0.0
+        heads = [t for t in layers if t.vocab_logits_bytes]
+        return self.tied / (cfg.tp if heads[0].vocab_split else 1) if heads else 0.0
 
     def shard_ways(self, cfg: ParallelConfig) -> int:
         """How many ways ZeRO splits the model state: fsdp, or fsdp x cp where the stack
@@ -249,7 +265,8 @@ class StageMemory:
             kept, none = (self.activation_bytes(cfg, table, p) for p in (policy, "none"))
             per_mb += kept
             transient = max(transient, none - kept)
-            logits += table.vocab_logits_bytes * b / (t * c) * self.act_scale
+            split = t if table.vocab_split else 1  # the logits' vocabulary over tp
+            logits += table.vocab_logits_bytes * b / (split * c) * self.act_scale
         activations = per_mb * max(1.0, inflight) + transient + logits * self.options.logit_copies
         pbytes = PRECISION_BYTES[self.precision]
         if cfg.zero_stage == 3:

@@ -19,7 +19,8 @@ Format (schema_version 1; every key of a table but ``source`` may be left out, t
     name = "torchtitan"                 # the file stem
     description = "..."
     [kernels]    matmul_efficiency, attention_efficiency, memory_traffic, cast_traffic, source
-    [memory]     activation_factor, logit_copies, reserve_fraction, source
+    [memory]     activation_factor, logit_copies, reserve_fraction, vocab_parallel_everywhere,
+                 pipeline_sends_sequence_shards, source
     [overlap]    tp_comm_overlap, overlap_grad_reduce, overlap_param_gather, fsdp_prefetch,
                  fsdp_per_tensor, fsdp_list_copies, grad_bytes, comm_interference,
                  fp8_all_gather, param_hook_s, fsdp_over_cp, source
@@ -45,7 +46,13 @@ from autopar.estimate.options import CostOptions
 DEFAULT_STACK = "autopar"
 _TABLES = {
     "kernels": ("matmul_efficiency", "attention_efficiency", "memory_traffic", "cast_traffic"),
-    "memory": ("activation_factor", "logit_copies", "reserve_fraction"),
+    "memory": (
+        "activation_factor",
+        "logit_copies",
+        "reserve_fraction",
+        "vocab_parallel_everywhere",
+        "pipeline_sends_sequence_shards",
+    ),
     "overlap": (
         "tp_comm_overlap",
         "overlap_grad_reduce",

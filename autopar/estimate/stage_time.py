@@ -49,6 +49,7 @@ from autopar.estimate.memory import (
     expert_replicas,
     expert_shard_ways,
     shared_out_experts,
+    stage_boundary_ways,
     token_summed_params,
     token_ways,
 )
@@ -215,8 +216,11 @@ class StageTimer:
         boundary = max(
             (t.output_bytes for t in self.tables.layers if t.kind == "block"), default=0.0
         )
-        div = token_ways(cfg)
-        p2p = mesh.time("send_recv", boundary * cfg.micro_batch_size * self.act_scale / div, "pp")
+        div = stage_boundary_ways(cfg, self.options)
+        sent = boundary * cfg.micro_batch_size * self.act_scale / div
+        p2p = mesh.time("send_recv", sent, "pp")
+        if div < token_ways(cfg):  # the chunk's ends gather the sequence (one each way)
+            p2p += mesh.time("all_gather", sent, "tp")
         split = cfg.schedule in SPLIT_BACKWARD
         fwd = tuple(s["forward"] for s in per_stage)
         wgrad = tuple(s["weight_grad"] if split else 0.0 for s in per_stage)

@@ -42,7 +42,13 @@ from autopar.config import ParallelConfig
 from autopar.config.precision import Recipe, base_precision, check_recipe, recipe_of
 from autopar.errors import ConfigError
 from autopar.estimate.layer_cost import LayerTime, layer_time
-from autopar.estimate.memory import OPTIMIZER_BYTES, PRECISION_BYTES, StageMemory, dispatched
+from autopar.estimate.memory import (
+    OPTIMIZER_BYTES,
+    PRECISION_BYTES,
+    StageMemory,
+    dispatched,
+    vocab_whole,
+)
 from autopar.estimate.mesh import MeshGroups
 from autopar.estimate.options import CostOptions
 from autopar.estimate.stacks import load_stack
@@ -56,7 +62,7 @@ from autopar.estimate.stages import (
     stage_layers,
     stage_of_chunk,
 )
-from autopar.estimate.tables import ModelTables
+from autopar.estimate.tables import LayerTable, ModelTables, whole_vocabulary
 from autopar.hardware import Cluster
 from cost_models.compute import DeviceSpec
 from cost_models.memory import PeakMemory, allocator_reserve_bytes
@@ -158,6 +164,7 @@ class Estimator:
         self._mesh_cache: dict[tuple, MeshGroups] = {}
         self._times_cache: dict[ParallelConfig, dict[str, LayerTime]] = {}
         self._chunks_cache: dict[tuple, Chunks] = {}
+        self._whole_vocab: tuple[LayerTable, ...] | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -317,7 +324,7 @@ class Estimator:
         by_class: dict[tuple[str, bool], LayerTime] = {}
         out = {}
         last = self.tables.layers[-1].name
-        for table in self.tables.layers:
+        for table in self._layers(cfg):
             # the model's last layer also carries the runtime's host work outside the
             # repeated layers, once per micro-batch
             model = table.name == last and bool(profile.model_overhead_s)
@@ -354,9 +361,18 @@ class Estimator:
             self._chunks_cache[key] = self._split(cfg, times)
         return self._chunks_cache[key]
 
+    def _layers(self, cfg: ParallelConfig) -> tuple[LayerTable, ...]:
+        """The model's layers as the stack runs them under ``cfg``: the embedding and head
+        whole on every tp rank where it does not split the vocabulary (`memory.vocab_whole`)."""
+        if not vocab_whole(cfg, self.options):
+            return self.tables.layers
+        if self._whole_vocab is None:
+            self._whole_vocab = tuple(whole_vocabulary(t) for t in self.tables.layers)
+        return self._whole_vocab
+
     def _split(self, cfg: ParallelConfig, times: dict[str, LayerTime]) -> Chunks:
         if not self.options.balance_stages:
-            return split_chunks(self.tables.layers, cfg)
+            return split_chunks(self._layers(cfg), cfg)
         work = [times[t.name].forward_s + times[t.name].backward_s for t in self.tables.layers]
 
         def balanced(blocks: list[int], n_chunks: int) -> list[int]:
@@ -366,7 +382,7 @@ class Estimator:
                 self._partition_cache[key] = linear_partition(weights, n_chunks)
             return self._partition_cache[key]
 
-        return split_chunks(self.tables.layers, cfg, balanced)
+        return split_chunks(self._layers(cfg), cfg, balanced)
 
 
 def converted_layers(tables: ModelTables, recipe: Recipe | None) -> dict[str, float]:

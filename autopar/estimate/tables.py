@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from autopar.tracing.graph import LayerInfo, ModelGraph, NodeInfo
 
-Shard = str  # "tp" | "rep" | "expert"
+Shard = str  # "tp" | "rep" | "expert" | "whole" (a vocabulary layer TP leaves whole)
 _DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 
 
@@ -70,6 +70,8 @@ class LayerTable:
     # routed / traced expert work: top_k / num_experts for a dense-dispatch MoE (the graph runs
     # every expert on every token), 1 when the graph already routes; `routed_layer` applies it
     moe_routed_fraction: float = 1.0
+    token_embedding: bool = False  # a token embedding: vocabulary-parallel under TP
+    vocab_split: bool = True  # False: `whole_vocabulary`'s, the layer whole on every tp rank
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,7 @@ def _layer_table(
     shard: dict[str, Shard] = {}
     matmuls, attention, allreduce = [], [], []
     column: set[str] = set()  # parameters of column-parallel matmuls (their biases split too)
+    token_embedding = False
     memory: dict[Shard, list[float]] = {}
     for name in layer.nodes:
         node = nodes[name]
@@ -235,6 +238,7 @@ def _layer_table(
         elif node.op == "aten.embedding.default" and node.params:
             if _indexed_by_tokens(node, nodes):
                 allreduce.append(float(node.bytes_written))
+                token_embedding = True
             memory.setdefault("rep", [0.0, 0])
             memory["rep"][0] += node.bytes_written * 2
             memory["rep"][1] += 1
@@ -262,6 +266,23 @@ def _layer_table(
             if layer.moe and layer.moe.dense_dispatch
             else 1.0
         ),
+        token_embedding=token_embedding,
+    )
+
+
+def whole_vocabulary(table: LayerTable) -> LayerTable:
+    """``table`` as a runtime that does not split the vocabulary runs it: a token embedding or
+    an LM head whole on every tp rank (its weights replicated, its matmul and logits per
+    context shard only, no vocabulary-parallel all-reduce); any other layer unchanged."""
+    if not (table.token_embedding or table.vocab_logits_bytes) or not table.vocab_split:
+        return table
+    return replace(
+        table,
+        matmuls=tuple(replace(m, shard="whole") if m.shard == "tp" else m for m in table.matmuls),
+        tp_allreduce_bytes=(),
+        params_tp=0,
+        params_rep=table.params_rep + table.params_tp,
+        vocab_split=False,
     )
 
 

@@ -29,6 +29,7 @@ from autopar.estimate import Estimate, Estimator
 from autopar.estimate.communication import stage_communication
 from autopar.estimate.goodput import estimate_goodput
 from autopar.estimate.layout import mesh_axes
+from autopar.estimate.memory import stage_boundary_ways, vocab_whole
 from autopar.hardware import Cluster, Reliability
 from autopar.models.source import import_root, model_fingerprint, resolve_callable
 from autopar.plan.types import ModelSource, Plan, StagePlan
@@ -126,6 +127,8 @@ def _communication(
         precision=estimator.precision,
         grad_bytes=estimator.options.grad_bytes,
         act_scale=estimator.act_scale,
+        vocab_whole=vocab_whole(estimate.config, estimator.options),
+        boundary_ways=stage_boundary_ways(estimate.config, estimator.options),
     )
     return tuple(tuple(c.as_dict() for c in stage) for stage in per_stage)
 

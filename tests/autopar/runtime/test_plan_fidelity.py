@@ -55,6 +55,11 @@ CASES_4 = [
     # with SP each tp rank dispatches its sequence shard (all-to-all rows / tp), and the
     # router's and experts' gradients are summed over tp after the backward
     Case("moe-tiny", C(dp=2, tp=2, ep=2, sequence_parallel=True)),
+    # pp x tp: each chunk's embedding and head whole on every tp rank (no vocabulary split
+    # under pp), the tied copy's gradient all-reduced whole; with SP each chunk gathers the
+    # sequence at its end and splits it at its start, so the stages send the whole sequence
+    Case("gpt-tiny", C(pp=2, tp=2, micro_batch_size=1)),
+    Case("llama-tiny", C(pp=2, tp=2, sequence_parallel=True, micro_batch_size=1)),
 ]
 
 
