@@ -22,7 +22,7 @@ training element bytes and g the gradient element bytes:
             all-reduce forward and the column-parallel head's input-gradient all-reduce
             backward (SP: its reduce-scatter and the head's all-gather, Megatron's ends);
             where the stack leaves them whole (`memory.vocab_whole`: autopar's runtime with
-            pp or cp > 1) neither has collectives and the loss is not vocabulary-parallel.
+            cp > 1) neither has collectives and the loss is not vocabulary-parallel.
     loss    vocabulary-parallel cross entropy (torch's loss_parallel): three all-reduces per
             micro-batch (max, sum of exponentials, target logit) of b s fp32 values (next-token
             losses read s - 1 positions: an upper bound).
@@ -247,8 +247,18 @@ def _tensor_parallel(
     b = cfg.micro_batch_size
     has_blocks = any(t.kind == "block" for t in tables.layers)
     recomputed = _recomputed_blocks(tables, cfg, layers)
+    # under pp the embedding's stage and the head's stage each issue half of the vocabulary
+    # pair's collectives (`_vocab_half`)
+    embedding = next((e for e in tables.layers if e.token_embedding), None)
+    parted = cfg.pp > 1 and embedding is not None
     for t in layers:
         again = cfg.recompute == "full" and t.name in recomputed
+        if parted and t.vocab_logits_bytes and t.vocab_split:
+            out += _vocab_half(cfg, embedding, m, b * x / cfg.cp, ends_gathered, t.name)
+        if parted and t.token_embedding:
+            if t.vocab_split:
+                out += _vocab_half(cfg, t, m, b * x / cfg.cp, ends_gathered, t.name)
+            continue
         for i, size in enumerate(t.tp_allreduce_bytes):
             nbytes = size * b * x / cfg.cp
             # a recomputed block runs its forward collectives again up to its last saved
@@ -358,6 +368,27 @@ def _data_parallel(
     if experts and expert_replicas(cfg) > 1:
         out.append(PlannedCollective("ep", "all_reduce", "expert_dp", 1, experts, "experts"))
     return out
+
+
+def _vocab_half(
+    cfg: ParallelConfig,
+    embedding: LayerTable,
+    m: int,
+    scale: float,
+    ends_gathered: bool,
+    layer: str,
+) -> list[PlannedCollective]:
+    """Under pp the embedding's stage and the head's stage each issue half of the vocabulary
+    pair's collectives, m per micro-batch: the lookup's all-reduce forward, the head's
+    input-gradient all-reduce backward; with SP at Megatron's ends, a reduce-scatter and an
+    all-gather on each (where chunks gather their ends, the all-reduces)."""
+    nbytes = sum(embedding.tp_allreduce_bytes) * scale
+    if cfg.sequence_parallel and not ends_gathered:
+        return [
+            PlannedCollective("tp", "all_gather", "tp", m, nbytes, layer),
+            PlannedCollective("tp", "reduce_scatter", "tp", m, nbytes, layer),
+        ]
+    return [PlannedCollective("tp", "all_reduce", "tp", m, nbytes, layer)]
 
 
 def _sequence_parallel_layers(

@@ -130,10 +130,9 @@ def tied_elements(tables: ModelTables) -> float:
 
 def vocab_whole(cfg: ParallelConfig, options: CostOptions) -> bool:
     """Whether ``cfg`` runs the token embedding and the LM head whole on every tp rank: tp > 1
-    where the stack splits the vocabulary only with pp = cp = 1
-    (`CostOptions.vocab_parallel_everywhere`, `tables.whole_vocabulary`)."""
-    split_elsewhere = options.vocab_parallel_everywhere or (cfg.pp == 1 and cfg.cp == 1)
-    return cfg.tp > 1 and not split_elsewhere
+    and cp > 1 where the stack splits the vocabulary only without context parallelism
+    (`CostOptions.vocab_parallel_with_cp`, `tables.whole_vocabulary`)."""
+    return cfg.tp > 1 and cfg.cp > 1 and not options.vocab_parallel_with_cp
 
 
 def stage_boundary_ways(cfg: ParallelConfig, options: CostOptions) -> int:

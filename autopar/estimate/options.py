@@ -78,12 +78,10 @@ class CostOptions:
     # the logits and their gradient; a loss that upcasts to fp32 and keeps its log-softmax
     # holds more, a fused or vocabulary-parallel one fewer.
     logit_copies: float = 2.0
-    # The token embedding and the LM head split over the vocabulary under tp > 1 in every plan
-    # (Megatron, torchtitan: with pipeline and context parallelism too); False: only where one
-    # module runs the whole model without context parallelism (autopar's runtime: a pipeline's
-    # loss runs inside torch's schedule, outside loss_parallel(), and the context-parallel loss
-    # reads whole-vocabulary logits), else both are whole on every tp rank.
-    vocab_parallel_everywhere: bool = True
+    # The token embedding and the LM head split over the vocabulary under tp > 1 with context
+    # parallelism too (Megatron, torchtitan); False: autopar's runtime, whose context-parallel
+    # loss reads whole-vocabulary logits, keeps both whole on every tp rank with cp > 1.
+    vocab_parallel_with_cp: bool = True
     # With sequence parallelism a pipeline stage sends its sequence shard (Megatron,
     # torchtitan); False: each model chunk gathers the sequence at its last block and splits it
     # at its first (autopar's runtime: a TP plan per chunk), so the whole sequence is sent and

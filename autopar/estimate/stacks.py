@@ -19,7 +19,7 @@ Format (schema_version 1; every key of a table but ``source`` may be left out, t
     name = "torchtitan"                 # the file stem
     description = "..."
     [kernels]    matmul_efficiency, attention_efficiency, memory_traffic, cast_traffic, source
-    [memory]     activation_factor, logit_copies, reserve_fraction, vocab_parallel_everywhere,
+    [memory]     activation_factor, logit_copies, reserve_fraction, vocab_parallel_with_cp,
                  pipeline_sends_sequence_shards, source
     [overlap]    tp_comm_overlap, overlap_grad_reduce, overlap_param_gather, fsdp_prefetch,
                  fsdp_per_tensor, fsdp_list_copies, grad_bytes, comm_interference,
@@ -50,7 +50,7 @@ _TABLES = {
         "activation_factor",
         "logit_copies",
         "reserve_fraction",
-        "vocab_parallel_everywhere",
+        "vocab_parallel_with_cp",
         "pipeline_sends_sequence_shards",
     ),
     "overlap": (

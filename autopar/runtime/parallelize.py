@@ -49,7 +49,7 @@ from autopar.runtime.parts import parts_of
 from autopar.runtime.pipeline import Pipeline, build_pipeline, layout_for
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.stages import build_stage_modules, even_layout
-from autopar.runtime.tensor_parallel import find_blocks, tp_plan
+from autopar.runtime.tensor_parallel import find_blocks, find_vocab_layers, tp_plan
 from autopar.runtime.tp_apply import apply_tensor_parallel
 
 if TYPE_CHECKING:
@@ -220,16 +220,15 @@ def _parallelize_pipeline(
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return contexts[0].loss(out, target) if contexts else spec.loss_fn(out, target)
 
+    vocab = _vocab_layers(model, config)
+
     def per_chunk(chunk: nn.Module) -> None:
         named = chunk.named_blocks()
         held = {name for name, _ in chunk.named_modules()}
-        # no vocabulary split: the pipeline's loss runs inside torch's schedule, outside
-        # loss_parallel(), so the head's logits must be whole
-        plan = (
-            {k: v for k, v in tp.items() if k in held}
-            if tp is not None
-            else tp_plan(chunk, config, placements)
-        )
+        if tp is not None:
+            plan = {k: v for k, v in tp.items() if k in held}
+        else:
+            plan = _chunk_plan(chunk, config, placements, vocab)
         plans.update(plan)
         blocks.extend(p for p, _ in named)
         # the whole model for context parallelism: a Hugging Face model's attention
@@ -278,11 +277,40 @@ def pipeline_tp_plan(
     if config.tp == 1:  # nothing to split (and a traced cut has no StageModules to ask)
         return {}
     layout = layout_for(config, model, stage_layers, schedule)
+    vocab = _vocab_layers(model, config)
     plan: dict[str, str] = {}
     for rank in range(config.pp):
         for chunk in build_stage_modules(model, layout, rank):
-            plan.update(tp_plan(chunk, config, placements))
+            plan.update(_chunk_plan(chunk, config, placements, vocab))
     return plan
+
+
+def _vocab_layers(model: nn.Module, config: ParallelConfig) -> tuple[str, str, str | None] | None:
+    """The whole model's token embedding and head (`find_vocab_layers`), which the chunks
+    holding them split over the vocabulary as with pp = 1 (the trainer runs the schedule under
+    loss_parallel()); None with cp, whose loss reads whole-vocabulary logits."""
+    return find_vocab_layers(model, find_blocks(model)) if config.cp == 1 else None
+
+
+def _chunk_plan(
+    chunk: nn.Module,
+    config: ParallelConfig,
+    placements: dict | None,
+    vocab: tuple[str, str, str | None] | None,
+) -> dict[str, str]:
+    """One pipeline chunk's TP plan: its blocks' (`tp_plan(chunk)`: with SP the chunk's
+    first block splits the sequence, its last gathers it), and the vocabulary split of the
+    embedding or head it holds."""
+    plan = tp_plan(chunk, config, placements)
+    if not plan or vocab is None:
+        return plan
+    held = {name for name, _ in chunk.named_modules()}
+    embedding, head, _ = vocab
+    return {
+        **({embedding: "vocab_embedding"} if embedding in held else {}),
+        **plan,
+        **({head: "vocab_head"} if head in held else {}),
+    }
 
 
 def _merge_modules(modules: list[nn.Module]) -> nn.Module:

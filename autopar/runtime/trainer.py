@@ -280,10 +280,15 @@ def train(
             args = (tuple(t.to(device) for t in inputs), targets.to(device), None)
             if pm.context_parallel is not None:  # this rank's sequence shard and positions
                 args = pm.context_parallel.shard_batch(args[0], args[1])
-            with _autocast(device, options.precision):
+            # loss_parallel() for a vocabulary-split head: the schedule runs the loss and its
+            # backward inside step()
+            with _autocast(device, options.precision), loss_context(pm.tp_plan):
                 loss_sum = pm.pipeline.step(*args).double()
-            pm.pipeline.sync_tied_gradients()  # a tied embedding: first + last stage summed
-        reduce_partial_grads(model)  # SP norms: weight-grad all-reduce over tp
+        # SP norms: weight-grad all-reduce over tp; a vocabulary-split embedding's gradient
+        # made its rows (before the tied sum, which adds it to the head's rows)
+        reduce_partial_grads(model)
+        if pm.pipeline is not None:  # a tied embedding: first + last stage summed
+            pm.pipeline.sync_tied_gradients()
         if pm.context_parallel is not None:  # each cp rank holds its shard's terms: sum
             experts = pm.expert_parallel.expert_names if pm.expert_parallel else frozenset()
             pm.context_parallel.sync_gradients(model, skip=experts)
