@@ -14,7 +14,8 @@ and two where ep covers every data rank, so FSDP leaves the experts out
 and EP2 over CP2 x PP2 (Qwen3-MoE: a pipeline chunk of a Hugging Face model routes its
 attention through the whole model's config; the runtime refused CP x PP for them before).
 EP2 over DP2 for the three families runs on 2 ranks in test_numerics_cp_ep.py. Measured
-2026-11-25 (max relative error): the matrix 4.9e-8 to 1.2e-7; beside it with the same harness,
+(max relative error): the matrix 4.9e-8 to 1.2e-7 (EP2 x TP2 + SP, 2026-11-24: Mixtral 1.1e-7,
+Qwen3-MoE 9.9e-8, DeepSeek-V3 9.9e-8); beside it with the same harness,
 EP2 over FSDP4 (ZeRO-3) 9.8e-8 to 1.2e-7, EP4 over FSDP4 (ZeRO-1) 1.0e-7, EP2 x FSDP2 x CP2
 (ZeRO-3) 9.8e-8 to 1.2e-7, and the zoo MoE under EP x FSDP and EP over CP 7.2e-8 to 8.0e-8."""
 
