@@ -393,7 +393,9 @@ def _whole_on_shards(plan: dict[str, str], blocks: list[tuple[str, nn.Module]]) 
     submodules are)."""
     # a token_sum module's submodules are taken; a gathered module's run on the whole sequence
     taken = tuple(
-        k + "." for k, style in plan.items() if style == "token_sum" or style.startswith("gather")
+        k + "."
+        for k, style in plan.items()
+        if style == "token_sum" or style.startswith("gather_seq")
     )
     for path, block in blocks:
         for name, module in block.named_modules():
