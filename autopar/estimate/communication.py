@@ -20,7 +20,10 @@ training element bytes and g the gradient element bytes:
             per micro-batch (recomputed: one more all-gather, and reduce-scatter but for the
             last entry). The token embedding's entry is the vocabulary-parallel lookup's
             all-reduce forward and the column-parallel head's input-gradient all-reduce
-            backward (SP: its reduce-scatter and the head's all-gather, Megatron's ends);
+            backward (SP: its reduce-scatter and the head's all-gather, Megatron's ends; where
+            the runtime splits the sequence at the first block and gathers it after the last,
+            `ModelTables.split_sequence_ends`, the two all-reduces and an all-gather at each
+            end, and the final norm runs whole);
             where the stack leaves them whole (`memory.vocab_whole`: autopar's runtime with
             cp > 1) neither has collectives and the loss is not vocabulary-parallel.
     loss    vocabulary-parallel cross entropy (torch's loss_parallel): three all-reduces per
@@ -145,8 +148,10 @@ def stage_communication(
     for names in stage_layers:
         layers = [by_name[n] for n in names]
         m, g, x = num_microbatches, grad_bytes, act_scale
-        # chunks that gather at their ends run the final norm on the whole sequence
-        ends_gathered = cfg.pp > 1 and ways < token_ways(cfg)
+        # chunks that gather at their ends run the final norm on the whole sequence: pipeline
+        # chunks where stages send the whole sequence, or a model without Megatron's ends
+        split_ends = cfg.pp == 1 and tables.split_sequence_ends
+        ends_gathered = (cfg.pp > 1 and ways < token_ways(cfg)) or split_ends
         stage = _tensor_parallel(tables, cfg, layers, m, g, x, ends_gathered)
         stage += _context_parallel(cfg, layers, m, g, x, holds_loss=last in names)
         stage += _expert_parallel(cfg, layers, m, x)
@@ -258,6 +263,14 @@ def _tensor_parallel(
         if parted and t.token_embedding:
             if t.vocab_split:
                 out += _vocab_half(cfg, t, m, b * x / cfg.cp, ends_gathered, t.name)
+            continue
+        if cfg.sequence_parallel and tables.split_sequence_ends and t.token_embedding:
+            # the lookup's and the head's all-reduces, the first block's split and the last
+            # one's gather (an all-gather each way), not Megatron's reduce-scatter at the ends
+            for size in t.tp_allreduce_bytes:
+                nbytes = size * b * x / cfg.cp
+                out.append(PlannedCollective("tp", "all_reduce", "tp", 2 * m, nbytes, t.name))
+                out.append(PlannedCollective("tp", "all_gather", "tp", 2 * m, nbytes, t.name))
             continue
         for i, size in enumerate(t.tp_allreduce_bytes):
             nbytes = size * b * x / cfg.cp

@@ -201,6 +201,14 @@ class StageMemory:
         heads = [t for t in layers if t.vocab_logits_bytes]
         return self.tied / (cfg.tp if heads[0].vocab_split else 1) if heads else 0.0
 
+    def _whole_outside_blocks(self, cfg: ParallelConfig) -> bool:
+        """With SP, whether the layers outside the blocks (the final norm, the head's input)
+        run on the whole sequence: where the runtime splits it at the first block and gathers
+        it after the last (`ModelTables.split_sequence_ends`, or pipeline chunks that gather
+        their ends, `CostOptions.pipeline_sends_sequence_shards`)."""
+        gathered = cfg.pp > 1 and not self.options.pipeline_sends_sequence_shards
+        return cfg.sequence_parallel and (self.tables.split_sequence_ends or gathered)
+
     def shard_ways(self, cfg: ParallelConfig) -> int:
         """How many ways ZeRO splits the model state: fsdp, or fsdp x cp where the stack
         shards over the context-parallel ranks too (`CostOptions.fsdp_over_cp`)."""
@@ -284,9 +292,11 @@ class StageMemory:
         """One micro-batch's activations ``table`` keeps under ``policy`` on one rank: per
         shard class, divided by t*c (sharded) or c (x t with SP, replicated); cached."""
         b, t, c, sp = cfg.micro_batch_size, cfg.tp, cfg.cp, cfg.sequence_parallel
-        key = (table.name, policy, b, t, c, sp, cfg.ep > 1)
+        key = (table.name, policy, b, t, c, sp, cfg.ep > 1, cfg.pp > 1)
         if key not in self._activation_cache:
             div = shard_divisors(cfg)
+            if table.kind != "block" and self._whole_outside_blocks(cfg):
+                div = {**div, "rep": c}
             imbalance = self.options.moe_imbalance
             split = dispatched(cfg, table, imbalance).activations.get(policy, {})
             kept = sum(v * b / div[k] for k, v in split.items())

@@ -71,6 +71,7 @@ class LayerTable:
     # every expert on every token), 1 when the graph already routes; `routed_layer` applies it
     moe_routed_fraction: float = 1.0
     token_embedding: bool = False  # a token embedding: vocabulary-parallel under TP
+    position_table: bool = False  # a learned position embedding (read by computed positions)
     vocab_split: bool = True  # False: `whole_vocabulary`'s, the layer whole on every tp rank
 
 
@@ -82,6 +83,11 @@ class ModelTables:
     traced_float_bytes: int  # bytes per element of the traced model's floats
     model_flops_per_sample: float  # forward + backward, no recompute (the MFU numerator)
     num_params: int
+    # with SP, where autopar's runtime splits the sequence at the first block and gathers it
+    # after the last (`runtime.tensor_parallel.find_vocab_layers`: a Hugging Face model, a
+    # position table, no final norm or no vocabulary pair) rather than at the embedding and
+    # head (Megatron's ends)
+    split_sequence_ends: bool = False
 
 
 def build_tables(graph: ModelGraph) -> ModelTables:
@@ -99,7 +105,22 @@ def build_tables(graph: ModelGraph) -> ModelTables:
         traced_float_bytes=float_bytes,
         model_flops_per_sample=graph.forward_flops + graph.backward_flops,
         num_params=graph.num_params,
+        split_sequence_ends=not _megatron_ends(graph, layers),
     )
+
+
+def _megatron_ends(graph: ModelGraph, layers: tuple[LayerTable, ...]) -> bool:
+    """Whether autopar's runtime runs SP from the embedding to the head (its rule in
+    `runtime.tensor_parallel.find_vocab_layers`): a token embedding and an LM head, a final
+    norm after the blocks, no position table, not a Hugging Face model (which derives its
+    positions and mask from the embedding output's shape)."""
+    blocks = [i for i, t in enumerate(layers) if t.kind == "block"]
+    if not blocks or graph.model_module.startswith("transformers."):
+        return False
+    pair = any(t.token_embedding for t in layers) and any(t.vocab_logits_bytes for t in layers)
+    after = layers[blocks[-1] + 1 :]
+    norm = any(t.params_rep and not t.params_tp and not t.vocab_logits_bytes for t in after)
+    return pair and norm and not any(t.position_table for t in layers)
 
 
 def _hidden_size(graph: ModelGraph) -> int:
@@ -184,7 +205,7 @@ def _layer_table(
     shard: dict[str, Shard] = {}
     matmuls, attention, allreduce = [], [], []
     column: set[str] = set()  # parameters of column-parallel matmuls (their biases split too)
-    token_embedding = False
+    token_embedding = position_table = False
     memory: dict[Shard, list[float]] = {}
     for name in layer.nodes:
         node = nodes[name]
@@ -239,6 +260,8 @@ def _layer_table(
             if _indexed_by_tokens(node, nodes):
                 allreduce.append(float(node.bytes_written))
                 token_embedding = True
+            else:
+                position_table = True
             memory.setdefault("rep", [0.0, 0])
             memory["rep"][0] += node.bytes_written * 2
             memory["rep"][1] += 1
@@ -267,6 +290,7 @@ def _layer_table(
             else 1.0
         ),
         token_embedding=token_embedding,
+        position_table=position_table,
     )
 
 

@@ -55,6 +55,7 @@ def trace(model: nn.Module, example_inputs: Any) -> ModelGraph:
     layers, classes, params = summarize_layers(table, layer_of, blocks, model)
     return ModelGraph(
         model_type=type(model).__name__,
+        model_module=type(model).__module__,
         input_shapes=tuple(tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor)),
         nodes={r.name: _node_info(r, layer_of) for r in table},
         layers=layers,

@@ -118,6 +118,7 @@ class ModelGraph:
     # Nodes whose op DTensor has no sharding rule for: planned replicated, listed in the plan.
     ops_without_sharding_rule: tuple[tuple[str, str], ...]
     graph_module: Any = field(default=None, repr=False, compare=False)
+    model_module: str = ""  # the model class's module ("transformers.models.llama...")
 
     @property
     def num_params(self) -> int:

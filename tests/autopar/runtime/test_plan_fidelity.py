@@ -58,6 +58,10 @@ CASES_4 = [
     # with SP each tp rank dispatches its sequence shard (all-to-all rows / tp), and the
     # router's and experts' gradients are summed over tp after the backward
     Case("moe-tiny", C(dp=2, tp=2, ep=2, sequence_parallel=True)),
+    # the same on transformers' Mixtral, whose SP ends are the first and last block (its
+    # positions come from the embedding output's shape): the lookup and head all-reduce, the
+    # ends all-gather, the final norm runs whole
+    Case("mixtral-tiny-hf", C(dp=2, tp=2, ep=2, sequence_parallel=True), seq_len=32),
     # pp x tp: the first stage's embedding and the last stage's head split over the
     # vocabulary (the tied copy's rows all-reduced over pp, the loss vocabulary-parallel);
     # with SP each chunk gathers the sequence at its end and splits it at its start, so the
