@@ -69,7 +69,7 @@ training element bytes and g the gradient element bytes:
             activations over in memory). Across each cut between runs on different stages,
             per micro-batch the forward activation (the hidden states, b S H w_a / (c t_sp),
             w_a = traced float bytes x act_scale, t_sp = t with SP, else 1,
-            `memory.stage_boundary_ways`) goes downstream and its gradient (same bytes)
+            `memory.sequence_ends_gathered`) goes downstream and its gradient (same bytes)
             upstream: the earlier stage sends m and receives m, the later one receives m and
             sends m; one isend or irecv per tensor (gloo does not coalesce batch_isend_irecv).
             Each step
@@ -133,25 +133,21 @@ def stage_communication(
     grad_bytes: int,
     act_scale: float,
     vocab_whole: bool = False,
-    boundary_ways: int | None = None,
+    ends_gathered: bool = False,
 ) -> tuple[tuple[PlannedCollective, ...], ...]:
     """Per stage, the collectives of one step on one of its ranks (module docstring);
     ``vocab_whole``: the embedding and head run whole on every tp rank (`memory.vocab_whole`);
-    ``boundary_ways``: what divides a stage's sent activation (`memory.stage_boundary_ways`;
-    default the token ranks)."""
+    ``ends_gathered``: each model chunk gathers the sequence at its ends under SP
+    (`memory.sequence_ends_gathered`), so stages send the whole sequence."""
     weight_bytes = PRECISION_BYTES[precision]
     as_run = whole_vocabulary if vocab_whole else (lambda t: t)
     by_name = {t.name: as_run(t) for t in tables.layers}
     last = tables.layers[-1].name if tables.layers else ""
     out = []
-    ways = token_ways(cfg) if boundary_ways is None else boundary_ways
+    ways = cfg.cp if ends_gathered else token_ways(cfg)
     for names in stage_layers:
         layers = [by_name[n] for n in names]
         m, g, x = num_microbatches, grad_bytes, act_scale
-        # chunks that gather at their ends run the final norm on the whole sequence: pipeline
-        # chunks where stages send the whole sequence, or a model without Megatron's ends
-        split_ends = cfg.pp == 1 and tables.split_sequence_ends
-        ends_gathered = (cfg.pp > 1 and ways < token_ways(cfg)) or split_ends
         stage = _tensor_parallel(tables, cfg, layers, m, g, x, ends_gathered)
         stage += _context_parallel(cfg, layers, m, g, x, holds_loss=last in names)
         stage += _expert_parallel(cfg, layers, m, x)
@@ -264,7 +260,7 @@ def _tensor_parallel(
             if t.vocab_split:
                 out += _vocab_half(cfg, t, m, b * x / cfg.cp, ends_gathered, t.name)
             continue
-        if cfg.sequence_parallel and tables.split_sequence_ends and t.token_embedding:
+        if ends_gathered and t.token_embedding:  # pp = 1 here (pp > 1: `parted`)
             # the lookup's and the head's all-reduces, the first block's split and the last
             # one's gather (an all-gather each way), not Megatron's reduce-scatter at the ends
             for size in t.tp_allreduce_bytes:

@@ -135,11 +135,14 @@ def vocab_whole(cfg: ParallelConfig, options: CostOptions) -> bool:
     return cfg.tp > 1 and cfg.cp > 1 and not options.vocab_parallel_with_cp
 
 
-def stage_boundary_ways(cfg: ParallelConfig, options: CostOptions) -> int:
-    """What divides the activation a pipeline stage sends: the token ranks (`token_ways`), or
-    cp alone where the stack gathers the sequence at each chunk's end
-    (`CostOptions.pipeline_sends_sequence_shards`)."""
-    return token_ways(cfg) if options.pipeline_sends_sequence_shards else cfg.cp
+def sequence_ends_gathered(cfg: ParallelConfig, tables: ModelTables, options: CostOptions) -> bool:
+    """With SP, whether the stack splits the sequence at each model chunk's first block and
+    gathers it after its last (autopar's runtime, `CostOptions.pipeline_sends_sequence_shards`
+    false: every pipeline chunk, and a whole model without Megatron's ends,
+    `ModelTables.split_sequence_ends`), so the final norm and the head's input run whole."""
+    if not (cfg.sequence_parallel and cfg.tp > 1) or options.pipeline_sends_sequence_shards:
+        return False
+    return cfg.pp > 1 or tables.split_sequence_ends
 
 
 def dispatched(cfg: ParallelConfig, table: LayerTable, imbalance: float = 1.0) -> LayerTable:
@@ -200,14 +203,6 @@ class StageMemory:
             return 0.0
         heads = [t for t in layers if t.vocab_logits_bytes]
         return self.tied / (cfg.tp if heads[0].vocab_split else 1) if heads else 0.0
-
-    def _whole_outside_blocks(self, cfg: ParallelConfig) -> bool:
-        """With SP, whether the layers outside the blocks (the final norm, the head's input)
-        run on the whole sequence: where the runtime splits it at the first block and gathers
-        it after the last (`ModelTables.split_sequence_ends`, or pipeline chunks that gather
-        their ends, `CostOptions.pipeline_sends_sequence_shards`)."""
-        gathered = cfg.pp > 1 and not self.options.pipeline_sends_sequence_shards
-        return cfg.sequence_parallel and (self.tables.split_sequence_ends or gathered)
 
     def shard_ways(self, cfg: ParallelConfig) -> int:
         """How many ways ZeRO splits the model state: fsdp, or fsdp x cp where the stack
@@ -295,7 +290,7 @@ class StageMemory:
         key = (table.name, policy, b, t, c, sp, cfg.ep > 1, cfg.pp > 1)
         if key not in self._activation_cache:
             div = shard_divisors(cfg)
-            if table.kind != "block" and self._whole_outside_blocks(cfg):
+            if table.kind != "block" and sequence_ends_gathered(cfg, self.tables, self.options):
                 div = {**div, "rep": c}
             imbalance = self.options.moe_imbalance
             split = dispatched(cfg, table, imbalance).activations.get(policy, {})

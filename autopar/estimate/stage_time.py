@@ -48,8 +48,8 @@ from autopar.estimate.memory import (
     StageMemory,
     expert_replicas,
     expert_shard_ways,
+    sequence_ends_gathered,
     shared_out_experts,
-    stage_boundary_ways,
     token_summed_params,
     token_ways,
 )
@@ -216,7 +216,8 @@ class StageTimer:
         boundary = max(
             (t.output_bytes for t in self.tables.layers if t.kind == "block"), default=0.0
         )
-        div = stage_boundary_ways(cfg, self.options)
+        gathered = sequence_ends_gathered(cfg, self.tables, self.options)
+        div = cfg.cp if gathered else token_ways(cfg)
         sent = boundary * cfg.micro_batch_size * self.act_scale / div
         p2p = mesh.time("send_recv", sent, "pp")
         if div < token_ways(cfg):  # the chunk's ends gather the sequence (one each way)

@@ -29,7 +29,7 @@ from autopar.estimate import Estimate, Estimator
 from autopar.estimate.communication import stage_communication
 from autopar.estimate.goodput import estimate_goodput
 from autopar.estimate.layout import mesh_axes
-from autopar.estimate.memory import stage_boundary_ways, vocab_whole
+from autopar.estimate.memory import sequence_ends_gathered, vocab_whole
 from autopar.hardware import Cluster, Reliability
 from autopar.models.source import import_root, model_fingerprint, resolve_callable
 from autopar.plan.types import ModelSource, Plan, StagePlan
@@ -128,7 +128,7 @@ def _communication(
         grad_bytes=estimator.options.grad_bytes,
         act_scale=estimator.act_scale,
         vocab_whole=vocab_whole(estimate.config, estimator.options),
-        boundary_ways=stage_boundary_ways(estimate.config, estimator.options),
+        ends_gathered=sequence_ends_gathered(estimate.config, estimator.tables, estimator.options),
     )
     return tuple(tuple(c.as_dict() for c in stage) for stage in per_stage)
 
