@@ -45,6 +45,7 @@ from autopar.runtime.capability import (
     precision_candidates,
     runtime_limits,
     runtime_problems,
+    traced_roles,
 )
 from autopar.solve import PlanOptions, solve
 from autopar.solve.limits import default_batch_for, space_limits
@@ -129,11 +130,14 @@ def parallelize(
     )
     limits = space_limits(model, graph, cluster, global_batch_size, options.micro_batch_sizes)
     bounded: list[str] = []
+    roles: tuple[dict[str, str], str] = ({}, "")
     if own_runtime(options.cost.stack):  # only what autopar's runtime can run
-        limits, bounded = runtime_limits(model, limits, options.cost.stack)
+        roles = traced_roles(model, graph)
+        limits, bounded = runtime_limits(model, limits, options.cost.stack, roles)
     notes += bounded
     solution = solve(estimator, graph, cluster, limits, options)
     plan = plan_from_estimate(solution.best, graph, cluster, precision, optimizer, estimator)
+    plan = replace(plan, tensor_parallel_roles=roles[0])
     plan = with_sources(plan, model, model_factory, cluster, loss_fn)
     plan = with_goodput(plan, cluster, options.reliability)
     timings = {"trace": trace_s, **solution.timings, "total": time.perf_counter() - start}
@@ -231,8 +235,10 @@ def evaluate(
     limits = space_limits(model, graph, cluster, global_batch_size)
     options = stack_options(stack, options)
     problems = config.problems(cluster) + shape_problems(config, limits)
+    roles: tuple[dict[str, str], str] = ({}, "")
     if own_runtime(options.stack):  # another stack's program is that framework's to run
-        problems += runtime_problems(model, config, limits.num_blocks, options.stack)
+        roles = traced_roles(model, graph)
+        problems += runtime_problems(model, config, limits.num_blocks, options.stack, roles)
     if problems:
         raise ConfigError(
             f"config {config.as_text()} cannot run {graph.model_type} on "
@@ -245,6 +251,7 @@ def evaluate(
     )
     estimate = estimator.evaluate(config, global_batch_size)
     plan = plan_from_estimate(estimate, graph, cluster, precision, optimizer, estimator)
+    plan = replace(plan, tensor_parallel_roles=roles[0])
     plan = with_sources(plan, model, model_factory, cluster, loss_fn)
     return with_goodput(plan, cluster, reliability)
 

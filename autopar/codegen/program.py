@@ -195,11 +195,15 @@ def _tensor_parallel(plan: Plan, model: nn.Module) -> str:
         tp = pipeline_tp_plan(model, c, plan.placements, _stage_layers(plan))
     else:
         # no vocabulary split with cp: the context-parallel loss reads whole logits
-        tp = tp_plan(model, c, plan.placements, vocab_parallel=c.cp == 1)
+        tp = tp_plan(
+            model, c, plan.placements, roles=plan.tensor_parallel_roles, vocab_parallel=c.cp == 1
+        )
     head = f'# ---- tensor parallelism over the "tp" axis ({plan.config.tp} ranks)'
     if not tp:
         return f"{head}: none\nTP_PLAN: dict[str, str] = {{}}"
     origin = "the intra-layer ILP's placements" if plan.placements else "Megatron's rule"
+    if plan.tensor_parallel_roles:
+        origin += " and the trace's column/row pairs (Plan.tensor_parallel_roles)"
     lines = [f"{head}, from {origin}: module -> style", "TP_PLAN = {"]
     if c.pp > 1:
         lines[0] += (

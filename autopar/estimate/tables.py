@@ -200,22 +200,13 @@ def _is_float(node: NodeInfo) -> bool:
 def _layer_table(
     layer: LayerInfo, nodes: dict[str, NodeInfo], graph: ModelGraph, derived: set[str]
 ) -> LayerTable:
-    inside = set(layer.nodes)
     router = layer.moe.router if layer.moe else None
     shard: dict[str, Shard] = {}
     matmuls, attention, allreduce = [], [], []
     column: set[str] = set()  # parameters of column-parallel matmuls (their biases split too)
     token_embedding = position_table = False
     memory: dict[Shard, list[float]] = {}
-    for name in layer.nodes:
-        node = nodes[name]
-        if node.kind != "call" or name in derived:
-            continue
-        acts = [i for i in node.inputs if nodes[i].kind not in ("parameter", "buffer", "constant")]
-        acts = [i for i in acts if i not in derived]
-        classes = [shard.get(i, "rep") if i in inside else "rep" for i in acts]
-        out = _propagate(node, classes, router)
-        shard[name] = out
+    for name, node, acts, classes, out in _shard_walk(layer, nodes, derived, shard):
         if node.op_class == "matmul" and node.params:
             weight = sum(
                 graph.parameters[p].num_bytes for p in node.params if p in graph.parameters
@@ -292,6 +283,45 @@ def _layer_table(
         token_embedding=token_embedding,
         position_table=position_table,
     )
+
+
+def _shard_walk(
+    layer: LayerInfo, nodes: dict[str, NodeInfo], derived: set[str], shard: dict[str, Shard]
+):
+    """The layer's call nodes in graph order with the propagation's classes: (name, node,
+    activation inputs, their classes, its class); ``shard`` collects each node's class."""
+    inside = set(layer.nodes)
+    router = layer.moe.router if layer.moe else None
+    for name in layer.nodes:
+        node = nodes[name]
+        if node.kind != "call" or name in derived:
+            continue
+        acts = [i for i in node.inputs if nodes[i].kind not in ("parameter", "buffer", "constant")]
+        acts = [i for i in acts if i not in derived]
+        classes = [shard.get(i, "rep") if i in inside else "rep" for i in acts]
+        out = _propagate(node, classes, router)
+        shard[name] = out
+        yield name, node, acts, classes, out
+
+
+def tensor_parallel_roles(graph: ModelGraph) -> dict[str, str]:
+    """Module path -> "col" | "row" for each weight matmul of the repeated blocks that the
+    tables price split over tp: column-parallel where it reads the replicated stream, row-
+    parallel where it reads a column-parallel one's sharded output (the module docstring's
+    propagation). Routers, experts and MLA's down-projections are not split by TP and are
+    left out. What autopar's runtime splits for a model whose projections it does not know
+    by name (`autopar.runtime.tensor_parallel.tp_plan`'s ``roles``)."""
+    derived = _weight_copies(graph)
+    roles: dict[str, str] = {}
+    for layer in graph.layers:
+        if layer.kind != "block":
+            continue
+        router = layer.moe.router if layer.moe else None
+        for _, node, _, classes, out in _shard_walk(layer, graph.nodes, derived, {}):
+            if node.op_class != "matmul" or not node.params or _compute_shard(node, router) != "tp":
+                continue
+            roles[node.module_path] = "row" if "tp" in classes else "col"
+    return roles
 
 
 def whole_vocabulary(table: LayerTable) -> LayerTable:

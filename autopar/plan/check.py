@@ -64,7 +64,7 @@ def plan_problems(data: dict[str, Any]) -> list[str]:
         out += _mapping_of_numbers("goodput", data["goodput"])
     if data.get("experts"):
         out += _mapping_of_numbers("experts", data["experts"])
-    for name in ("report", "placements"):
+    for name in ("report", "placements", "tensor_parallel_roles"):
         if name in data and not isinstance(data[name], dict):
             out.append(f"{name} must be an object, got {type(data[name]).__name__}")
     return out

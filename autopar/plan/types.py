@@ -108,6 +108,10 @@ class Plan:
     # active per token, and the load-imbalance factor the expert time and all-to-alls assume
     # (1.0: tokens spread evenly); empty for a dense model
     experts: dict[str, float] = field(default_factory=dict)
+    # block linears outside the Megatron names that the trace made column ("col") or row
+    # ("row") parallel and autopar's runtime splits so (`runtime.capability.traced_roles`):
+    # module path -> role; empty where the names cover every split projection
+    tensor_parallel_roles: dict[str, str] = field(default_factory=dict)
     schema_version: int = field(default=SCHEMA_VERSION)
     # wall-clock figures of this run (trace, search, ILP seconds): shown by summary() and
     # explain() but not saved, so the same inputs give a byte-identical plan.json

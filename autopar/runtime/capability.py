@@ -10,7 +10,9 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
                         (`autopar.runtime.traced_stages`), with tp = cp = ep = 1 (its stages
                         hold aten ops, not the modules those split); else pp = 1
     tensor parallelism  `tensor_parallel.unsplit_block` finds a block it would leave
-                        replicated while the estimate prices it sharded, or
+                        replicated while the estimate prices it sharded (linears it knows by
+                        name, and the others the trace made column/row parallel where
+                        `split_check` finds the model's code computes on their slices), or
                         `whole_width_norm` (here) a q/k norm over a whole column-parallel output
                         (OLMo2's) -> tp = 1
     sequence par.       needs a column/row pair in every block and every block parameter
@@ -34,18 +36,34 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from torch import nn
 
 from autopar.config import ParallelConfig
 from autopar.config.precision import supported_recipes
 from autopar.estimate.stacks import load_stack, stack_names
+from autopar.estimate.tables import tensor_parallel_roles
 from autopar.hardware.profile import HardwareProfile
 from autopar.runtime.expert_parallel import is_moe_block
 from autopar.runtime.low_precision import runnable
 from autopar.runtime.parts import has_parts
+from autopar.runtime.split_check import checked_roles
 from autopar.runtime.tensor_parallel import find_blocks, tp_plan, unsplit_block
 from autopar.runtime.traced_stages import traced_blocks, why_no_block_list
 from autopar.solve.space import SpaceLimits
+from autopar.tracing import ModelGraph
+
+
+def traced_roles(model: nn.Module, graph: ModelGraph) -> tuple[dict[str, str], str]:
+    """The block linears outside the Megatron names that the runtime may split as the trace
+    priced them (`Plan.tensor_parallel_roles`), and why it may not split the others ("" when
+    none is held back): `split_check.checked_roles` on the trace's inputs, on meta."""
+    inputs = tuple(
+        torch.empty(node.shapes[0], dtype=getattr(torch, node.dtypes[0]), device="meta")
+        for node in graph.nodes.values()
+        if node.kind == "input" and node.shapes
+    )
+    return checked_roles(model, tensor_parallel_roles(graph), inputs)
 
 
 def _pipeline_cut(model: nn.Module, num_blocks: int) -> str:
@@ -72,10 +90,13 @@ COMPILED_STACK = "autopar-compile"
 
 
 def runtime_limits(
-    model: nn.Module, limits: SpaceLimits, stack: str = "autopar"
+    model: nn.Module,
+    limits: SpaceLimits,
+    stack: str = "autopar",
+    roles: tuple[dict[str, str], str] = ({}, ""),
 ) -> tuple[SpaceLimits, list[str]]:
     """``limits`` bounded by what the runtime can do for ``model`` when ``stack`` runs it,
-    and why (module docstring)."""
+    and why (module docstring). ``roles``: `traced_roles`."""
     notes = []
     name = type(model).__name__
     if stack == COMPILED_STACK and (limits.max_tp != 1 or limits.max_cp > 1 or limits.num_experts):
@@ -97,24 +118,28 @@ def runtime_limits(
     if not has_parts(model) and limits.max_cp > 1:
         limits = replace(limits, max_cp=1)
         notes.append(f"no context-parallel plans: {_no_cp(name)}")
-    unsplit = unsplit_block(model, limits.num_blocks)
+    unsplit = unsplit_block(model, limits.num_blocks, roles[0])
     wide = whole_width_norm(model)
     if unsplit or wide:
         limits = replace(limits, max_tp=1)
-        why = _no_tp(name, unsplit) if unsplit else _wide_norm(wide)
+        why = _no_tp(name, unsplit, roles[1]) if unsplit else _wide_norm(wide)
         notes.append(f"no tensor-parallel plans: {why}")
-    elif no_sp := _no_sp(model):
+    elif no_sp := _no_sp(model, roles[0]):
         limits = replace(limits, no_sequence_parallel=True)
         notes.append(f"tensor parallelism without sequence parallelism: {no_sp}")
     return limits, notes
 
 
 def runtime_problems(
-    model: nn.Module, config: ParallelConfig, num_blocks: int, stack: str = "autopar"
+    model: nn.Module,
+    config: ParallelConfig,
+    num_blocks: int,
+    stack: str = "autopar",
+    roles: tuple[dict[str, str], str] = ({}, ""),
 ) -> list[str]:
     """Every way autopar's runtime would refuse ``config`` for ``model`` (whose trace found
     ``num_blocks`` repeated layers) when ``stack`` runs it, or run it otherwise than priced;
-    empty when it runs."""
+    empty when it runs. ``roles``: `traced_roles`."""
     out = []
     name = type(model).__name__
     if stack == COMPILED_STACK and max(config.tp, config.cp, config.ep) > 1:
@@ -137,13 +162,13 @@ def runtime_problems(
         out.append(f"cp={config.cp}: {_no_cp(name)}")
     if config.ep > 1 and not _dispatches_experts(model):
         out.append(f"ep={config.ep}: {_no_ep(name)}")
-    unsplit = unsplit_block(model, num_blocks) if config.tp > 1 else None
+    unsplit = unsplit_block(model, num_blocks, roles[0]) if config.tp > 1 else None
     wide = whole_width_norm(model) if config.tp > 1 else None
     if unsplit:
-        out.append(f"tp={config.tp}: {_no_tp(name, unsplit)}")
+        out.append(f"tp={config.tp}: {_no_tp(name, unsplit, roles[1])}")
     elif wide:
         out.append(f"tp={config.tp}: {_wide_norm(wide)}")
-    elif config.tp > 1 and config.sequence_parallel and (no_sp := _no_sp(model)):
+    elif config.tp > 1 and config.sequence_parallel and (no_sp := _no_sp(model, roles[0])):
         out.append(f"sequence_parallel: {no_sp}")
     return out
 
@@ -156,11 +181,11 @@ def _no_compiled_split() -> str:
     )
 
 
-def _no_sp(model: nn.Module) -> str:
+def _no_sp(model: nn.Module, roles: dict[str, str]) -> str:
     """Why the runtime cannot run sequence parallelism on ``model`` (`tp_plan`'s reason), or
     ""."""
     try:
-        tp_plan(model, ParallelConfig(tp=2, sequence_parallel=True))
+        tp_plan(model, ParallelConfig(tp=2, sequence_parallel=True), roles=roles)
     except ValueError as e:
         return f"autopar's runtime, for {type(model).__name__}: {e}"
     return ""
@@ -188,10 +213,11 @@ def _no_cp(name: str) -> str:
     )
 
 
-def _no_tp(name: str, block: str) -> str:
+def _no_tp(name: str, block: str, why: str = "") -> str:
     return (
         f"autopar's runtime would leave {name}'s blocks replicated, {block} first (it splits "
         "nn.Linear projections it can pair column/row), while the estimate prices them sharded"
+        + (f"; it does not split the projections the trace pairs because {why}" if why else "")
     )
 
 

@@ -138,29 +138,46 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def splits_every_block(model: nn.Module, num_blocks: int) -> bool:
+def splits_every_block(
+    model: nn.Module, num_blocks: int, roles: dict[str, str] | None = None
+) -> bool:
     """Whether tensor parallelism shards each repeated block of ``model`` (the traced graph
     found ``num_blocks``) as the estimator prices them: `unsplit_block` finds none."""
-    return unsplit_block(model, num_blocks) is None
+    return unsplit_block(model, num_blocks, roles) is None
 
 
-def unsplit_block(model: nn.Module, num_blocks: int) -> str | None:
+def unsplit_block(
+    model: nn.Module, num_blocks: int, roles: dict[str, str] | None = None
+) -> str | None:
     """The first repeated block tensor parallelism would not shard as priced ("path (Class)"),
-    or None: a block with no column-parallel projection feeding a row-parallel one by the
-    Megatron rule (GPT-2's Conv1D, T5's q/k/v/o and wi) would run replicated, or split one
-    projection alone, while priced sharded. A model without blocks is a chain of linears."""
+    or None: a block with no column-parallel nn.Linear feeding a row-parallel one, by name or
+    by the traced ``roles`` (GPT-2's Conv1D; anything without roles the Megatron names miss)
+    would run replicated, or split one projection alone, while priced sharded. A model
+    without blocks is a chain of linears."""
     blocks = find_blocks(model)
     if not blocks:
         if num_blocks == 0:
             return None
-        listed = [path for path, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-        return f"{listed[0] if listed else type(model).__name__} (no nn.Linear in its blocks)"
-    plan = tp_plan(model, ParallelConfig(tp=2))
+        listed = [(path, m) for path, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+        if not listed:
+            return f"{type(model).__name__} (no nn.Linear in its blocks)"
+        path, items = listed[0]
+        kinds = [type(m).__name__ for m in items.modules() if _projects(m)]
+        how = f": they project through {kinds[0]}" if kinds else ""
+        return f"{path} (no nn.Linear in its blocks{how})"
+    plan = tp_plan(model, ParallelConfig(tp=2), roles=roles)
     for path, block in blocks:  # a column-parallel projection feeding a row-parallel one
         styles = {style for key, style in plan.items() if key.startswith(path + ".")}
         if "colwise" not in styles or "rowwise" not in styles:
             return f"{path} ({type(block).__name__})"
     return None
+
+
+def _projects(module: nn.Module) -> bool:
+    """A module other than nn.Linear that multiplies by a matrix of its own (GPT-2's Conv1D)."""
+    weight = getattr(module, "weight", None)
+    matrix = isinstance(weight, nn.Parameter) and weight.dim() == 2
+    return matrix and not isinstance(module, nn.Linear | nn.Embedding)
 
 
 def _has_linear(module: nn.Module) -> bool:
@@ -178,6 +195,7 @@ def tp_plan(
     config: ParallelConfig,
     placements: dict | None = None,
     *,
+    roles: dict[str, str] | None = None,
     vocab_parallel: bool = False,
 ) -> dict[str, str]:
     """The TP plan of ``model``: module path -> style (see the module docstring).
@@ -187,6 +205,10 @@ def tp_plan(
         config: the plan's config; tp == 1 gives an empty plan.
         placements: `plan.placements` (class id -> {"layer", "parameters"}), or None for the
             Megatron rule.
+        roles: module path -> "col" | "row" for block linears the Megatron names do not
+            cover, as the trace's propagation priced them (`Plan.tensor_parallel_roles`,
+            `autopar.estimate.tables.tensor_parallel_roles`); a block's traced pairs form
+            one column/row group.
         vocab_parallel: split the token embedding and the LM head over the vocabulary (the
             plan the estimator prices; the loss must then run under `loss_context`). Off for
             callers that compute the loss where no loss_parallel() is entered.
@@ -203,7 +225,7 @@ def tp_plan(
         return _chain_plan(model, weights)
     all_pairs = True
     for path, block in blocks:
-        block_plan, paired = _block_plan(path, block, weights)
+        block_plan, paired = _block_plan(path, block, weights, roles or {})
         plan.update(block_plan)
         all_pairs &= paired
     vocab = find_vocab_layers(model, blocks) if vocab_parallel else None
@@ -279,12 +301,18 @@ def find_vocab_layers(
     """
     inside = tuple(p + "." for p, _ in blocks)
     outside = [(p, m) for p, m in model.named_modules() if p and not p.startswith(inside)]
-    embeddings = {m.num_embeddings: p for p, m in outside if isinstance(m, nn.Embedding)}
-    heads = [p for p, m in outside if isinstance(m, nn.Linear) and m.out_features in embeddings]
+    tables = [(p, m) for p, m in outside if isinstance(m, nn.Embedding)]
+    sizes = {m.num_embeddings for _, m in tables}
+    heads = [p for p, m in outside if isinstance(m, nn.Linear) and m.out_features in sizes]
     if not heads:
         return None
     head = heads[-1]
-    embedding = embeddings[model.get_submodule(head).out_features]
+    weight = model.get_submodule(head).weight
+    # the head's tied table, else the first of its size (a position table of the same size
+    # as the vocabulary, as in a small BERT, comes after the token embedding)
+    same = [p for p, m in tables if m.num_embeddings == weight.shape[0]]
+    tied = [p for p, m in tables if m.weight is weight]
+    embedding = (tied or same)[0]
     others = [
         p for p, m in outside if isinstance(m, nn.Embedding) and p != embedding
     ]  # a learned position table added to the token embedding
@@ -313,24 +341,31 @@ def _class_weights(model: nn.Module, placements: dict) -> dict[str, str]:
     return out
 
 
+# the group of a block's linears whose roles came from the trace (`tp_plan`'s ``roles``): the
+# propagation made each row-parallel one read a column-parallel one's output, so they pair as
+# one group whatever modules hold them (BERT's attention.self and attention.output)
+_TRACED = "<traced>"
+
+
 def _block_plan(
-    path: str, block: nn.Module, weights: dict[str, str]
+    path: str, block: nn.Module, weights: dict[str, str], roles: dict[str, str]
 ) -> tuple[dict[str, str], bool]:
-    """Styles of one block's linears, grouped by their parent (attention, MLP); and whether
-    every group is a Megatron column/row pair."""
+    """Styles of one block's linears, grouped by their parent (attention, MLP), or as one
+    traced group; and whether every group is a Megatron column/row pair."""
     groups: dict[str, dict[str, list[str]]] = {}
     for name, module in block.named_modules():
         parts = name.split(".")
         if not isinstance(module, nn.Linear) or REPLICATED_SCOPES & set(parts):
             continue
-        role = "col" if parts[-1] in COLUMN_NAMES else "row" if parts[-1] in ROW_NAMES else None
-        if role is None:
-            continue
         full = f"{path}.{name}"
+        role = "col" if parts[-1] in COLUMN_NAMES else "row" if parts[-1] in ROW_NAMES else None
+        group = ".".join(parts[:-1])
+        if role is None:
+            role, group = roles.get(full), _TRACED
+        if role not in ("col", "row"):
+            continue
         placement = weights.get(full, "S(0)" if role == "col" else "S(1)")
-        groups.setdefault(".".join(parts[:-1]), {"col": [], "row": []})[role].append(
-            (full, placement)
-        )
+        groups.setdefault(group, {"col": [], "row": []})[role].append((full, placement))
     plan: dict[str, str] = {}
     all_pairs = bool(groups)
     for group, members in groups.items():
@@ -338,7 +373,7 @@ def _block_plan(
         paired = all(p == "S(0)" for _, p in cols) and all(p == "S(1)" for _, p in rows)
         paired = paired and bool(cols) and bool(rows)
         all_pairs &= paired
-        if paired:  # per-head norms (Qwen3's q_norm, k_norm) on the rank's heads
+        if paired and group != _TRACED:  # per-head norms (Qwen3's q_norm, k_norm)
             scope = block.get_submodule(group) if group else block
             plan.update({f"{path}.{n}": "head_norm" for n in _head_norms(scope, group)})
             key, rope = _shared_rope_key(scope, f"{path}.{group}" if group else path)
@@ -459,17 +494,29 @@ def _add_sequence_parallel(
             plan[path] = f"shard_seq/{n}"
         elif last:
             plan[path] = "gather_out"
-        for name, child in block.named_children():
-            if "norm" in type(child).__name__.lower():
-                plan[f"{path}.{name}"] = "sequence_parallel"
         plan.update({f"{path}.{name}": "token_sum" for name in _token_modules(block)})
+        # the modules whose column-parallel projections read the whole sequence: gathered
         parents = {
-            k.rsplit(".", 1)[0] for k in plan if k.startswith(path + ".") and "wise" in plan[k]
+            k.rsplit(".", 1)[0] for k in plan if k.startswith(path + ".") and plan[k] == "colwise"
         }
+        if path in parents:
+            raise ValueError(
+                f"{path} ({type(block).__name__}) calls its column-parallel projections itself, "
+                "beside its residual stream: the runtime gathers the sequence at a module "
+                "holding them (an attention, an MLP), and the block has none"
+            )
         for parent in parents:
             scope = block.get_submodule(parent[len(path) + 1 :])
             local = "_local" if _holds_unplanned(scope, parent, plan) else ""
             plan[parent] = f"gather_seq{local}/{_num_inputs(scope)}"
+        # norms on the residual stream, wherever they sit (Llama's and Gemma 2's are children,
+        # BERT's post-norms inside attention.output and output): on sequence shards
+        gathered = tuple(p + "." for p in parents)
+        for name, child in block.named_modules():
+            key = f"{path}.{name}"
+            norm = name and "norm" in type(child).__name__.lower()
+            if norm and key not in plan and not key.startswith(gathered):
+                plan[key] = "sequence_parallel"
         for key, style in list(plan.items()):
             if key.startswith(path + ".") and style == "rowwise":
                 plan[key] = "rowwise_to_seq"

@@ -27,6 +27,7 @@ from autopar.config import ParallelConfig
 from autopar.models.source import HF_FACTORY, ZOO_FACTORY
 from autopar.runtime.mesh import free_port, rank_environment
 from autopar.runtime.task import task_from_source
+from autopar.runtime.tensor_parallel import tp_plan
 from autopar.runtime.trainer import TrainOptions, reference_run, train
 
 OPTIONS = TrainOptions(steps=3, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, log=False)
@@ -45,6 +46,7 @@ class Case:
     factory: str | None = None  # "module:fn", the user's own (then `model` is a label)
     data: str | None = None  # the factory's data hook ("module:fn"); None: token ids
     loss: str | None = None  # the factory's loss ("module:fn"); None: next-token
+    roles: dict | None = None  # `Plan.tensor_parallel_roles`: linears split by the trace
 
     @property
     def label(self) -> str:
@@ -102,12 +104,18 @@ def run_cases(cases: list[Case]) -> list[list[tuple[float, float]]]:
     """On one rank: train every case; per case per step (loss, grad_norm)."""
     out = []
     for case in cases:
+        tp = None
+        if case.roles and case.config.pp == 1:  # as the generated program spells it out
+            c = case.config
+            tp = tp_plan(task_of(case).build(), c, case.placements, roles=case.roles,
+                         vocab_parallel=c.cp == 1)  # fmt: skip
         steps = train(
             task_of(case),
             case.config,
             case.global_batch_size,
             options=OPTIONS,
             placements=case.placements,
+            tp=tp,
             stage_layers=case.stage_layers,
             schedule=case.schedule,
         )

@@ -1,0 +1,142 @@
+"""Projections outside the Megatron names split as the trace pairs them, where the model's code
+computes on their slices (`autopar.runtime.split_check`; issue 19).
+
+Four small blocks of one shape, a list of two each, on meta: a per-head fused QKV (viewed into
+heads before its cut, GPT-NeoX's layout) splits; the same MLP with a fused gate/up chunked in
+two, a head count fixed in a view, and weights multiplied outside nn.Linear are refused, each
+with its reason. The runtime then takes the traced pairs into its TP plan (`tp_plan`'s roles),
+and the evaluated plan carries them for the generated program."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autopar
+from autopar.config import ParallelConfig
+from autopar.errors import ConfigError
+from autopar.runtime.capability import traced_roles
+from autopar.runtime.tensor_parallel import tp_plan
+from autopar.tracing import trace
+
+HIDDEN, HEADS, SEQ = 32, 4, 8
+
+
+class FusedHeads(nn.Module):
+    """Attention with one fused projection laid out per head ([head, q|k|v]) and an MLP whose
+    linears have names autopar does not know; ``fixed_heads`` views by the config's count."""
+
+    def __init__(self, fixed_heads: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.packed = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.back = nn.Linear(HIDDEN, HIDDEN)
+        self.widen = nn.Linear(HIDDEN, 2 * HIDDEN)
+        self.narrow = nn.Linear(2 * HIDDEN, HIDDEN)
+        self.fixed_heads = fixed_heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        heads = HEADS if self.fixed_heads else -1
+        qkv = self.packed(self.norm(x)).view(b, s, heads, 3 * HIDDEN // HEADS).transpose(1, 2)
+        q, k, v = qkv.chunk(3, dim=-1)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.back(att.transpose(1, 2).reshape(b, s, -1))
+        return x + self.narrow(F.gelu(self.widen(x)))
+
+
+class FusedGateUp(nn.Module):
+    """An MLP whose fused gate/up projection is chunked in two where it is made (Phi-3's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_and_value = nn.Linear(HIDDEN, 4 * HIDDEN)
+        self.out = nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, value = self.gate_and_value(x).chunk(2, dim=-1)
+        return x + self.out(F.silu(gate) * value)
+
+
+class OwnWeights(nn.Module):
+    """Weights multiplied in the block's own code (nn.MultiheadAttention's in_proj_weight)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Parameter(torch.randn(2 * HIDDEN, HIDDEN) * 0.02)
+        self.out = nn.Linear(2 * HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(F.relu(x @ self.mix.t()))
+
+
+class Stack(nn.Module):
+    def __init__(self, block: type[nn.Module], **kwargs) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([block(**kwargs) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _roles(model: nn.Module) -> tuple[dict[str, str], str]:
+    return traced_roles(model, trace(model, (torch.randn(1, SEQ, HIDDEN),)))
+
+
+def test_a_per_head_fused_projection_splits_as_the_trace_pairs_it():
+    model = Stack(FusedHeads)
+    roles, why = _roles(model)
+    assert why == ""
+    assert roles["blocks.1.packed"] == "col" and roles["blocks.1.back"] == "row"
+    assert roles["blocks.0.widen"] == "col" and roles["blocks.0.narrow"] == "row"
+    plan = tp_plan(model, ParallelConfig(tp=2), roles=roles)
+    assert plan["blocks.0.packed"] == "colwise" and plan["blocks.0.back"] == "rowwise"
+    assert plan["blocks.1.widen"] == "colwise" and plan["blocks.1.narrow"] == "rowwise"
+    # sequence parallelism gathers at a module holding the projections: a flat block has none
+    with pytest.raises(ValueError, match=r"blocks.0 \(FusedHeads\) calls its column-parallel"):
+        tp_plan(model, ParallelConfig(tp=2, sequence_parallel=True), roles=roles)
+    # without the roles (as before), nothing in these blocks would split
+    assert not any(k.startswith("blocks.0.") for k in tp_plan(model, ParallelConfig(tp=2)))
+
+
+def test_code_that_reads_a_projection_by_position_is_refused_with_its_reason():
+    roles, why = _roles(Stack(FusedGateUp))
+    assert roles == {}
+    assert why == (
+        "its code cuts blocks.0.gate_and_value's output along its features by position "
+        "(chunk): a fused projection, whose pieces a rank's slice would mix"
+    )
+    roles, why = _roles(Stack(FusedHeads, fixed_heads=True))
+    assert roles == {} and why.startswith(
+        "its code fails with blocks.0.packed and 7 other projections at 1/2 of their features "
+        "(RuntimeError: shape '[1, 8, 4, 24]' is invalid"
+    ), why
+    roles, why = _roles(Stack(OwnWeights))
+    assert roles == {} and why == (
+        "blocks.0 (OwnWeights) multiplies by its weights in its own code, not through an "
+        "nn.Linear the runtime can split"
+    )
+
+
+def test_evaluate_prices_and_carries_the_pairs_or_refuses_naming_the_reason():
+    cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=2)
+    inputs = (torch.randn(1, SEQ, HIDDEN),)
+    plan = autopar.evaluate(
+        Stack(FusedHeads), cluster, ParallelConfig(tp=2), inputs, global_batch_size=2
+    )
+    assert plan.tensor_parallel_roles["blocks.0.packed"] == "col"
+    assert autopar.Plan.from_json(plan.to_json()).tensor_parallel_roles == (
+        plan.tensor_parallel_roles
+    )
+    try:
+        autopar.evaluate(Stack(FusedGateUp), cluster, ParallelConfig(tp=2), inputs,
+                         global_batch_size=2)  # fmt: skip
+    except ConfigError as e:
+        assert "Stack's blocks replicated, blocks.0 (FusedGateUp) first" in str(e)
+        assert "cuts blocks.0.gate_and_value's output along its features by position" in str(e)
+    else:
+        raise AssertionError("tp=2 of a chunked fused projection was priced")
