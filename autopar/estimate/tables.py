@@ -206,7 +206,7 @@ def _layer_table(
     column: set[str] = set()  # parameters of column-parallel matmuls (their biases split too)
     token_embedding = position_table = False
     memory: dict[Shard, list[float]] = {}
-    for name, node, acts, classes, out in _shard_walk(layer, nodes, derived, shard):
+    for node, acts, classes, out in _shard_walk(layer, nodes, derived, shard):
         if node.op_class == "matmul" and node.params:
             weight = sum(
                 graph.parameters[p].num_bytes for p in node.params if p in graph.parameters
@@ -288,7 +288,7 @@ def _layer_table(
 def _shard_walk(
     layer: LayerInfo, nodes: dict[str, NodeInfo], derived: set[str], shard: dict[str, Shard]
 ):
-    """The layer's call nodes in graph order with the propagation's classes: (name, node,
+    """The layer's call nodes in graph order with the propagation's classes: (node, its
     activation inputs, their classes, its class); ``shard`` collects each node's class."""
     inside = set(layer.nodes)
     router = layer.moe.router if layer.moe else None
@@ -301,7 +301,7 @@ def _shard_walk(
         classes = [shard.get(i, "rep") if i in inside else "rep" for i in acts]
         out = _propagate(node, classes, router)
         shard[name] = out
-        yield name, node, acts, classes, out
+        yield node, acts, classes, out
 
 
 def tensor_parallel_roles(graph: ModelGraph) -> dict[str, str]:
@@ -317,7 +317,7 @@ def tensor_parallel_roles(graph: ModelGraph) -> dict[str, str]:
         if layer.kind != "block":
             continue
         router = layer.moe.router if layer.moe else None
-        for _, node, _, classes, out in _shard_walk(layer, graph.nodes, derived, {}):
+        for node, _, classes, _ in _shard_walk(layer, graph.nodes, derived, {}):
             if node.op_class != "matmul" or not node.params or _compute_shard(node, router) != "tp":
                 continue
             roles[node.module_path] = "row" if "tp" in classes else "col"
