@@ -287,7 +287,9 @@ def _tensor_parallel(
             out.append(PlannedCollective("loss", "all_reduce", "tp", 3 * m, 4 * tokens, t.name))
     if cfg.sequence_parallel:
         sp_layers = _sequence_parallel_layers(layers, final_norm=not ends_gathered)
-        rep = sum(t.params_rep - t.params_router for t in sp_layers) * g
+        # the norms' weights: routers and row-parallel biases are not summed here (the bias
+        # meets the whole gradient: the reduce-scatter's backward gathers it)
+        rep = sum(t.params_rep - t.params_router - t.params_row_bias for t in sp_layers) * g
         if rep:
             out.append(PlannedCollective("sp", "all_reduce", "tp", 1, rep, "norms"))
         summed = token_summed_params(cfg, layers) * g  # routers and experts on shards

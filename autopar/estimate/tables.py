@@ -73,6 +73,9 @@ class LayerTable:
     token_embedding: bool = False  # a token embedding: vocabulary-parallel under TP
     position_table: bool = False  # a learned position embedding (read by computed positions)
     vocab_split: bool = True  # False: `whole_vocabulary`'s, the layer whole on every tp rank
+    # biases of row-parallel matmuls, counted in params_rep too: added after the all-reduce (or
+    # the reduce-scatter, with SP), so whole, and their gradients whole on every tp rank
+    params_row_bias: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,8 @@ def build_tables(graph: ModelGraph) -> ModelTables:
     hidden = _hidden_size(graph)
     float_bytes = _traced_float_bytes(graph)
     derived = _weight_copies(graph)
-    layers = tuple(_layer_table(layer, nodes, graph, derived) for layer in graph.layers)
+    kept = _whole_head_matmuls(graph)
+    layers = tuple(_layer_table(layer, nodes, graph, derived, kept) for layer in graph.layers)
     return ModelTables(
         layers=layers,
         seq_len=int(seq_len),
@@ -198,7 +202,11 @@ def _is_float(node: NodeInfo) -> bool:
 
 
 def _layer_table(
-    layer: LayerInfo, nodes: dict[str, NodeInfo], graph: ModelGraph, derived: set[str]
+    layer: LayerInfo,
+    nodes: dict[str, NodeInfo],
+    graph: ModelGraph,
+    derived: set[str],
+    kept: frozenset[str],
 ) -> LayerTable:
     router = layer.moe.router if layer.moe else None
     shard: dict[str, Shard] = {}
@@ -206,7 +214,7 @@ def _layer_table(
     column: set[str] = set()  # parameters of column-parallel matmuls (their biases split too)
     token_embedding = position_table = False
     memory: dict[Shard, list[float]] = {}
-    for node, acts, classes, out in _shard_walk(layer, nodes, derived, shard):
+    for node, acts, classes, out in _shard_walk(layer, nodes, derived, shard, kept):
         if node.op_class == "matmul" and node.params:
             weight = sum(
                 graph.parameters[p].num_bytes for p in node.params if p in graph.parameters
@@ -218,7 +226,7 @@ def _layer_table(
                     weight_grad_flops=min(node.flops, node.backward_flops),
                     activation_bytes=max(0.0, node.bytes_read + node.bytes_written - weight),
                     weight_bytes=weight,
-                    shard=_compute_shard(node, router),
+                    shard=_compute_shard(node, router, kept),
                 )
             )
             if out == "rep" and "tp" in classes:
@@ -268,13 +276,15 @@ def _layer_table(
         attention=tuple(attention),
         memory_ops=tuple((k, v[0], int(v[1])) for k, v in memory.items()),
         tp_allreduce_bytes=tuple(allreduce),
-        **_param_split(layer, graph, nodes, column),
+        **_param_split(layer, graph, nodes, column, kept),
         activations=_activation_split(layer, nodes, shard, derived),
         output_bytes=float(layer.output_bytes),
         moe_num_experts=layer.moe.num_experts if layer.moe else 0,
         moe_top_k=layer.moe.top_k if layer.moe else 0,
         moe_dispatch_bytes=_dispatch_bytes(layer, nodes) if layer.moe else 0.0,
         vocab_logits_bytes=_logits_bytes(layer, nodes),
+        # a head TP keeps whole (a classifier, not a vocabulary): its logits are whole too
+        vocab_split=_head_path(layer, nodes) not in kept,
         moe_routed_fraction=(
             layer.moe.top_k / layer.moe.num_experts
             if layer.moe and layer.moe.dense_dispatch
@@ -286,7 +296,11 @@ def _layer_table(
 
 
 def _shard_walk(
-    layer: LayerInfo, nodes: dict[str, NodeInfo], derived: set[str], shard: dict[str, Shard]
+    layer: LayerInfo,
+    nodes: dict[str, NodeInfo],
+    derived: set[str],
+    shard: dict[str, Shard],
+    kept: frozenset[str],
 ):
     """The layer's call nodes in graph order with the propagation's classes: (node, its
     activation inputs, their classes, its class); ``shard`` collects each node's class."""
@@ -299,7 +313,7 @@ def _shard_walk(
         acts = [i for i in node.inputs if nodes[i].kind not in ("parameter", "buffer", "constant")]
         acts = [i for i in acts if i not in derived]
         classes = [shard.get(i, "rep") if i in inside else "rep" for i in acts]
-        out = _propagate(node, classes, router)
+        out = _propagate(node, classes, router, kept)
         shard[name] = out
         yield node, acts, classes, out
 
@@ -317,8 +331,9 @@ def tensor_parallel_roles(graph: ModelGraph) -> dict[str, str]:
         if layer.kind != "block":
             continue
         router = layer.moe.router if layer.moe else None
-        for node, _, classes, _ in _shard_walk(layer, graph.nodes, derived, {}):
-            if node.op_class != "matmul" or not node.params or _compute_shard(node, router) != "tp":
+        for node, _, classes, _ in _shard_walk(layer, graph.nodes, derived, {}, frozenset()):
+            split = _compute_shard(node, router, frozenset()) == "tp"
+            if node.op_class != "matmul" or not node.params or not split:
                 continue
             roles[node.module_path] = "row" if "tp" in classes else "col"
     return roles
@@ -397,16 +412,51 @@ def routed_layer(table: LayerTable, imbalance: float = 1.0) -> LayerTable:
 WHOLE_PROJECTIONS = frozenset({"q_a_proj", "kv_a_proj_with_mqa"})
 
 
-def _whole(node: NodeInfo, router: str | None) -> bool:
-    """A weight matmul TP keeps replicated: the router, an MLA down-projection."""
+def _whole(node: NodeInfo, router: str | None, kept: frozenset[str]) -> bool:
+    """A weight matmul TP keeps replicated: the router, an MLA down-projection, a matmul
+    outside the blocks other than the vocabulary head (`_whole_head_matmuls`)."""
     path = node.module_path
-    return bool(router and path == router) or path.rsplit(".", 1)[-1] in WHOLE_PROJECTIONS
+    named = path.rsplit(".", 1)[-1] in WHOLE_PROJECTIONS
+    return bool(router and path == router) or named or path in kept
 
 
-def _propagate(node: NodeInfo, classes: list[Shard], router: str | None) -> Shard:
+def _whole_head_matmuls(graph: ModelGraph) -> frozenset[str]:
+    """Module paths of the weight matmuls outside the repeated blocks that TP leaves whole:
+    all but the vocabulary head (a weight with as many rows as the token embedding), as
+    autopar's runtime and Megatron do (BERT's MLM transform before its decoder, ViT's
+    classifier). Empty for a model without blocks (a chain of linears splits in turn)."""
+    blocks = [layer for layer in graph.layers if layer.kind == "block"]
+    if not blocks:
+        return frozenset()
+    nodes = graph.nodes
+    vocab = {
+        graph.parameters[p].shape[0]
+        for node in nodes.values()
+        if node.op == "aten.embedding.default" and _indexed_by_tokens(node, nodes)
+        for p in node.params
+        if p in graph.parameters
+    }
+    out = set()
+    for layer in graph.layers:
+        if layer.kind == "block":
+            continue
+        for name in layer.nodes:
+            node = nodes[name]
+            if node.kind != "call" or node.op_class != "matmul" or not node.params:
+                continue
+            rows = {graph.parameters[p].shape[0] for p in node.params if p in graph.parameters
+                    and len(graph.parameters[p].shape) == 2}  # fmt: skip
+            if not rows & vocab:
+                out.add(node.module_path)
+    return frozenset(out)
+
+
+def _propagate(
+    node: NodeInfo, classes: list[Shard], router: str | None, kept: frozenset[str]
+) -> Shard:
     if _is_expert(node):
         return "expert"
-    if node.op_class == "matmul" and node.params and _whole(node, router):
+    if node.op_class == "matmul" and node.params and _whole(node, router, kept):
         return "rep"
     if router and node.module_path == router:
         return "rep"
@@ -423,12 +473,12 @@ def _indexed_by_tokens(node: NodeInfo, nodes: dict[str, NodeInfo]) -> bool:
     return any(nodes[i].kind == "input" for i in node.inputs)
 
 
-def _compute_shard(node: NodeInfo, router: str | None) -> Shard:
+def _compute_shard(node: NodeInfo, router: str | None, kept: frozenset[str]) -> Shard:
     """Where a weight matmul's FLOPs go: experts by EP, the router and the MLA
     down-projections replicated, the rest by TP."""
     if _is_expert(node):
         return "expert"
-    return "rep" if _whole(node, router) else "tp"
+    return "rep" if _whole(node, router, kept) else "tp"
 
 
 def _value_bytes(node: NodeInfo) -> float:
@@ -441,23 +491,29 @@ def _value_bytes(node: NodeInfo) -> float:
 
 
 def _param_split(
-    layer: LayerInfo, graph: ModelGraph, nodes: dict[str, NodeInfo], column: set[str]
+    layer: LayerInfo,
+    graph: ModelGraph,
+    nodes: dict[str, NodeInfo],
+    column: set[str],
+    kept: frozenset[str],
 ) -> dict[str, int]:
     """Parameters owned by the layer, by how they shard: tp (matmul/embedding weights, and the
     biases of column-parallel matmuls, split with their output features as Megatron's
     ColumnParallelLinear and torch's ColwiseParallel do), expert, replicated (norms, the
     router, MLA's down-projections, biases of row-parallel layers: added after the all-reduce,
     so whole)."""
-    tp, rep, expert, tensors, routing = 0, 0, 0, 0, 0
+    tp, rep, expert, tensors, routing, row_bias = 0, 0, 0, 0, 0, 0
     sharded: set[str] = set()
+    matmuls: dict[str, bool] = {}  # a sharded parameter: read by a weight matmul?
     router = layer.moe.router if layer.moe else None
     for name in layer.nodes:
         node = nodes[name]
         if node.kind == "call" and (
-            (node.op_class == "matmul" and not _whole(node, router))
+            (node.op_class == "matmul" and not _whole(node, router, kept))
             or (node.op == "aten.embedding.default" and _indexed_by_tokens(node, nodes))
         ):
             sharded.update(node.params)
+            matmuls.update(dict.fromkeys(node.params, node.op_class == "matmul"))
     for p in graph.parameters.values():
         if p.layer != layer.name:
             continue
@@ -471,12 +527,14 @@ def _param_split(
             tp += p.numel
         else:
             rep += p.numel
+            row_bias += p.numel if p.name in sharded and matmuls.get(p.name) else 0
     return {
         "params_tp": tp,
         "params_rep": rep,
         "params_expert": expert,
         "num_param_tensors": tensors,
         "params_router": routing,
+        "params_row_bias": row_bias,
     }
 
 
@@ -502,8 +560,18 @@ def _dispatch_bytes(layer: LayerInfo, nodes: dict[str, NodeInfo]) -> float:
     return 0.0 if value is None else _value_bytes(value) * layer.moe.top_k
 
 
-def _logits_bytes(layer: LayerInfo, nodes: dict[str, NodeInfo]) -> float:
+def _head(layer: LayerInfo, nodes: dict[str, NodeInfo]) -> NodeInfo | None:
+    """The last layer's last matmul: the head whose logits the loss reads."""
     if layer.kind == "block" or layer.output_bytes:
-        return 0.0
-    last = next((nodes[n] for n in reversed(layer.nodes) if nodes[n].op_class == "matmul"), None)
-    return float(last.bytes_written) if last is not None else 0.0
+        return None
+    return next((nodes[n] for n in reversed(layer.nodes) if nodes[n].op_class == "matmul"), None)
+
+
+def _head_path(layer: LayerInfo, nodes: dict[str, NodeInfo]) -> str:
+    head = _head(layer, nodes)
+    return head.module_path if head is not None else ""
+
+
+def _logits_bytes(layer: LayerInfo, nodes: dict[str, NodeInfo]) -> float:
+    head = _head(layer, nodes)
+    return float(head.bytes_written) if head is not None else 0.0

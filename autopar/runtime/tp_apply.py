@@ -176,9 +176,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str,
     """Turn ``model``'s planned modules into DTensor modules on the 1-D ``tp_mesh`` (in place).
 
     Module paths are applied in plan order; an empty plan leaves the model as it is. A
-    parameter shared by two planned modules (a head tied to its embedding, both Shard(0) over
-    the vocabulary) is shared again afterwards: parallelize_module replaces each module's
-    parameter on its own, which would untie them.
+    planned module's parameter that another module holds too (a head tied to its embedding,
+    both Shard(0) over the vocabulary; a bias a head also keeps as its own attribute) is
+    shared again afterwards: parallelize_module replaces each module's parameter on its own,
+    which would untie them.
     """
     if not plan:
         return model
@@ -192,16 +193,21 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str,
 def _tied_parameters(
     model: nn.Module, plan: dict[str, str]
 ) -> list[tuple[tuple[str, str], tuple[str, str]]]:
-    """((owner module, name), (user module, name)) for each planned module's parameter that
-    an earlier planned module also holds."""
-    seen: dict[int, tuple[str, str]] = {}
+    """((owner module, name), (holder module, name)) for each planned module's parameter that
+    another module also holds: a head tied to its embedding, or BERT's decoder bias, which is
+    also its prediction head's own `bias`."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for path, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            holders.setdefault(id(p), []).append((path, name))
+    done: set[int] = set()
     out = []
     for path in plan:
         for name, p in model.get_submodule(path).named_parameters(recurse=False):
-            if id(p) in seen:
-                out.append((seen[id(p)], (path, name)))
-            else:
-                seen[id(p)] = (path, name)
+            if id(p) in done:
+                continue
+            done.add(id(p))
+            out += [((path, name), other) for other in holders[id(p)] if other != (path, name)]
     return out
 
 

@@ -17,7 +17,7 @@ from collections import Counter
 from typing import Any
 
 import torch
-from harness import Case, task_of
+from harness import Case, task_of, tp_of
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -90,6 +90,7 @@ def _comm_of_steps(case: Case, steps: int) -> tuple[Counter[Key], dict[str, floa
             case.config,
             case.global_batch_size,
             options=TrainOptions(steps=steps, log=False),
+            tp=tp_of(case),
         )
     return mode.sized, results[-1].memory_bytes
 
@@ -100,7 +101,7 @@ def saved_activation_bytes(case: Case) -> float:
     task = task_of(case)
     mesh = build_mesh(case.config)
     model = task.build()
-    pm = parallelize_model(model, mesh, case.config)
+    pm = parallelize_model(model, mesh, case.config, tp=tp_of(case))
     inputs, targets = task.batch(0, 0, case.config.micro_batch_size)
     seen: dict[int, float] = {}
 

@@ -74,6 +74,16 @@ def task_of(case: Case):
     )
 
 
+def tp_of(case: Case) -> dict[str, str] | None:
+    """The TP plan of a case whose plan split projections by the trace (``roles``), as the
+    generated program spells it out; None: the trainer derives it (names, placements)."""
+    if not case.roles or case.config.pp > 1:
+        return None
+    c = case.config
+    model = task_of(case).build()
+    return tp_plan(model, c, case.placements, roles=case.roles, vocab_parallel=c.cp == 1)
+
+
 def _entry(rank: int, world_size: int, port: int, fn: Any, args: tuple, out_dir: str) -> None:
     os.environ.update(rank_environment(rank, world_size, port))
     torch.set_num_threads(1)
@@ -104,18 +114,13 @@ def run_cases(cases: list[Case]) -> list[list[tuple[float, float]]]:
     """On one rank: train every case; per case per step (loss, grad_norm)."""
     out = []
     for case in cases:
-        tp = None
-        if case.roles and case.config.pp == 1:  # as the generated program spells it out
-            c = case.config
-            tp = tp_plan(task_of(case).build(), c, case.placements, roles=case.roles,
-                         vocab_parallel=c.cp == 1)  # fmt: skip
         steps = train(
             task_of(case),
             case.config,
             case.global_batch_size,
             options=OPTIONS,
             placements=case.placements,
-            tp=tp,
+            tp=tp_of(case),
             stage_layers=case.stage_layers,
             schedule=case.schedule,
         )
