@@ -82,12 +82,17 @@ def token_ways(cfg: ParallelConfig) -> int:
     return cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)
 
 
-def shard_divisors(cfg: ParallelConfig) -> dict[str, int]:
+def shard_divisors(cfg: ParallelConfig, gathered_whole: bool = False) -> dict[str, int]:
     """Per shard class, what divides a layer's per-sample work and activations on one rank:
     "tp" by tp x cp; "rep" (norms, routers) and "expert" by `token_ways` (experts run whole
-    on every tp rank, each on its own tokens); "whole" (an unsplit vocabulary layer) by cp."""
+    on every tp rank, each on its own tokens); "whole" (an unsplit vocabulary layer) by cp;
+    "gathered" (a column-parallel projection's saved input) as "rep", or by cp where SP's
+    all-gather output is what is kept (``gathered_whole``:
+    `CostOptions.sequence_parallel_saves_gathered`)."""
     ways = token_ways(cfg)
-    return {"tp": cfg.tp * cfg.cp, "rep": ways, "expert": ways, "whole": cfg.cp}
+    gathered = cfg.cp if gathered_whole and cfg.sequence_parallel else ways
+    return {"tp": cfg.tp * cfg.cp, "rep": ways, "expert": ways, "whole": cfg.cp,
+            "gathered": gathered}  # fmt: skip
 
 
 def token_summed_params(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
@@ -289,9 +294,9 @@ class StageMemory:
         b, t, c, sp = cfg.micro_batch_size, cfg.tp, cfg.cp, cfg.sequence_parallel
         key = (table.name, policy, b, t, c, sp, cfg.ep > 1, cfg.pp > 1)
         if key not in self._activation_cache:
-            div = shard_divisors(cfg)
+            div = shard_divisors(cfg, self.options.sequence_parallel_saves_gathered)
             if table.kind != "block" and sequence_ends_gathered(cfg, self.tables, self.options):
-                div = {**div, "rep": c}
+                div = {**div, "rep": c, "gathered": c}
             imbalance = self.options.moe_imbalance
             split = dispatched(cfg, table, imbalance).activations.get(policy, {})
             kept = sum(v * b / div[k] for k, v in split.items())

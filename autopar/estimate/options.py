@@ -87,6 +87,11 @@ class CostOptions:
     # at its first (autopar's runtime: a TP plan per chunk), so the whole sequence is sent and
     # each chunk costs an all-gather over tp each way per micro-batch.
     pipeline_sends_sequence_shards: bool = True
+    # With sequence parallelism, the column-parallel projections keep for their weight
+    # gradient the input SP's all-gather made, the whole sequence (torch's DTensor styles,
+    # autopar's runtime); False: they keep the rank's sequence shard and gather it again in
+    # the backward (Megatron-Core), so that input divides by tp like the other replicated ones.
+    sequence_parallel_saves_gathered: bool = False
     # Mixture of experts under ep > 1: the busiest ep rank's routed rows over the mean (1.0:
     # tokens spread evenly, as a force-balanced or capacity-limited router keeps them; a
     # learned router's skew is above 1). That rank's expert matmuls, saved rows and

@@ -20,7 +20,7 @@ Format (schema_version 1; every key of a table but ``source`` may be left out, t
     description = "..."
     [kernels]    matmul_efficiency, attention_efficiency, memory_traffic, cast_traffic, source
     [memory]     activation_factor, logit_copies, reserve_fraction, vocab_parallel_with_cp,
-                 pipeline_sends_sequence_shards, source
+                 pipeline_sends_sequence_shards, sequence_parallel_saves_gathered, source
     [overlap]    tp_comm_overlap, overlap_grad_reduce, overlap_param_gather, fsdp_prefetch,
                  fsdp_per_tensor, fsdp_list_copies, grad_bytes, comm_interference,
                  fp8_all_gather, param_hook_s, fsdp_over_cp, source
@@ -52,6 +52,7 @@ _TABLES = {
         "reserve_fraction",
         "vocab_parallel_with_cp",
         "pipeline_sends_sequence_shards",
+        "sequence_parallel_saves_gathered",
     ),
     "overlap": (
         "tp_comm_overlap",

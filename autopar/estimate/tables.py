@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from autopar.tracing.graph import LayerInfo, ModelGraph, NodeInfo
 
-Shard = str  # "tp" | "rep" | "expert" | "whole" (a vocabulary layer TP leaves whole)
+Shard = str  # "tp" | "rep" | "expert" | "whole" (a vocabulary layer TP leaves whole) | "gathered"
 _DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 
 
@@ -542,12 +542,21 @@ def _activation_split(
     layer: LayerInfo, nodes: dict[str, NodeInfo], shard: dict[str, Shard], derived: set[str]
 ) -> dict[str, dict[Shard, float]]:
     out: dict[str, dict[Shard, float]] = {}
+    # replicated values a column-parallel matmul reads: what SP all-gathers before it
+    gathered = {
+        i
+        for name in layer.nodes
+        if nodes[name].op_class == "matmul" and nodes[name].params and shard.get(name) == "tp"
+        for i in nodes[name].inputs
+    }
     for policy, values in layer.saved_values.items():
-        split: dict[Shard, float] = {"tp": 0.0, "rep": 0.0, "expert": 0.0}
+        split: dict[Shard, float] = {"tp": 0.0, "rep": 0.0, "expert": 0.0, "gathered": 0.0}
         for v in values:
             if v in derived:
                 continue
-            split[shard.get(v, "rep")] += _value_bytes(nodes[v])
+            kind = shard.get(v, "rep")
+            kind = "gathered" if kind == "rep" and v in gathered else kind
+            split[kind] += _value_bytes(nodes[v])
         split["tp"] += layer.saved_internal_bytes.get(policy, 0.0)  # attention statistics
         out[policy] = split
     return out
