@@ -11,7 +11,10 @@ Where the placements come from. With `plan.placements` present, a linear whose w
 parallel, "R" replicated. Without them, the Megatron rule the estimator prices
 (`autopar/estimate/tables.py`): in each attention / MLP the projections that read the block's
 input (q/k/v, qkv, fc, gate/up) are column parallel, the one that writes back (o, proj, down)
-row parallel. A model with no repeated blocks (the zoo's MLP) is a chain of linears: column,
+row parallel. A block linear these names miss takes the role the estimator's propagation gave
+it (``roles``, `Plan.tensor_parallel_roles`: GPT-NeoX's query_key_value, BERT's query and
+attention.output.dense), where `autopar.runtime.split_check` found the model's code computes
+on its slices. A model with no repeated blocks (the zoo's MLP) is a chain of linears: column,
 row, column, ... as the estimator's propagation alternates; a chain that ends sharded gathers
 its output. Convolutions, norms (without SP), position embeddings, MoE routers and experts stay
 replicated: exact, and what the estimator assumes for them. With SP, routers and experts run on
@@ -65,9 +68,9 @@ The styles and the collectives they imply (forward; the backward mirrors them):
                              gradient of its last R outputs (the rotary key all heads share)
 
 Public functions:
-    tp_plan(model, config, placements=None, vocab_parallel=False) -> dict[str, str]
-    splits_every_block(model, num_blocks) -> bool   # what the planner may offer tp > 1 for
-    unsplit_block(model, num_blocks) -> "path (Class)" | None   # the first block it would not
+    tp_plan(model, config, placements=None, roles=None, vocab_parallel=False) -> dict[str, str]
+    splits_every_block(model, num_blocks, roles=None) -> bool   # may the planner offer tp > 1
+    unsplit_block(model, num_blocks, roles=None) -> "path (Class)" | None   # the first it would not
     collectives_of(style) -> str      # the comment the program prints
     STYLES                            # the style names
 """

@@ -4,8 +4,10 @@ computes on their slices (`autopar.runtime.split_check`; issue 19).
 Four small blocks of one shape, a list of two each, on meta: a per-head fused QKV (viewed into
 heads before its cut, GPT-NeoX's layout) splits; the same MLP with a fused gate/up chunked in
 two, a head count fixed in a view, and weights multiplied outside nn.Linear are refused, each
-with its reason. The runtime then takes the traced pairs into its TP plan (`tp_plan`'s roles),
-and the evaluated plan carries them for the generated program."""
+with its reason. The runtime then takes the traced pairs into its TP plan (`tp_plan`'s roles;
+sequence parallelism, which gathers at a module holding the projections, is refused for a
+block that calls them itself), and the evaluated plan carries them for the generated
+program."""
 
 from __future__ import annotations
 
