@@ -49,12 +49,23 @@ class ProgressBar:
 
 
 def run_plan(args: argparse.Namespace) -> str:
+    from dataclasses import replace
+
     from autopar.api import PlanOptions, parallelize
     from autopar.cli.models import load_model
+    from autopar.estimate.stacks import DEFAULT_STACK, load_stack
 
     cluster = cluster_from_args(args.profile, args.nodes, args.devices)
     loaded = load_model(args.model, args.seq_len)
     options = PlanOptions(progress=ProgressBar(), time_limit_s=args.time_limit)
+    stack = args.stack
+    if args.moe_imbalance is not None:  # the stack's options with the load measured or assumed
+        cost = load_stack(stack or DEFAULT_STACK).options
+        try:
+            cost = replace(cost, moe_imbalance=args.moe_imbalance)
+        except ValueError as e:
+            raise AutoparError(f"--moe-imbalance: {e}") from None
+        options, stack = replace(options, cost=cost), None
     plan = parallelize(
         loaded.model,
         cluster,
@@ -63,7 +74,7 @@ def run_plan(args: argparse.Namespace) -> str:
         precision=args.precision,
         options=options,
         model_factory=loaded.factory,
-        stack=args.stack,
+        stack=stack,
         loss_fn=args.loss,
     )
     path = plan.save(Path(args.out), program=False)

@@ -328,6 +328,7 @@ PREDICTION = Prediction(
     stage_peak_bytes=tuple(s.peak_memory_bytes for s in PLAN.stages),
     mfu=PLAN.mfu,
     tokens_per_step=PLAN.global_batch_size * PLAN.seq_len,
+    moe_imbalance=PLAN.experts.get("imbalance"),
 )
 
 

@@ -164,7 +164,8 @@ def _experts_line(plan: Plan) -> list[str]:
     if ep > 1 and ways > 1:  # each layer's experts an FSDP unit
         where += f", their state sharded over the {ways} ranks holding them"
     even = (
-        "tokens spread evenly; a learned router's skew is higher: CostOptions.moe_imbalance"
+        "tokens spread evenly; a learned router's skew is higher: the program prints the "
+        "busiest rank's measured load, which --moe-imbalance / CostOptions.moe_imbalance takes"
         if e["imbalance"] == 1.0
         else "the busiest ep rank's routed rows over the mean"
     )

@@ -126,6 +126,24 @@ def all_to_all(
     return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
+class RoutedRows:
+    """Rows this rank's expert-parallel layers sent to experts and received for its own,
+    summed since the last `take` (every layer, micro-batch and recomputed forward). All ranks
+    send equally many (each routes its own tokens' top k), so received / sent is this rank's
+    load over the mean: the imbalance `CostOptions.moe_imbalance` prices for the busiest."""
+
+    def __init__(self) -> None:
+        self.sent = self.received = 0
+
+    def take(self) -> tuple[int, int]:
+        out, self.sent, self.received = (self.sent, self.received), 0, 0
+        return out
+
+
+# this process's tally, read by the training loop once a step (`trainer.StepResult`)
+ROUTED_ROWS = RoutedRows()
+
+
 class TokenExchange:
     """The all-to-alls of one expert-parallel layer. ``e_P``: the expert of each (token, expert)
     pair this rank routes, sorted; expert e lives on ep rank e // (num_experts / ep). The
@@ -143,6 +161,8 @@ class TokenExchange:
         self.group = group
         self.send_splits = counts_E.view(ep, per_rank).sum(1).tolist()
         self.recv_splits = recv_EL.sum(1).tolist()
+        ROUTED_ROWS.sent += sum(self.send_splits)
+        ROUTED_ROWS.received += sum(self.recv_splits)
         local = torch.arange(per_rank, device=e_P.device).repeat(ep)
         self.local_R = local.repeat_interleave(recv_EL.flatten())
 

@@ -71,6 +71,7 @@ from autopar.config import ParallelConfig
 from autopar.config.precision import ALIASES
 from autopar.models.source import check_fingerprint, model_fingerprint
 from autopar.runtime.checkpoint import CheckpointOptions, open_checkpointer
+from autopar.runtime.collectives import ROUTED_ROWS
 from autopar.runtime.low_precision import RUNTIME_PRECISIONS, apply_low_precision
 from autopar.runtime.mesh import RuntimeMesh, build_mesh
 from autopar.runtime.metrics import Metrics
@@ -134,6 +135,7 @@ class Prediction:
     stage_peak_bytes: tuple[float, ...] = ()
     mfu: float | None = None  # at the predicted step time; measured MFU scales by the ratio
     tokens_per_step: int | None = None
+    moe_imbalance: float | None = None  # the expert load priced for the busiest ep rank
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,9 @@ class StepResult:
     grad_norm: float  # before clipping
     step_time_s: float
     memory_bytes: dict[str, float] = field(default_factory=dict)  # this rank's
+    # expert parallelism: the rows this rank's all-to-alls sent and received this step
+    # (`collectives.RoutedRows`); (0, 0) without ep
+    routed_rows: tuple[int, int] = (0, 0)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -273,6 +278,7 @@ def train(
     metrics = Metrics.open(options, prediction) if mesh.rank == 0 else None
     for step in range(first_step, options.steps):
         t0 = time.perf_counter()
+        ROUTED_ROWS.take()  # this step's rows only
         inputs, targets = task.batch(step, start, start + per_rank)
         if pm.pipeline is None:
             loss_sum = _accumulate(pm, task, inputs, targets, num_micro, device, options)
@@ -314,7 +320,8 @@ def train(
         step_time = time.perf_counter() - t0
         memory = memory_of(model, optimizer)  # before zero_grad: gradients still held
         optimizer.zero_grad(set_to_none=True)
-        results.append(StepResult(step + 1, mean_loss, grad_norm, step_time, memory))
+        routed = ROUTED_ROWS.take()
+        results.append(StepResult(step + 1, mean_loss, grad_norm, step_time, memory, routed))
         if options.log and mesh.rank == 0:
             print(_step_line(results[-1], options.steps, prediction, mesh.pp_rank), flush=True)
         if metrics is not None:
@@ -326,7 +333,7 @@ def train(
     if metrics is not None:
         metrics.close()
     if options.log and results:
-        _print_rank_memory(results[-1].memory_bytes, mesh, prediction)
+        _print_rank_memory(results, mesh, prediction)
     return results
 
 
@@ -412,13 +419,27 @@ def _step_line(r: StepResult, steps: int, pred: Prediction, stage: int) -> str:
     )
 
 
-def _print_rank_memory(memory: dict[str, float], mesh: RuntimeMesh, pred: Prediction) -> None:
-    """Every rank's memory, gathered to rank 0 and printed one line each."""
+def _print_rank_memory(results: list[StepResult], mesh: RuntimeMesh, pred: Prediction) -> None:
+    """Every rank's memory, gathered to rank 0 and printed one line each; under expert
+    parallelism, the busiest rank's routed rows over the mean against the plan's assumption."""
+    memory = results[-1].memory_bytes
+    sent = sum(r.routed_rows[0] for r in results)
+    received = sum(r.routed_rows[1] for r in results)
     rows: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, (mesh.rank, mesh.pp_rank, memory))
+    dist.all_gather_object(rows, (mesh.rank, mesh.pp_rank, memory, sent, received))
     if mesh.rank != 0:
         return
-    for rank, stage, mem in rows:
+    loads = {rank: got / out for rank, _, _, out, got in rows if out}
+    if loads:
+        busiest = max(loads, key=loads.get)
+        planned = f"{pred.moe_imbalance:.2f}" if pred.moe_imbalance else "-"
+        print(
+            f"[autopar] expert rows: the busiest rank ({busiest}) received {loads[busiest]:.2f}x "
+            f"the mean over {len(results)} steps (plan {planned}: CostOptions.moe_imbalance)",
+            file=sys.stdout,
+            flush=True,
+        )
+    for rank, stage, mem, _, _ in rows:
         plan_peak = pred.stage_peak_bytes[stage] if pred.stage_peak_bytes else None
         print(
             f"[autopar] rank {rank} memory MiB: params {_mib(mem['parameters'])} grads "

@@ -153,3 +153,16 @@ def _config_text(cfg: dict) -> str:
     from autopar.config import ParallelConfig
 
     return ParallelConfig(**cfg).as_text()
+
+
+def test_moe_imbalance_is_priced_and_stated_or_refused(tmp_path: Path, capsys) -> None:
+    """A run's program prints the busiest ep rank's load; `--moe-imbalance` prices it."""
+    args = ["plan", "moe-tiny", "--profile", "dgx_h100", "--nodes", "1", "--batch", "64"]
+    assert main([*args, "-o", str(tmp_path), "--json"]) == 0
+    even = json.loads(capsys.readouterr().out)
+    assert main([*args, "-o", str(tmp_path), "--json", "--moe-imbalance", "1.5"]) == 0
+    skewed = json.loads(capsys.readouterr().out)
+    assert even["experts"]["imbalance"] == 1.0 and skewed["experts"]["imbalance"] == 1.5
+    assert main([*args, "-o", str(tmp_path), "--moe-imbalance", "0.5"]) == 1
+    err = capsys.readouterr().err
+    assert "--moe-imbalance: moe_imbalance must be a finite number >= 1" in err

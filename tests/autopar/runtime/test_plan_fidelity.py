@@ -6,21 +6,21 @@ For TP2, TP2+SP, FSDP (ZeRO-3), CP2 (all-gather-KV attention), EP2 over DP2, EP2
 all-to-all bytes 2x the plan), EP2 x TP2 + SP (each tp rank routing its sequence shard), PP2
 (1F1B), DP2xTP2 and PP2 x TP2 (+SP; the embedding and head split over the vocabulary on their
 stages: the last stage's parameters were priced 13% low while the runtime kept them whole) on
-the tiny GPT, Llama and MoE, and TP2 on a user's GPT-NeoX and BERT (their projections split
-as the trace pairs them; BERT's MLM transform whole, priced split before), one training step on gloo ranks issues exactly the
-collectives `Plan.communication` predicts (kind, calls, bytes per call; the loss-parallel
-reductions by count, their bytes being an upper bound; expert parallelism's all-to-alls by
-count on every rank and by bytes summed over the ranks, since routing decides how many rows
-each rank receives and so sends back), holds exactly the planned parameter, gradient and
-optimizer-state bytes per rank (fp32), and saves for backward within 20% of the planned
-activation bytes (CP's included: the estimator counts the gathered K and V the backward
-keeps, the whole sequence; measured 1.19 of the plan, 1.32 before it did). EP's within 15%,
-the mean over the ranks (routing decides how many rows each rank's experts keep: 1.12 on
-rank 0, 1.03 on rank 1, 1.07 the mean; 0.73-0.80 when the plan priced the traced dense MoE
-rather than the top-k routed rows). PP2: the pipeline's sends and receives (one per tensor
-per micro-batch, c10d send / recv_ ops) on the first and the last stage's rank, state bytes
-per stage; torch's shape-inference messages (send_object_list, first step only) cancel in
-the two-step minus one-step difference; activations not measured. One spawn per world size.
+the tiny GPT, Llama and MoE, and TP2 on a user's GPT-NeoX and BERT (their projections split as
+the trace pairs them; BERT's MLM transform whole, priced split before), one training step on
+gloo ranks issues exactly the collectives `Plan.communication` predicts (kind, calls, bytes per
+call; the loss-parallel reductions by count, their bytes being an upper bound; expert
+parallelism's all-to-alls by count on every rank and by bytes summed over the ranks, since
+routing decides how many rows each rank receives and so sends back), holds exactly the planned
+parameter, gradient and optimizer-state bytes per rank (fp32), and saves for backward within
+20% of the planned activation bytes (CP's included: the estimator counts the gathered K and V
+the backward keeps, the whole sequence; measured 1.19 of the plan, 1.32 before it did). EP's
+within 15%, the mean over the ranks (routing decides how many rows each rank's experts keep:
+1.12 on rank 0, 1.03 on rank 1, 1.07 the mean; 0.73-0.80 when the plan priced the traced dense
+MoE rather than the top-k routed rows). PP2: the pipeline's sends and receives (one per tensor
+per micro-batch, c10d send / recv_ ops) on the first and the last stage's rank, state bytes per
+stage; torch's shape-inference messages (send_object_list, first step only) cancel in the two-
+step minus one-step difference; activations not measured. One spawn per world size.
 """
 
 from __future__ import annotations
@@ -52,12 +52,24 @@ CASES_2 = [
     # projections split as the trace pairs them (no Megatron names): GPT-NeoX's fused per-head
     # qkv, BERT's attention.self / attention.output with its MLM transform whole
     Case("gpt-neox", C(tp=2), 8, seq_len=16, factory="model_factories:gpt_neox"),
-    Case("bert", C(tp=2), 8, seq_len=16, factory="model_factories:bert",
-         loss="model_factories:masked_lm_loss"),  # fmt: skip
+    Case(
+        "bert",
+        C(tp=2),
+        8,
+        seq_len=16,
+        factory="model_factories:bert",
+        loss="model_factories:masked_lm_loss",
+    ),  # fmt: skip
     # SP's column-parallel projections keep the gathered whole sequence (1.28 of the plan
     # when priced as shards, 1.12 now; GPT-NeoX's 1.41 -> 1.20, at the bound, not a case)
-    Case("bert", C(tp=2, sequence_parallel=True), 8, seq_len=16,
-         factory="model_factories:bert", loss="model_factories:masked_lm_loss"),  # fmt: skip
+    Case(
+        "bert",
+        C(tp=2, sequence_parallel=True),
+        8,
+        seq_len=16,
+        factory="model_factories:bert",
+        loss="model_factories:masked_lm_loss",
+    ),  # fmt: skip
 ]
 CASES_4 = [
     Case("gpt-tiny", C(dp=2, tp=2)),
