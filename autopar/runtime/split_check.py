@@ -105,7 +105,11 @@ def _problem(model: nn.Module, roles: dict[str, str], inputs: Any) -> str:
             )
     args = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, inputs)
     args = args if isinstance(args, tuple) else (args,)
-    want = _shapes(functional_call(model, whole, args))
+    try:
+        want = _shapes(functional_call(model, whole, args))
+    except Exception as e:  # data-dependent code (an .item()) cannot run on meta
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        return f"its code does not run on the meta device ({type(e).__name__}: {first})"
     cuts = _CutWatch()
     hooks = [
         model.get_submodule(path).register_forward_hook(cuts.made(path))
