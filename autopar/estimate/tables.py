@@ -9,7 +9,11 @@ a replicated activation is column-parallel and makes a sharded ("tp") value; one
 sharded activation is row-parallel, makes a replicated value and costs one all-reduce of its
 output (Megatron's f/g pair: one all-reduce forward, one backward); a vocab-parallel embedding
 also costs one; any other op is sharded when one of its inputs is. Ops inside experts are
-"expert" (sharded by expert parallelism); the router stays replicated.
+"expert" (sharded by expert parallelism); the router stays replicated. Outside the blocks only
+the vocabulary head splits (BERT's MLM transform, ViT's classifier stay whole). A saved
+replicated value that a column-parallel matmul reads is "gathered": SP all-gathers it, and
+the stack decides whether the whole sequence or the shard is kept (`memory.shard_divisors`).
+The same walk gives the runtime its column/row roles (`tensor_parallel_roles`).
 
 Experts of a dense-dispatch MoE (`autopar.models.moe`: every expert on every token, so the
 graph is exportable) are tabled as traced, which is what the runtime runs without expert
