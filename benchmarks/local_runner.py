@@ -199,7 +199,10 @@ def _rank_main(
 
     torch.set_num_threads(threads)
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timeout)
+    # a file beside the log, not a TCP port: a port found free beforehand can be taken by
+    # another process (a test on another pytest-xdist worker) before rank 0 listens on it
+    store = dist.FileStore(f"{log}.store", world_size)
+    store.set_timeout(timeout)
     for index, program in enumerate(programs):
         # A fresh default group per program, as torchrun gives each run: the groups a
         # program's DeviceMesh makes are never destroyed while the default group lives, and

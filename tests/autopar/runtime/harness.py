@@ -89,7 +89,10 @@ def _entry(rank: int, world_size: int, port: int, fn: Any, args: tuple, out_dir:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # a file store in this run's own directory: a free TCP port found beforehand can be taken
+    # by a test on another pytest-xdist worker before rank 0 listens on it (EADDRINUSE)
+    store = f"file://{Path(out_dir, 'store')}"
+    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size)
     try:
         result = fn(*args)
     finally:
