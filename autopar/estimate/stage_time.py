@@ -220,7 +220,7 @@ class StageTimer:
         div = cfg.cp if gathered else token_ways(cfg)
         sent = boundary * cfg.micro_batch_size * self.act_scale / div
         p2p = mesh.time("send_recv", sent, "pp")
-        if div < token_ways(cfg):  # the chunk's ends gather the sequence (one each way)
+        if gathered:  # the chunk's ends gather the sequence (one each way)
             p2p += mesh.time("all_gather", sent, "tp")
         split = cfg.schedule in SPLIT_BACKWARD
         fwd = tuple(s["forward"] for s in per_stage)

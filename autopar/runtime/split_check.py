@@ -1,6 +1,6 @@
 """Whether a model's own code computes on tensor-parallel slices what it computes whole.
 
-In: the model, one sample's inputs, and the block linears the trace made column- or
+In: the model, one sample's inputs as meta tensors, and the block linears the trace made column- or
 row-parallel (`autopar.estimate.tables.tensor_parallel_roles`). Out: the roles the runtime may
 apply, and why it may not apply the others.
 
@@ -25,7 +25,7 @@ pieces would pass and be wrong on ranks. The suite's any-model matrix runs each 
 names against one process (`tests/autopar/runtime/test_any_model.py`).
 
 Public functions:
-    checked_roles(model, roles, example_inputs) -> (roles the runtime applies, why not: "")
+    checked_roles(model, roles, inputs) -> (roles the runtime applies, why not: "")
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from autopar.runtime.tensor_parallel import COLUMN_NAMES, ROW_NAMES
 
@@ -52,7 +52,7 @@ _CUTS = frozenset(
 
 
 def checked_roles(
-    model: nn.Module, roles: dict[str, str], example_inputs: Any
+    model: nn.Module, roles: dict[str, str], inputs: tuple[torch.Tensor, ...]
 ) -> tuple[dict[str, str], str]:
     """The traced ``roles`` of linears the Megatron names do not cover, when ``model``'s code
     computes on their slices (module docstring), with ""; else ({}, why). Named ones are
@@ -76,9 +76,7 @@ def checked_roles(
             )
     if not traced:
         return {}, ""
-    if example_inputs is None:
-        return {}, "no example inputs to check the model's code on its tensor-parallel slices"
-    why = _problem(model, traced, example_inputs)
+    why = _problem(model, traced, inputs)
     return ({}, why) if why else (traced, "")
 
 
@@ -89,7 +87,7 @@ def _module(model: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
-def _problem(model: nn.Module, roles: dict[str, str], inputs: Any) -> str:
+def _problem(model: nn.Module, roles: dict[str, str], args: tuple[torch.Tensor, ...]) -> str:
     whole = _meta_state(model)
     local = dict(whole)
     for path, role in roles.items():
@@ -103,8 +101,6 @@ def _problem(model: nn.Module, roles: dict[str, str], inputs: Any) -> str:
             local[f"{path}.bias"] = torch.empty(
                 out_f // _WAYS, dtype=linear.bias.dtype, device="meta"
             )
-    args = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, inputs)
-    args = args if isinstance(args, tuple) else (args,)
     try:
         want = _shapes(functional_call(model, whole, args))
     except Exception as e:  # data-dependent code (an .item()) cannot run on meta

@@ -333,7 +333,7 @@ def train(
     if metrics is not None:
         metrics.close()
     if options.log and results:
-        _print_rank_memory(results, mesh, prediction)
+        _print_rank_summary(results, mesh, prediction)
     return results
 
 
@@ -419,7 +419,7 @@ def _step_line(r: StepResult, steps: int, pred: Prediction, stage: int) -> str:
     )
 
 
-def _print_rank_memory(results: list[StepResult], mesh: RuntimeMesh, pred: Prediction) -> None:
+def _print_rank_summary(results: list[StepResult], mesh: RuntimeMesh, pred: Prediction) -> None:
     """Every rank's memory, gathered to rank 0 and printed one line each; under expert
     parallelism, the busiest rank's routed rows over the mean against the plan's assumption."""
     memory = results[-1].memory_bytes
