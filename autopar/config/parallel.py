@@ -5,7 +5,10 @@ all-reduced), ``fsdp`` shards data-parallel state with ``zero_stage`` 1-3 saying
 (dp > 1 and fsdp > 1 together is HSDP); ``ep`` is not a further factor: expert layers re-fold
 the data- and context-parallel ranks of a stage, so ep divides dp * fsdp * cp (what
 `autopar.runtime.expert_parallel` runs; with fsdp > 1 the experts are sharded over the ranks
-holding the same ones; Megatron-Core's wider fold over tp is not supported).
+holding the same ones; Megatron-Core's wider fold over tp is not supported). ``etp`` (expert
+tensor parallelism, Megatron-Core's expert_tensor_parallel_size) is 1 (every tp rank runs its
+tokens' experts whole) or tp (each expert's intermediate width split over the tp ranks:
+`autopar.runtime.expert_tensor_parallel`).
 ``micro_batch_size`` is
 per rank; global batch = micro_batch_size * num_microbatches * dp * fsdp. ``recompute`` is
 the policy; ``recompute_layers`` k applies it to only the first k repeated layers (blocks) of
@@ -62,6 +65,9 @@ class ParallelConfig:
     # None: DEFAULT_AXIS_ORDER; else dp, fsdp, cp, tp each once, innermost first. Left out of
     # to_dict() when None, like recompute_layers.
     axis_order: tuple[str, ...] | None = None
+    # expert tensor parallelism: 1, or tp (the experts split over the tp ranks). Left out of
+    # to_dict() when 1, like recompute_layers.
+    etp: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.axis_order, list):  # as plan.json spells it
@@ -96,7 +102,7 @@ class ParallelConfig:
     def problems(self, cluster: Cluster | None = None) -> list[str]:
         """Every rule this config breaks (empty when valid), each naming the numbers."""
         out: list[str] = []
-        for name in (*DEGREES, "ep", "micro_batch_size", "virtual_stages"):
+        for name in (*DEGREES, "ep", "etp", "micro_batch_size", "virtual_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 out.append(f"{name} must be an integer >= 1, got {value!r}")
@@ -151,6 +157,11 @@ class ParallelConfig:
             )
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence_parallel needs tp > 1, got tp=1")
+        if self.etp not in (1, self.tp):
+            out.append(
+                f"etp={self.etp} must be 1 (experts whole on every tp rank) or tp={self.tp} "
+                "(each expert split over the tp ranks)"
+            )
         tokens = self.dp * self.fsdp * self.cp
         if self.ep > 1 and tokens % self.ep:
             # the runtime folds ep over the ranks holding different tokens
@@ -178,6 +189,8 @@ class ParallelConfig:
 
     def as_text(self) -> str:
         degrees = " ".join(f"{k}={getattr(self, k)}" for k in (*DEGREES, "ep"))
+        if self.etp > 1:
+            degrees += f" etp={self.etp}"
         extras = f"zero={self.zero_stage} mbs={self.micro_batch_size} {self.schedule}"
         if self.virtual_stages > 1:
             extras += f" v={self.virtual_stages}"
@@ -194,10 +207,12 @@ class ParallelConfig:
         return f"{self.recompute}:{self.recompute_layers}"
 
     def to_dict(self) -> dict[str, object]:
-        """The fields as JSON values; recompute_layers and axis_order only when set (plans
+        """The fields as JSON values; recompute_layers, axis_order and etp only when set (plans
         made before they existed load, and save byte-identical)."""
         data = asdict(self)
         for name in ("recompute_layers", "axis_order"):
             if data[name] is None:
                 del data[name]
+        if data["etp"] == 1:
+            del data["etp"]
         return data

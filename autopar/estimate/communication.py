@@ -49,10 +49,11 @@ training element bytes and g the gradient element bytes:
             fsdp where FSDP shards the gradients).
     ep      expert parallelism, all-to-all token dispatch (`autopar.runtime.expert_parallel`):
             per MoE layer and micro-batch, one all-to-all of the E per-expert row counts
-            (int64, 8 E bytes; forward only), and the routed rows, D b x / c bytes with D
+            (int64, 8 E bytes; forward only), and the routed rows, D b x / w bytes with D
             the layer's `moe_dispatch_bytes` (tokens x top_k x hidden): dispatch and combine
             forward, their adjoints backward, so 4 per micro-batch (6 with full recompute,
-            which re-runs the forward's 2 and the counts). The rows one rank sends in the
+            which re-runs the forward's 2 and the counts); w = c, or c t with SP unless etp =
+            tp (`layer_cost.dispatch_ways`). The rows one rank sends in the
             combine and the dispatch's adjoint are those routed to it: the bytes are the mean
             over the ep group (balanced routing), exact on every rank for the other two.
             ep folds over the dp x fsdp x cp ranks, cp innermost (the cp gradient sum leaves
@@ -62,6 +63,9 @@ training element bytes and g the gradient element bytes:
             own over those ranks instead (gathered and reduce-scattered as a block is, over
             "expert_dp"; nothing where they are one rank), and the block's unit holds the
             rest.
+    etp     expert tensor parallelism (etp = tp): per MoE layer and micro-batch the collectives
+            over tp of `layer_cost.expert_tp_collectives`, the forward ones twice with full
+            recompute.
     clip    the global gradient norm and the loss: one all-reduce of 16 bytes over the world.
     pp      pipeline parallelism (`autopar.runtime.pipeline`, torch.distributed.pipelining):
             the model chunks are the runs of consecutive layers of a stage (`_chunk_runs`;
@@ -87,10 +91,12 @@ training element bytes and g the gradient element bytes:
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass
 from itertools import pairwise
 
 from autopar.config import ParallelConfig
+from autopar.estimate.layer_cost import dispatch_ways, expert_tp_collectives
 from autopar.estimate.memory import (
     PRECISION_BYTES,
     dense_params_on_rank,
@@ -111,7 +117,7 @@ from autopar.estimate.tables import LayerTable, ModelTables, whole_vocabulary
 class PlannedCollective:
     """``count`` calls of ``kind`` over mesh ``axis`` per step, ``bytes`` each."""
 
-    part: str  # "tp", "loss", "sp", "fsdp", "dp", "cp", "ep", "clip", "pp"
+    part: str  # "tp", "loss", "sp", "fsdp", "dp", "cp", "ep", "etp", "clip", "pp"
     kind: str  # "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
     # "send", "recv" (pipeline point-to-point: count sends or receives of one rank)
     axis: str  # "tp", "fsdp", "dp", "cp", "ep", "expert_dp", "world"
@@ -151,6 +157,7 @@ def stage_communication(
         stage = _tensor_parallel(tables, cfg, layers, m, g, x, ends_gathered)
         stage += _context_parallel(cfg, layers, m, g, x, holds_loss=last in names)
         stage += _expert_parallel(cfg, layers, m, x)
+        stage += _expert_tensor_parallel(cfg, layers, m, x)
         stage += _data_parallel(cfg, layers, m, weight_bytes, g)
         stage += _pipeline(tables, cfg, stage_layers, len(out), m, g, x, vocab_whole, ways)
         if cfg.world_size > 1:
@@ -323,6 +330,19 @@ def _context_parallel(
     return out
 
 
+def _expert_tensor_parallel(
+    cfg: ParallelConfig, layers: list[LayerTable], m: int, x: float
+) -> list[PlannedCollective]:
+    out: list[PlannedCollective] = []
+    for t in layers:
+        forwards = 2 if cfg.recompute == "full" else 1
+        calls = Counter(expert_tp_collectives(t, cfg, x))
+        for (kind, nbytes, forward), n in calls.items():
+            count = n * (forwards if forward else 1) * m
+            out.append(PlannedCollective("etp", kind, "tp", count, nbytes, t.name))
+    return out
+
+
 def _expert_parallel(
     cfg: ParallelConfig, layers: list[LayerTable], m: int, x: float
 ) -> list[PlannedCollective]:
@@ -333,7 +353,7 @@ def _expert_parallel(
         if not t.moe_num_experts:
             continue
         forwards = 2 if cfg.recompute == "full" else 1
-        rows = t.moe_dispatch_bytes * cfg.micro_batch_size * x / token_ways(cfg)  # each tp rank's
+        rows = t.moe_dispatch_bytes * cfg.micro_batch_size * x / dispatch_ways(cfg)
         counts = 8.0 * t.moe_num_experts  # int64 rows per expert
         out.append(PlannedCollective("ep", "all_to_all", "ep", forwards * m, counts, t.name))
         out.append(

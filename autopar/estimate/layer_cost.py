@@ -7,7 +7,8 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
     backward = the same with each op's backward FLOPs, memory-bound ops twice the bytes
     d_i = t c for tensor-parallel matmuls, c for replicated ones (the router) and for the
     experts: autopar's runtime splits them over ep only, each tp rank running its tokens'
-    experts whole (its TP plan leaves them replicated; expert tensor parallelism is not run);
+    experts whole (its TP plan leaves them replicated), unless etp = tp, which splits each
+    expert's width over the tp ranks (`autopar.runtime.expert_tensor_parallel`): t c;
     with sequence parallelism the router and experts run on the rank's sequence shard, t c;
     m_k = t c for sharded values, c for the experts' and replicated ones (t c with sequence
     parallelism) (`memory.shard_divisors`).
@@ -19,7 +20,14 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
         gathered; the runtime's `context_parallel` and torch's default rotate method), exposed;
         backward reduce-scatters dK and dV, the same sizes.
     EP: two all-to-alls of tokens x top_k x hidden forward (dispatch, combine), two backward,
-        over the ep group, tokens b s / c per rank (every tp rank dispatches its tokens).
+        over the ep group, tokens b s / c per rank (every tp rank dispatches its tokens: its
+        sequence shard, b s / (t c), with SP; the whole group's with etp = tp).
+    ETP (etp = tp; `autopar.runtime.expert_tensor_parallel`, Megatron's MLP pattern around the
+        expert call of each MoE layer, tokens b s / c, all not overlapped): without SP an
+        all-reduce of the output forward, of the input's and the routing weights' gradients
+        backward; with SP the input, routing weights and indices all-gathered and the
+        output reduce-scattered forward, the output's gradient all-gathered and the input's
+        and weights' gradients reduce-scattered backward. Counted in the TP times.
     low precision (a recipe of `autopar.config.precision`, on the blocks it converts): each
         linear's three GEMMs run at the recipe's rate (its `gemm_dtype` peak on the matmul
         curve, FLOPs over `gemm_efficiency`); its scaling, casts and transposes are one
@@ -111,8 +119,9 @@ def layer_time(
     (`autopar.config.precision`), their GEMMs at its rate plus its casts' traffic, times
     ``cast_traffic`` (`CostOptions.cast_traffic`)."""
     b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
-    # experts: split over ep, whole on every tp rank (each runs its tokens' experts)
-    weight_div = {"tp": t, "rep": 1, "expert": cfg.ep, "whole": 1}
+    # experts: split over ep, whole on every tp rank (each runs its tokens' experts) unless
+    # etp = tp
+    weight_div = {"tp": t, "rep": 1, "expert": cfg.ep * cfg.etp, "whole": 1}
     flop_div = shard_divisors(cfg)
     fwd = bwd = wgrad = 0.0
     cast_f = cast_b = 0.0  # a recipe's scaling, casts and transposes (module docstring)
@@ -147,15 +156,16 @@ def layer_time(
     tp_f = _tp_comm(table, cfg, act_scale, comm) * (1 - tp_overlap)
     cp_f, cp_b = _cp_comm(table, cfg, act_scale, comm)
     ep = _ep_comm(table, cfg, act_scale, comm)
+    etp_f, etp_b = _etp_comm(table, cfg, act_scale, comm)
     if cfg.recompute == "full":
-        recompute = fwd + tp_f + cp_f + ep
+        recompute = fwd + tp_f + etp_f + cp_f + ep
     elif cfg.recompute == "selective":
         recompute = mem
     else:
         recompute = 0.0
     if cfg.recompute != "none" and table.kind == "block":
         recompute += recompute_overhead_s(overheads, cfg.recompute)
-    return LayerTime(fwd, bwd, wgrad, recompute, tp_f, tp_f, cp_f, cp_b, ep, ep)
+    return LayerTime(fwd, bwd, wgrad, recompute, tp_f + etp_f, tp_f + etp_b, cp_f, cp_b, ep, ep)
 
 
 def runtime_overhead_s(overheads: Mapping[str, float] | None, cfg: ParallelConfig) -> float:
@@ -234,5 +244,45 @@ def _cp_comm(
 def _ep_comm(table: LayerTable, cfg: ParallelConfig, act_scale: float, comm: CommFn) -> float:
     if cfg.ep == 1 or not table.moe_num_experts:
         return 0.0
-    payload = table.moe_dispatch_bytes * cfg.micro_batch_size * act_scale / token_ways(cfg)
+    payload = table.moe_dispatch_bytes * cfg.micro_batch_size * act_scale / dispatch_ways(cfg)
     return 2 * comm("all_to_all", payload, "ep")
+
+
+def _etp_comm(
+    table: LayerTable, cfg: ParallelConfig, act_scale: float, comm: CommFn
+) -> tuple[float, float]:
+    """Forward and backward seconds of expert tensor parallelism's collectives (module
+    docstring, `expert_tp_collectives`)."""
+    calls = expert_tp_collectives(table, cfg, act_scale)
+    fwd = sum(comm(kind, nbytes, "tp") for kind, nbytes, forward in calls if forward)
+    bwd = sum(comm(kind, nbytes, "tp") for kind, nbytes, forward in calls if not forward)
+    return fwd, bwd
+
+
+def dispatch_ways(cfg: ParallelConfig) -> int:
+    """What divides a sample's tokens each rank dispatches to the experts: `token_ways` (its
+    own sequence shard), or cp where etp = tp (the tp group's tokens, gathered)."""
+    return cfg.cp if cfg.etp > 1 else token_ways(cfg)
+
+
+def expert_tp_collectives(
+    table: LayerTable, cfg: ParallelConfig, act_scale: float
+) -> list[tuple[str, float, bool]]:
+    """(kind, bytes, forward?) of one micro-batch's expert tensor parallelism over tp in an
+    MoE layer, once each (module docstring): empty unless etp > 1. Bytes as the tensors
+    gathered or reduced are whole: b s / c tokens."""
+    if cfg.etp == 1 or not table.moe_num_experts:
+        return []
+    scale = cfg.micro_batch_size / cfg.cp
+    hidden = table.moe_hidden_bytes * scale * act_scale
+    # the MoEBlock's weights are in the model's dtype; a stack's fp32 and its indices int64
+    weights = table.moe_weights_bytes * scale * (1.0 if table.moe_index_bytes else act_scale)
+    if not cfg.sequence_parallel:
+        return [("all_reduce", hidden, True), ("all_reduce", hidden, False),
+                ("all_reduce", weights, False)]  # fmt: skip
+    calls = [("all_gather", hidden, True), ("all_gather", weights, True),
+             ("reduce_scatter", hidden, True), ("all_gather", hidden, False),
+             ("reduce_scatter", hidden, False), ("reduce_scatter", weights, False)]  # fmt: skip
+    if table.moe_index_bytes:
+        calls.append(("all_gather", table.moe_index_bytes * scale, True))
+    return calls

@@ -6,7 +6,7 @@ the `CostOptions`. Out: parameter counts on one rank and a stage's `PeakMemory`
 
 Parameters of layers L on a rank, before data-parallel sharding:
     P(L) = sum_l (params_tp_l / tp + params_rep_l)              `dense_params_on_rank`
-           + sum_l params_expert_l / ep                         `expert_params_on_rank`
+           + sum_l params_expert_l / (ep etp)                   `expert_params_on_rank`
 A stage holding the head of a tied embedding without the embedding holds its own copy of the
 tied weight, T / tp elements (`tied_elements`; autopar.runtime.pipeline: the last stage's copy,
 its gradients summed with the first stage's after the backward): `StageMemory.stage_params`.
@@ -26,7 +26,7 @@ Peak memory of a stage (`StageMemory.stage_memory`):
     reserve       the allocator's share (`cost_models.memory.allocator_reserve_bytes`)
 Activations per shard class (`StageMemory.activation_bytes`, `shard_divisors`): "tp" divided by
 tp * cp, "rep" and "expert" by cp (and by tp with sequence parallelism; experts are whole on
-every tp rank, each on its own tokens); with
+every tp rank, each on its own tokens; "expert" by tp * cp where etp = tp); with
 cp > 1 the backward keeps the whole sequence's K and V (context parallelism all-gathers them).
 """
 
@@ -60,9 +60,9 @@ def dense_params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float
 
 
 def expert_params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
-    """The expert parameters of ``layers`` on a rank: split over ep, whole on every tp rank
-    (`layer_cost` module docstring)."""
-    return sum(t.params_expert / cfg.ep for t in layers)
+    """The expert parameters of ``layers`` on a rank: split over ep, and over tp where etp = tp,
+    else whole on every tp rank (`layer_cost` module docstring)."""
+    return sum(t.params_expert for t in layers) / (cfg.ep * cfg.etp)
 
 
 def shared_out_experts(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
@@ -84,26 +84,32 @@ def token_ways(cfg: ParallelConfig) -> int:
 
 def shard_divisors(cfg: ParallelConfig, gathered_whole: bool = False) -> dict[str, int]:
     """Per shard class, what divides a layer's per-sample work and activations on one rank:
-    "tp" by tp x cp; "rep" (norms, routers) and "expert" by `token_ways` (experts run whole
-    on every tp rank, each on its own tokens); "whole" (an unsplit vocabulary layer) by cp;
+    "tp" by tp x cp; "rep" (norms, routers) by `token_ways`; "expert" by `token_ways`
+    (experts run whole on every tp rank, each on its own tokens), or by tp x cp where etp = tp
+    (each rank its slice of every expert, on all the tp group's tokens); "whole" (an unsplit
+    vocabulary layer) by cp;
     "gathered" (a column-parallel projection's saved input) as "rep", or by cp where SP's
     all-gather output is what is kept (``gathered_whole``:
-    `CostOptions.sequence_parallel_saves_gathered`)."""
+    `CostOptions.sequence_parallel_saves_gathered`); "routed" (a dispatch's hidden-wide rows,
+    `tables.routed_layer`) as "expert", or by cp where etp = tp (the tp group's tokens)."""
     ways = token_ways(cfg)
     gathered = cfg.cp if gathered_whole and cfg.sequence_parallel else ways
-    return {"tp": cfg.tp * cfg.cp, "rep": ways, "expert": ways, "whole": cfg.cp,
-            "gathered": gathered}  # fmt: skip
+    split = cfg.etp > 1
+    return {"tp": cfg.tp * cfg.cp, "rep": ways, "expert": cfg.tp * cfg.cp if split else ways,
+            "whole": cfg.cp, "gathered": gathered,
+            "routed": cfg.cp if split else ways}  # fmt: skip
 
 
 def token_summed_params(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
     """With sequence parallelism, the routers' and this rank's experts' parameters of
     ``layers``: whole weights that saw the rank's sequence shard, their gradients summed over
     tp after the backward (`autopar.runtime.tp_apply`, "token_sum"); as sharded on the rank
-    (the experts over their replicas where ep and fsdp shard them, else over fsdp)."""
+    (the experts over their replicas where ep and fsdp shard them, else over fsdp; not the
+    experts where etp = tp: each tp rank holds its own slice)."""
     if not (cfg.sequence_parallel and cfg.tp > 1):
         return 0.0
     fsdp = cfg.fsdp if cfg.fsdp > 1 and cfg.zero_stage >= 1 else 1
-    experts = expert_params_on_rank(cfg, layers)
+    experts = expert_params_on_rank(cfg, layers) if cfg.etp == 1 else 0.0
     ways = expert_shard_ways(cfg) if cfg.ep > 1 else fsdp
     return sum(t.params_router for t in layers) / fsdp + experts / ways
 
@@ -292,7 +298,7 @@ class StageMemory:
         """One micro-batch's activations ``table`` keeps under ``policy`` on one rank: per
         shard class, divided by t*c (sharded) or c (x t with SP, replicated); cached."""
         b, t, c, sp = cfg.micro_batch_size, cfg.tp, cfg.cp, cfg.sequence_parallel
-        key = (table.name, policy, b, t, c, sp, cfg.ep > 1, cfg.pp > 1)
+        key = (table.name, policy, b, t, c, sp, cfg.ep > 1, cfg.pp > 1, cfg.etp)
         if key not in self._activation_cache:
             div = shard_divisors(cfg, self.options.sequence_parallel_saves_gathered)
             if table.kind != "block" and sequence_ends_gathered(cfg, self.tables, self.options):

@@ -28,7 +28,9 @@ from dataclasses import dataclass, replace
 
 from autopar.tracing.graph import LayerInfo, ModelGraph, NodeInfo
 
-Shard = str  # "tp" | "rep" | "expert" | "whole" (a vocabulary layer TP leaves whole) | "gathered"
+# "tp" | "rep" | "expert" | "whole" (a vocabulary layer TP leaves whole) | "gathered" | "routed"
+# (a dispatch's rows, `routed_layer`)
+Shard = str
 _DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 
 
@@ -70,6 +72,14 @@ class LayerTable:
     moe_num_experts: int = 0
     moe_top_k: int = 0
     moe_dispatch_bytes: float = 0.0  # one all-to-all's payload, per sample (tokens*k*h)
+    # what the layer's expert call takes, per sample (expert tensor parallelism gathers or
+    # copies it over tp): the hidden rows (tokens*h, traced precision), the routing weights
+    # (autopar's MoEBlock: tokens*E at the traced precision; a Hugging Face expert stack:
+    # tokens*k fp32, as its routers return them) and the top-k indices (a stack: tokens*k
+    # int64; none for the MoEBlock)
+    moe_hidden_bytes: float = 0.0
+    moe_weights_bytes: float = 0.0
+    moe_index_bytes: float = 0.0
     vocab_logits_bytes: float = 0.0  # the head's logits per sample (the loss keeps them)
     # routed / traced expert work: top_k / num_experts for a dense-dispatch MoE (the graph runs
     # every expert on every token), 1 when the graph already routes; `routed_layer` applies it
@@ -286,6 +296,7 @@ def _layer_table(
         moe_num_experts=layer.moe.num_experts if layer.moe else 0,
         moe_top_k=layer.moe.top_k if layer.moe else 0,
         moe_dispatch_bytes=_dispatch_bytes(layer, nodes) if layer.moe else 0.0,
+        **_expert_call_bytes(layer, nodes, graph),
         vocab_logits_bytes=_logits_bytes(layer, nodes),
         # a head TP keeps whole (a classifier, not a vocabulary): its logits are whole too
         vocab_split=_head_path(layer, nodes) not in kept,
@@ -367,7 +378,7 @@ def routed_layer(table: LayerTable, imbalance: float = 1.0) -> LayerTable:
     term -- matmul FLOPs and activation bytes, memory-bound bytes, saved activations -- scales
     by f = k / E; weights, the router and the combine's replicated work do not. The dispatch
     itself keeps two more copies of the routed rows without recompute (D = moe_dispatch_bytes,
-    k T H per sample): each expert's gathered input rows (the dense graph's experts share the
+    k T H per sample, shard class "routed"): each expert's gathered input rows (the dense graph's experts share the
     block's x) and the weighted rows `index_add` keeps (`autopar.runtime.expert_parallel`;
     measured on moe-tiny EP2: rows of 64 x 64 fp32, two per layer beyond the experts').
     ``imbalance``: the busiest rank's routed rows over the mean (`CostOptions.moe_imbalance`):
@@ -399,9 +410,12 @@ def routed_layer(table: LayerTable, imbalance: float = 1.0) -> LayerTable:
             (shard, nbytes * f if shard == "expert" else nbytes, count)
             for shard, nbytes, count in table.memory_ops
         ),
+        # the dispatch's rows are hidden-wide: their own class ("routed", which expert tensor
+        # parallelism does not split)
         activations={
             policy: {
-                k: v * f + extra.get(policy, 0.0) if k == "expert" else v for k, v in split.items()
+                **{k: v * f if k in ("expert", "routed") else v for k, v in split.items()},
+                "routed": split.get("routed", 0.0) * f + extra.get(policy, 0.0),
             }
             for policy, split in table.activations.items()
         },
@@ -553,13 +567,20 @@ def _activation_split(
         if nodes[name].op_class == "matmul" and nodes[name].params and shard.get(name) == "tp"
         for i in nodes[name].inputs
     }
+    # an expert value as wide as the block's input (its rows in, its output out) is "routed":
+    # expert tensor parallelism splits only the intermediate width
+    value = _block_input(layer, nodes) if layer.moe else None
+    hidden = value.shapes[0][-1] if value is not None and value.shapes else None
     for policy, values in layer.saved_values.items():
-        split: dict[Shard, float] = {"tp": 0.0, "rep": 0.0, "expert": 0.0, "gathered": 0.0}
+        split: dict[Shard, float] = {"tp": 0.0, "rep": 0.0, "expert": 0.0, "gathered": 0.0,
+                                     "routed": 0.0}  # fmt: skip
         for v in values:
             if v in derived:
                 continue
             kind = shard.get(v, "rep")
             kind = "gathered" if kind == "rep" and v in gathered else kind
+            wide = hidden is not None and nodes[v].shapes and nodes[v].shapes[0][-1:] == (hidden,)
+            kind = "routed" if kind == "expert" and wide else kind
             split[kind] += _value_bytes(nodes[v])
         split["tp"] += layer.saved_internal_bytes.get(policy, 0.0)  # attention statistics
         out[policy] = split
@@ -571,6 +592,24 @@ def _dispatch_bytes(layer: LayerInfo, nodes: dict[str, NodeInfo]) -> float:
     assert layer.moe is not None
     value = _block_input(layer, nodes)
     return 0.0 if value is None else _value_bytes(value) * layer.moe.top_k
+
+
+def _expert_call_bytes(
+    layer: LayerInfo, nodes: dict[str, NodeInfo], graph: ModelGraph
+) -> dict[str, float]:
+    """The `LayerTable.moe_hidden_bytes` / `moe_weights_bytes` / `moe_index_bytes` of an MoE
+    layer, per sample (their comment); nothing for another layer."""
+    value = _block_input(layer, nodes) if layer.moe else None
+    if layer.moe is None or value is None:
+        return {}
+    hidden = float(_value_bytes(value))
+    fb = _traced_float_bytes(graph)
+    tokens = hidden / (value.shapes[0][-1] * fb)
+    moe = layer.moe
+    if moe.dense_dispatch:  # autopar's MoEBlock: [T, E] weights in the model's dtype
+        return {"moe_hidden_bytes": hidden, "moe_weights_bytes": tokens * moe.num_experts * fb}
+    k = tokens * moe.top_k
+    return {"moe_hidden_bytes": hidden, "moe_weights_bytes": 4 * k, "moe_index_bytes": 8 * k}
 
 
 def _head(layer: LayerInfo, nodes: dict[str, NodeInfo]) -> NodeInfo | None:

@@ -22,6 +22,9 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
     context parallelism needs a forward at a shard's global positions (`parts`) -> else cp = 1
     expert parallelism  needs MoE blocks with a token dispatch (`expert_parallel`: the zoo's,
                         and transformers' stacked experts, `hf_experts`) -> else ep = 1
+    expert tensor par.  etp = tp splits each expert's width (`expert_tensor_parallel`): the
+                        zoo's SwiGLU experts and transformers' stacks of Mixtral's layout,
+                        their width divisible by tp -> else etp = 1
     torch.compile       the "autopar-compile" stack compiles each block: with data, sharded
                         and pipeline parallelism and recompute only, tp = cp = ep = 1 (a
                         compiled DTensor block fails in backward under torch 2.13)
@@ -45,6 +48,8 @@ from autopar.estimate.stacks import load_stack, stack_names
 from autopar.estimate.tables import tensor_parallel_roles
 from autopar.hardware.profile import HardwareProfile
 from autopar.runtime.expert_parallel import is_moe_block
+from autopar.runtime.expert_tensor_parallel import expert_split_problem
+from autopar.runtime.hf_experts import is_hf_experts
 from autopar.runtime.low_precision import runnable
 from autopar.runtime.parts import has_parts
 from autopar.runtime.split_check import checked_roles
@@ -115,6 +120,11 @@ def runtime_limits(
     if limits.num_experts and not _dispatches_experts(model):
         limits = replace(limits, num_experts=0)
         notes.append(f"no expert-parallel plans: {_no_ep(name)}")
+    if limits.num_experts:
+        width, why = expert_width(model)
+        limits = replace(limits, expert_width=width)
+        if why:
+            notes.append(f"no expert tensor-parallel plans (etp = 1): {why}")
     if not has_parts(model) and limits.max_cp > 1:
         limits = replace(limits, max_cp=1)
         notes.append(f"no context-parallel plans: {_no_cp(name)}")
@@ -162,6 +172,15 @@ def runtime_problems(
         out.append(f"cp={config.cp}: {_no_cp(name)}")
     if config.ep > 1 and not _dispatches_experts(model):
         out.append(f"ep={config.ep}: {_no_ep(name)}")
+    if config.etp > 1:
+        width, why = expert_width(model)
+        if why:
+            out.append(f"etp={config.etp}: {why}")
+        elif width % config.etp:
+            out.append(
+                f"etp={config.etp} does not divide the experts' intermediate width {width} of "
+                f"{name}"
+            )
     unsplit = unsplit_block(model, num_blocks, roles[0]) if config.tp > 1 else None
     wide = whole_width_norm(model) if config.tp > 1 else None
     if unsplit:
@@ -189,6 +208,30 @@ def _no_sp(model: nn.Module, roles: dict[str, str]) -> str:
     except ValueError as e:
         return f"autopar's runtime, for {type(model).__name__}: {e}"
     return ""
+
+
+def expert_width(model: nn.Module) -> tuple[int, str]:
+    """(the experts' intermediate width, "") where `expert_tensor_parallel` can split every
+    MoE layer of ``model`` (the smallest width where they differ), else (0, why not)."""
+    widths = []
+    for path, module in model.named_modules():
+        if is_hf_experts(module):
+            if why := expert_split_problem(module):
+                return 0, f"{path} ({type(module).__name__}): {why}"
+            widths.append(module.down_proj.shape[-1])
+        elif is_moe_block(module):
+            for key, expert in module.experts.named_children():
+                down = getattr(expert, "down_proj", None)
+                parts = [getattr(expert, n, None) for n in ("gate_proj", "up_proj")] + [down]
+                if not all(isinstance(m, nn.Linear) and m.bias is None for m in parts):
+                    return 0, (
+                        f"{path}.experts.{key} ({type(expert).__name__}) is not a SwiGLU of "
+                        "bias-free gate_proj, up_proj and down_proj linears"
+                    )
+                widths.append(down.in_features)
+    if not widths:
+        return 0, f"{type(model).__name__} has no MoE layer autopar's runtime dispatches"
+    return min(widths), ""
 
 
 def _dispatches_experts(model: nn.Module) -> bool:

@@ -89,6 +89,8 @@ class ParallelModel:
     data_parallels: list[DataParallel] = field(default_factory=list)
     context_parallel: ContextParallel | None = None  # cp > 1: shards batches, sums gradients
     expert_parallel: ExpertParallel | None = None  # ep > 1: this rank's experts, their sync
+    # etp > 1: the expert parameters sliced over tp (`expert_tensor_parallel`)
+    split_experts: frozenset[str] = frozenset()
 
 
 class _Part(NamedTuple):
@@ -97,6 +99,7 @@ class _Part(NamedTuple):
     data_parallel: DataParallel
     context: ContextParallel | None
     experts: ExpertParallel | None
+    split_experts: frozenset[str]
 
 
 def parallelize_model(
@@ -141,7 +144,9 @@ def parallelize_model(
     part = _parallelize_part(model, blocks, mesh, config, plan, groups, whole, compile_blocks)
     names = [p for p, _ in blocks]
     dp = part.data_parallel
-    return ParallelModel(model, mesh, dp, plan, names, None, [dp], part.context, part.experts)
+    return ParallelModel(
+        model, mesh, dp, plan, names, None, [dp], part.context, part.experts, part.split_experts
+    )
 
 
 def _expert_groups(mesh: RuntimeMesh, config: ParallelConfig) -> ExpertGroups | None:
@@ -188,6 +193,13 @@ def _parallelize_part(
         experts = apply_expert_parallel(
             model, expert_groups, mesh.num_data_ranks, required=config.pp == 1
         )
+    split: frozenset[str] = frozenset()
+    if config.etp > 1:  # each expert's width over the tp ranks, around ep's dispatch
+        from autopar.runtime.expert_tensor_parallel import apply_expert_tensor_parallel
+
+        split = apply_expert_tensor_parallel(
+            model, mesh.group("tp"), config.sequence_parallel, required=config.pp == 1
+        )
     apply_recompute(blocks, config.recompute, config.recompute_layers)  # first k: the plan's
     if compile_blocks:  # after recompute (the checkpoint is compiled), before FSDP's hooks
         for _, block in blocks:
@@ -195,7 +207,7 @@ def _parallelize_part(
     data_parallel = apply_data_parallel(model, blocks, mesh, config, experts)
     if experts is not None:  # experts are synced by expert_parallel, not averaged over dp
         data_parallel.skip = experts.expert_names
-    return _Part(data_parallel, context, experts)
+    return _Part(data_parallel, context, experts, split)
 
 
 def _parallelize_pipeline(
@@ -216,6 +228,7 @@ def _parallelize_pipeline(
     blocks: list[str] = []
     contexts: list[ContextParallel] = []  # one per chunk, all alike (the cp group)
     experts: list[ExpertParallel] = []  # one per chunk, each naming its own experts
+    split: set[str] = set()  # etp > 1: the chunks' sliced expert parameters
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return contexts[0].loss(out, target) if contexts else spec.loss_fn(out, target)
@@ -239,6 +252,7 @@ def _parallelize_pipeline(
         data_parallels.append(part.data_parallel)
         contexts.extend([part.context] if part.context is not None else [])
         experts.extend([part.experts] if part.experts is not None else [])
+        split.update(part.split_experts)
 
     pipe = build_pipeline(
         model,
@@ -259,7 +273,16 @@ def _parallelize_pipeline(
         blocks_ = sum(e.num_blocks for e in experts)
         expert = dataclasses.replace(experts[0], expert_names=names, num_blocks=blocks_)
     return ParallelModel(
-        held, mesh, data_parallels[0], plans, blocks, pipe, data_parallels, context, expert
+        held,
+        mesh,
+        data_parallels[0],
+        plans,
+        blocks,
+        pipe,
+        data_parallels,
+        context,
+        expert,
+        frozenset(split),
     )
 
 

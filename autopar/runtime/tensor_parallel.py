@@ -64,6 +64,8 @@ The styles and the collectives they imply (forward; the backward mirrors them):
                              all-reduce (a replicated weight that saw part of the heads)
     token_sum                none: a router or experts on the rank's sequence shard (SP); after
                              the backward one all-reduce of their weight grads over tp
+    expert_split             none here: experts split over tp (etp = tp, SP), which
+                             `expert_tensor_parallel` slices and wraps after expert parallelism
     latent_kv/R              none: MLA's replicated KV down-projection; bwd: all-reduce of the
                              gradient of its last R outputs (the rotary key all heads share)
 
@@ -102,6 +104,7 @@ _COLLECTIVES = {
     "sequence_parallel": "fwd: none (norm on a sequence shard); bwd: weight-grad all-reduce",
     "head_norm": "fwd: none (norm on the rank's heads); bwd: weight-grad all-reduce",
     "token_sum": "fwd: none (on the rank's sequence shard); after bwd: weight-grad all-reduce",
+    "expert_split": "experts split over tp (etp): their own gathers and reduce-scatters",
     "latent_kv": "fwd: none; bwd: all-reduce of the shared rotary key's output gradient (MLA)",
     "replicate_in": "fwd: none; bwd: one all-reduce of the summed input gradient",
     "gather_seq": "fwd: all-gather of the input along the sequence; bwd: reduce-scatter",
@@ -239,7 +242,9 @@ def tp_plan(
                 "placements replicate some projections: run without sequence_parallel"
             )
         megatron_ends = vocab is not None and vocab[2] is not None
-        _add_sequence_parallel(plan, blocks, split_ends=not megatron_ends)
+        _add_sequence_parallel(
+            plan, blocks, split_ends=not megatron_ends, split_experts=config.etp > 1
+        )
         if whole := _whole_on_shards(plan, blocks):
             raise ValueError(
                 f"sequence_parallel: {whole} holds a weight no tensor-parallel style takes "
@@ -421,19 +426,21 @@ def _shared_rope_key(scope: nn.Module, prefix: str) -> tuple[str, int]:
 
 
 # styles that take a module's parameters (sharded, or replicated with their gradients summed)
-_PARAMETER_STYLES = ("colwise", "rowwise", "sequence_parallel", "head_norm", "token_sum")
+_PARAMETER_STYLES = ("colwise", "rowwise", "sequence_parallel", "head_norm", "token_sum",
+                     "expert_split")  # fmt: skip
 
 
 def _whole_on_shards(plan: dict[str, str], blocks: list[tuple[str, nn.Module]]) -> str:
     """The first block parameter no style takes (a learned scale, a convolution): under
     sequence parallelism its module sees the rank's sequence shard only, so its gradient
-    would be a partial sum. "" when every parameter is taken (a "token_sum" module's
-    submodules are)."""
-    # a token_sum module's submodules are taken; a gathered module's run on the whole sequence
+    would be a partial sum. "" when every parameter is taken (a "token_sum" or
+    "expert_split" module's submodules are)."""
+    # a token_sum or expert_split module's submodules are taken; a gathered module's run on the
+    # whole sequence
     taken = tuple(
         k + "."
         for k, style in plan.items()
-        if style == "token_sum" or style.startswith("gather_seq")
+        if style in ("token_sum", "expert_split") or style.startswith("gather_seq")
     )
     for path, block in blocks:
         for name, module in block.named_modules():
@@ -482,12 +489,16 @@ def _chain_plan(model: nn.Module, weights: dict[str, str]) -> dict[str, str]:
 
 
 def _add_sequence_parallel(
-    plan: dict[str, str], blocks: list[tuple[str, nn.Module]], split_ends: bool = True
+    plan: dict[str, str],
+    blocks: list[tuple[str, nn.Module]],
+    split_ends: bool = True,
+    split_experts: bool = False,
 ) -> None:
     """Norms on sequence shards, attention/MLP inputs gathered, row outputs reduce-scattered;
     the residual stream between blocks stays a local sequence shard (as torchtitan).
     ``split_ends``: the first block splits its input, the last gathers its output (off when
-    the embedding and head do it, Megatron's ends)."""
+    the embedding and head do it, Megatron's ends). ``split_experts``: the experts are split
+    over tp (etp), not run whole on the shard and summed."""
     for i, (path, block) in enumerate(blocks):
         n = _num_inputs(block)
         first, last = split_ends and i == 0, split_ends and i == len(blocks) - 1
@@ -497,7 +508,9 @@ def _add_sequence_parallel(
             plan[path] = f"shard_seq/{n}"
         elif last:
             plan[path] = "gather_out"
-        plan.update({f"{path}.{name}": "token_sum" for name in _token_modules(block)})
+        for name in _token_modules(block):
+            split = split_experts and name.rsplit(".", 1)[-1] == "experts"
+            plan[f"{path}.{name}"] = "expert_split" if split else "token_sum"
         # the modules whose column-parallel projections read the whole sequence: gathered
         parents = {
             k.rsplit(".", 1)[0] for k in plan if k.startswith(path + ".") and plan[k] == "colwise"

@@ -56,6 +56,8 @@ def _style(style: str) -> ParallelStyle:
         return SequenceParallel(sequence_dim=2, use_local_output=True)
     if name == "token_sum":
         return _SummedOverTp()
+    if name == "expert_split":  # sliced later (`expert_tensor_parallel`), after ep's dispatch
+        return _Unchanged()
     if name == "latent_kv":
         return _SharedTailGrad(int(count))
     if name == "replicate_in":
@@ -136,6 +138,13 @@ class _SummedOverTp(ParallelStyle):
         # this rank's experts, the same modules
         for sub in module.modules():
             sub._autopar_token_sum = device_mesh.get_group()  # type: ignore[assignment]
+        return module
+
+
+class _Unchanged(ParallelStyle):
+    """Leaves the module as it is: a part another module splits over tp."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return module
 
 

@@ -304,9 +304,8 @@ def train(
             data_parallel.sync_gradients()
         # a tied embedding's copy on the last stage is counted once (pipeline.norm_parameters)
         counted = model.parameters() if pm.pipeline is None else pm.pipeline.norm_parameters()
-        experts = pm.expert_parallel.expert_parameters(model) if pm.expert_parallel else []
         grad_norm, mean_loss = _global_norm_and_loss(
-            counted, loss_sum, mesh, world, experts, config.ep
+            counted, loss_sum, mesh, world, _held_fewer(pm, config)
         )
         coef = min(1.0, options.max_grad_norm / (grad_norm + 1e-6))
         with torch.no_grad():
@@ -374,23 +373,36 @@ def _global_norm_and_loss(
     loss: torch.Tensor,
     mesh: RuntimeMesh,
     world: int,
-    experts: Sequence[nn.Parameter] = (),
-    ep: int = 1,
+    fewer: dict[int, int] | None = None,
 ) -> tuple[float, float]:
     """One all-reduce over the world of [weighted squared gradient norm, loss / world]: every
-    rank holds its data rank's mean loss (a pipeline broadcasts it to every stage). An expert
-    parameter is held by world / ep ranks, not world: its share is ep times larger."""
+    rank holds its data rank's mean loss (a pipeline broadcasts it to every stage). ``fewer``:
+    id of a parameter held by world / n ranks rather than world -> n (`_held_fewer`): its
+    share is n times larger."""
     pp = mesh.size("pp")
-    expert_ids = {id(p) for p in experts}
+    fewer = fewer or {}
     total = torch.zeros(2, dtype=torch.float64)
     for p in params:
         if p.grad is not None:
             local = _local(p.grad).detach().double()
-            share = _norm_share(p.grad, pp, world) * (ep if id(p) in expert_ids else 1)
+            share = _norm_share(p.grad, pp, world) * fewer.get(id(p), 1)
             total[0] += local.pow(2).sum() * share
     total[1] = loss / world
     dist.all_reduce(total)
     return math.sqrt(total[0].item()), total[1].item()
+
+
+def _held_fewer(pm: ParallelModel, config: ParallelConfig) -> dict[int, int]:
+    """Parameter id -> how many times fewer ranks hold it than a replicated one: expert
+    parallelism's experts ep (each ep rank its own), expert tensor parallelism's slices tp
+    (plain tensors, each tp rank its own slice)."""
+    out: dict[int, int] = {}
+    ep = pm.expert_parallel.expert_names if pm.expert_parallel else frozenset()
+    for name, p in pm.model.named_parameters():
+        n = (config.ep if name in ep else 1) * (config.tp if name in pm.split_experts else 1)
+        if n > 1:
+            out[id(p)] = n
+    return out
 
 
 def _autocast(device: torch.device, precision: str) -> Any:

@@ -5,7 +5,7 @@ that fit), the `ModelGraph`, the cluster, the global batch and `RefineOptions`. 
 `RefineResult`: the winner under the combined cost, every candidate with its analytic and
 re-priced step and per-layer times, and the ILP's figures (solves, cache hits). Invariant:
 a config without tensor parallelism, or one the ILP does not model (cp > 1; ep > 1 on a
-layer with experts), keeps the analytic price, so with every tp = 1 nothing changes.
+layer with experts; etp > 1), keeps the analytic price, so with every tp = 1 nothing changes.
 
 Candidates: the `top_k` fitting configs by analytic step time, plus the fastest fitting config
 of every other tp degree (so the ILP can demote one degree in favour of another).
@@ -296,6 +296,8 @@ def _skip_reason(cfg: ParallelConfig, blocks: list[LayerTable]) -> str:
         return "cp > 1: the ILP plans a layer on the whole sequence"
     if cfg.ep > 1 and any(t.moe_num_experts for t in blocks):
         return "ep > 1: the ILP does not place experts over an expert-parallel group"
+    if cfg.etp > 1:
+        return "etp > 1: the ILP does not split experts over tp"
     return ""
 
 

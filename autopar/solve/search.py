@@ -296,7 +296,7 @@ class _Bounds:
         self._states: dict[tuple, float] = {}
 
     def memory(self, cfg: ParallelConfig) -> float:
-        key = (cfg.recompute, cfg.tp, cfg.cp, cfg.sequence_parallel, cfg.ep > 1)
+        key = (cfg.recompute, cfg.tp, cfg.cp, cfg.sequence_parallel, cfg.ep > 1, cfg.etp)
         if key not in self._activations:
             div = shard_divisors(cfg)
             self._activations[key] = self.estimator.act_scale * sum(
@@ -311,7 +311,7 @@ class _Bounds:
     def state(self, cfg: ParallelConfig) -> float:
         """The model state of the average stage: every layer's over pp (ZeRO by
         `StageMemory.model_state`, the experts' sharding included)."""
-        key = (cfg.dp, cfg.fsdp, cfg.cp, cfg.tp, cfg.pp, cfg.ep, cfg.zero_stage)
+        key = (cfg.dp, cfg.fsdp, cfg.cp, cfg.tp, cfg.pp, cfg.ep, cfg.zero_stage, cfg.etp)
         if key not in self._states:
             memory = self.estimator.memory
             layers = list(self.estimator.tables.layers)

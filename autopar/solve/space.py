@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import permutations
+from itertools import permutations, product
 
 from autopar.config import DEFAULT_AXIS_ORDER, SPLIT_BACKWARD, ParallelConfig
 
@@ -54,6 +54,9 @@ class SpaceLimits:
     # tensor parallelism without sequence parallelism (`runtime.capability`: a block whose
     # projections the runtime cannot pair column/row)
     no_sequence_parallel: bool = False
+    # the experts' intermediate width where the runtime can split it over tp (etp = tp;
+    # `runtime.capability.expert_width`), else 0: etp = 1 only
+    expert_width: int = 0
 
 
 def shape_problems(cfg: ParallelConfig, lim: SpaceLimits) -> list[str]:
@@ -85,6 +88,8 @@ def shape_problems(cfg: ParallelConfig, lim: SpaceLimits) -> list[str]:
     if cfg.ep > 1 and (not lim.num_experts or lim.num_experts % cfg.ep):
         has = f"{lim.num_experts} experts" if lim.num_experts else "no expert layers"
         out.append(f"ep={cfg.ep} does not divide the model's experts: it has {has}")
+    if cfg.etp > 1 and not lim.num_experts:
+        out.append(f"etp={cfg.etp} splits experts over tp, but the model has no expert layers")
     if cfg.tp > 1 and cfg.sequence_parallel and lim.seq_len % cfg.tp:
         out.append(
             f"sequence_parallel splits the sequence over tp={cfg.tp} ranks, but the blocks' "
@@ -221,6 +226,9 @@ def inner_choices(
     zeros = (0,) if fsdp == 1 else (1, 2, 3)
     sp_ok = tp > 1 and not lim.no_sequence_parallel and lim.seq_len % tp == 0
     sps = (True, False) if sp_ok else (False,)
+    # expert tensor parallelism: each expert whole on every tp rank, or split over them
+    split = tp > 1 and lim.num_experts and lim.expert_width and lim.expert_width % tp == 0
+    etps = (1, tp) if split else (1,)
     for mbs in lim.micro_batch_sizes:
         per_step = mbs * dp * fsdp
         if lim.global_batch_size % per_step:
@@ -228,25 +236,25 @@ def inner_choices(
         m = lim.global_batch_size // per_step
         for schedule, v in _schedules(pp, m, lim.num_blocks):
             for zero in zeros:
-                for sp in sps:
-                    for recompute in ("none", "selective", "full"):
-                        if recompute != "none" and pp > 1 and schedule in SPLIT_BACKWARD:
-                            continue  # ParallelConfig.problems: split backward passes
-                        yield ParallelConfig(
-                            dp=dp,
-                            fsdp=fsdp,
-                            tp=tp,
-                            pp=pp,
-                            cp=cp,
-                            ep=ep,
-                            zero_stage=zero,
-                            micro_batch_size=mbs,
-                            schedule=schedule,  # type: ignore[arg-type]
-                            virtual_stages=v,
-                            recompute=recompute,  # type: ignore[arg-type]
-                            sequence_parallel=sp,
-                            axis_order=axis_order,
-                        )
+                for sp, etp, recompute in product(sps, etps, ("none", "selective", "full")):
+                    if recompute != "none" and pp > 1 and schedule in SPLIT_BACKWARD:
+                        continue  # ParallelConfig.problems: split backward passes
+                    yield ParallelConfig(
+                        dp=dp,
+                        fsdp=fsdp,
+                        tp=tp,
+                        pp=pp,
+                        cp=cp,
+                        ep=ep,
+                        zero_stage=zero,
+                        micro_batch_size=mbs,
+                        schedule=schedule,  # type: ignore[arg-type]
+                        virtual_stages=v,
+                        recompute=recompute,  # type: ignore[arg-type]
+                        sequence_parallel=sp,
+                        axis_order=axis_order,
+                        etp=etp,
+                    )
 
 
 def _schedules(pp: int, m: int, num_blocks: int) -> list[tuple[str, int]]:
