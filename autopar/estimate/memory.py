@@ -191,7 +191,7 @@ class StageMemory:
         """`params_on_rank`, skipping the expert sum for a dense model (the search's hot path:
         one layer's figure is cached per tp and ep)."""
         if len(layers) == 1:
-            key = (layers[0].name, cfg.tp, cfg.ep)
+            key = (layers[0].name, cfg.tp, cfg.ep, cfg.etp)
             got = self._layer_params.get(key)
             if got is None:
                 got = self._layer_params[key] = self._params(cfg, layers)

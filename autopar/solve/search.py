@@ -154,7 +154,10 @@ def search(
                 pruned["dominated (sequence parallel off)"] += variants
                 continue
             if _without_recompute(_memory_key(cfg)) in settled:
-                pruned["dominated (more recompute than a config that fits)"] += variants
+                split = cfg.etp > 1 and cfg.sequence_parallel  # `_without_recompute`
+                why = "experts split over tp where whole ones fit" if split else (
+                    "more recompute than a config that fits")  # fmt: skip
+                pruned[f"dominated ({why})"] += variants
                 continue
             if key in bounded:
                 pruned["slower than the best so far (bound)"] += variants
@@ -261,8 +264,15 @@ def _memory_key(cfg: ParallelConfig) -> ParallelConfig:
 
 
 def _without_recompute(cfg: ParallelConfig) -> tuple:
+    """``cfg`` less its recompute, for the search's dominance sets. With sequence parallelism
+    its etp is left out too: experts split over tp then run the same FLOPs as whole experts
+    on sequence shards and add collectives, so a split-expert config is slower than the same
+    config with whole experts (its memory aside), and what settles or bounds the one (a fit
+    without recompute, a slower no-recompute time) holds for the other; inner_choices yields
+    etp = 1 first."""
+    etp = 1 if cfg.sequence_parallel else cfg.etp
     return (*_degrees(cfg), cfg.zero_stage, cfg.micro_batch_size, cfg.schedule,
-            cfg.virtual_stages, cfg.sequence_parallel, cfg.axis_order)  # fmt: skip
+            cfg.virtual_stages, cfg.sequence_parallel, cfg.axis_order, etp)  # fmt: skip
 
 
 def _distinct_orders(

@@ -2,6 +2,8 @@
 
     tp, pp, cp, ep        --tensor-, --pipeline-, --context-, --expert-model-parallel-size;
                           Megatron's data-parallel size is what is left: dp x fsdp
+    etp                   --expert-tensor-parallel-size, where ep or etp > 1 (Megatron's
+                          default is tp: a plan's etp = 1 must say so)
     zero_stage 1-2        --use-distributed-optimizer (optimizer state sharded over the data-
                           parallel ranks; with dp > 1 and fsdp > 1, one instance per replica:
                           --num-distributed-optimizer-instances dp)
@@ -49,6 +51,8 @@ def megatron_args(plan: Plan, shape: ModelShape | None, gaps: list[str]) -> list
     ]
     if c.sequence_parallel:
         args.append("--sequence-parallel")
+    if c.ep > 1 or c.etp > 1:
+        args += ["--expert-tensor-parallel-size", str(c.etp)]
     if c.ep > 1:
         gaps.append(
             f"ep={c.ep}: Megatron folds the experts over its data x context ranks; the plan "

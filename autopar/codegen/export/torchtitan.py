@@ -3,6 +3,8 @@ ConfigManager with `--job.config_file`).
 
     dp, fsdp, cp, tp, pp, ep    [parallelism] data_parallel_replicate_degree, _shard_degree,
                                 context_, tensor_, pipeline_, expert_parallel_degree
+    etp                         expert_tensor_parallel_degree, where ep > 1 (torchtitan reads it
+                                only then; with ep = 1 it splits the experts over tp)
     zero_stage                  fsdp_reshard_after_forward: 3 always, 1-2 never
     micro-batches               [training] local_batch_size (per data-parallel rank and step:
                                 the pipeline's micro-batches x mbs with pp, else mbs) and
@@ -77,6 +79,18 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None, priced: Priced | Non
         "pipeline_parallel_degree": c.pp,
         "expert_parallel_degree": c.ep,
     }
+    if c.ep > 1:  # torchtitan reads it only with ep > 1 (with ep = 1 TP splits the experts)
+        parallelism["expert_tensor_parallel_degree"] = c.etp
+        if c.etp == 1 and c.tp > 1:
+            gaps.append(
+                f"etp=1 beside tp={c.tp}: torchtitan then folds ep over the tp ranks too; the "
+                "plan keeps each expert whole on every tp rank, ep over the data ranks only"
+            )
+    elif c.etp == 1 and c.tp > 1 and plan.experts:
+        gaps.append(
+            f"tp={c.tp} with ep=1: torchtitan splits an MoE model's experts over tp (etp = tp); "
+            "the plan keeps them whole on every tp rank (etp=1)"
+        )
     if c.fsdp > 1:
         parallelism["fsdp_reshard_after_forward"] = "always" if c.zero_stage == 3 else "never"
         if c.zero_stage == 1:
