@@ -186,6 +186,8 @@ class StageMemory:
         self._experts = any(t.params_expert for t in tables.layers)
         self._activation_cache: dict[tuple, float] = {}
         self._layer_params: dict[tuple, float] = {}
+        # `_stage_parts` per (config, stage signature): a deep pipeline's stages repeat
+        self._stage_cache: dict[tuple, tuple[ModelStateBytes, float, float, float, float]] = {}
 
     def params(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
         """`params_on_rank`, skipping the expert sum for a dense model (the search's hot path:
@@ -267,6 +269,31 @@ class StageMemory:
         """Peak memory of a stage holding ``layers`` with ``inflight`` micro-batches of
         activations; ``recomputed`` names the layers the recompute policy applies to (None:
         all)."""
+        state, per_mb, transient, logits, buffers = self._stage_parts(cfg, layers, recomputed)
+        activations = per_mb * max(1.0, inflight) + transient + logits * self.options.logit_copies
+        return peak_memory(
+            state,
+            activation_bytes=activations,
+            communication_buffer_bytes=buffers,
+            reserve_fraction=self.options.reserve_fraction,
+        )
+
+    def _stage_parts(
+        self, cfg: ParallelConfig, layers: list[LayerTable], recomputed: frozenset[str] | None
+    ) -> tuple[ModelStateBytes, float, float, float, float]:
+        """(model state, activations per micro-batch, the largest recompute transient, logit
+        bytes, communication buffers) of a stage, cached by what they read of each layer: its
+        class (a block; else the layer itself), whether it is the model's first (a tied
+        copy) and whether the policy applies to it."""
+        first = self.tables.layers[0].name
+        key = (cfg, tuple(
+            (t.class_id if t.kind == "block" else t.name, t.name == first,
+             recomputed is None or t.name in recomputed)
+            for t in layers
+        ))  # fmt: skip
+        cached = self._stage_cache.get(key)
+        if cached is not None:
+            return cached
         params = self.stage_params(cfg, layers)
         state = self.model_state(cfg, layers)
         b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
@@ -280,19 +307,16 @@ class StageMemory:
             transient = max(transient, none - kept)
             split = t if table.vocab_split else 1  # the logits' vocabulary over tp
             logits += table.vocab_logits_bytes * b / (split * c) * self.act_scale
-        activations = per_mb * max(1.0, inflight) + transient + logits * self.options.logit_copies
         pbytes = PRECISION_BYTES[self.precision]
         if cfg.zero_stage == 3:
             largest = max((self.params(cfg, [x]) for x in layers), default=0.0)
             buffers = 2 * largest * (pbytes + self.options.grad_bytes)
         else:
             buffers = 2 * min(self.options.ddp_bucket_bytes, params * self.options.grad_bytes)
-        return peak_memory(
-            state,
-            activation_bytes=activations,
-            communication_buffer_bytes=buffers,
-            reserve_fraction=self.options.reserve_fraction,
-        )
+        if len(self._stage_cache) > 100_000:  # a long search's: bound the memory it holds
+            self._stage_cache.clear()
+        cached = self._stage_cache[key] = (state, per_mb, transient, logits, buffers)
+        return cached
 
     def activation_bytes(self, cfg: ParallelConfig, table: LayerTable, policy: str) -> float:
         """One micro-batch's activations ``table`` keeps under ``policy`` on one rank: per

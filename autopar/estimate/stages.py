@@ -114,16 +114,32 @@ def linear_partition(weights: list[float], parts: int) -> list[int]:
 
     def greedy(bound: float) -> list[list[float]]:
         groups: list[list[float]] = [[]]
+        total = 0.0  # of groups[-1], added in its order as sum() would
         for w in weights:
-            if groups[-1] and sum(groups[-1]) + w > bound:
+            if groups[-1] and total + w > bound:
                 groups.append([])
+                total = 0.0
             groups[-1].append(w)
+            total += w
         return groups
+
+    def fits(bound: float) -> bool:
+        """Whether greedy(bound) makes at most ``parts`` groups (the search's hot path)."""
+        count, total, empty = 1, 0.0, True
+        for w in weights:
+            if not empty and total + w > bound:
+                count += 1
+                if count > parts:
+                    return False
+                total = 0.0
+            total += w
+            empty = False
+        return True
 
     lo, hi = max(weights), sum(weights)
     for _ in range(60):
         mid = (lo + hi) / 2
-        if len(greedy(mid)) <= parts:
+        if fits(mid):
             hi = mid
         else:
             lo = mid

@@ -52,7 +52,7 @@ from autopar.estimate.memory import (
 from autopar.estimate.mesh import MeshGroups
 from autopar.estimate.options import CostOptions
 from autopar.estimate.stacks import load_stack
-from autopar.estimate.stage_time import StageTimer
+from autopar.estimate.stage_time import StageTimer, StageTimes
 from autopar.estimate.stages import (
     Chunks,
     chunk_weights,
@@ -180,10 +180,7 @@ class Estimator:
         chunks = self.chunks(cfg, times)
         layers = stage_layers(cfg, chunks)
         rec = recomputed_layers(cfg, chunks)
-        per_stage = [
-            self.timer.stage_times(cfg, mesh, ls, times, rec, first_chunk=chunks[0])
-            for ls in layers
-        ]
+        per_stage = self._stage_times(cfg, mesh, layers, times, rec, chunks[0])
         if time_bound_s is not None:
             # a time-shared pipeline stage runs at up to the full rate while others idle
             share = self.cluster.compute_share if cfg.pp > 1 else 1.0
@@ -220,6 +217,34 @@ class Estimator:
             model_flops=model_flops,
             mfu=model_flops / (step * world * self.peak_flops),
         )
+
+    def _stage_times(
+        self,
+        cfg: ParallelConfig,
+        mesh: MeshGroups,
+        layers: list[list[LayerTable]],
+        times: dict[str, LayerTime],
+        recomputed: frozenset[str] | None,
+        first_chunk: list[LayerTable],
+    ) -> list[StageTimes]:
+        """`StageTimer.stage_times` of every stage, priced once per distinct stage: what a
+        stage's times read of a layer is its `LayerTime` (shared by the layers of a class),
+        whether it is recomputed and whether it lies in model chunk 0, so stages whose layers
+        agree on those in order have the same times (a deep pipeline's middle stages)."""
+        first = {t.name for t in first_chunk}
+        seen: dict[tuple, StageTimes] = {}
+        out = []
+        for ls in layers:
+            key = tuple(
+                (id(times[t.name]), recomputed is None or t.name in recomputed, t.name in first)
+                for t in ls
+            )
+            if key not in seen:
+                seen[key] = self.timer.stage_times(
+                    cfg, mesh, ls, times, recomputed, first_chunk=first_chunk
+                )
+            out.append(seen[key])
+        return out
 
     def fewest_recomputed_layers(
         self,

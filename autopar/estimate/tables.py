@@ -375,11 +375,12 @@ def routed_layer(table: LayerTable, imbalance: float = 1.0) -> LayerTable:
 
     A dense-dispatch MoE's graph (`autopar.models.moe`) runs all E experts on all T tokens;
     dispatched, the experts run k T rows in all (each token on its top k). Every expert-class
-    term -- matmul FLOPs and activation bytes, memory-bound bytes, saved activations -- scales
-    by f = k / E; weights, the router and the combine's replicated work do not. The dispatch
-    itself keeps two more copies of the routed rows without recompute (D = moe_dispatch_bytes,
-    k T H per sample, shard class "routed"): each expert's gathered input rows (the dense graph's experts share the
-    block's x) and the weighted rows `index_add` keeps (`autopar.runtime.expert_parallel`;
+    term -- matmul FLOPs and activation bytes, memory-bound bytes, saved activations (the
+    "expert" and the hidden-wide "routed" ones) -- scales by f = k / E; weights, the router and
+    the combine's replicated work do not. The dispatch itself keeps two more copies of the
+    routed rows without recompute (D = moe_dispatch_bytes, k T H per sample, in "routed"):
+    each expert's gathered input rows (the dense graph's experts share the block's x) and the
+    weighted rows `index_add` keeps (`autopar.runtime.expert_parallel`;
     measured on moe-tiny EP2: rows of 64 x 64 fp32, two per layer beyond the experts').
     ``imbalance``: the busiest rank's routed rows over the mean (`CostOptions.moe_imbalance`):
     every expert-class term and the dispatched rows (moe_dispatch_bytes, which the all-to-all

@@ -26,6 +26,7 @@ the fastest that did not fit, each with why it lost.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -144,6 +145,10 @@ def search(
         # order, so what memory decided for one order holds for the next (keys: `_memory_key`)
         fewest: dict[ParallelConfig, int | None] = {}
         over_memory: set[ParallelConfig] = set()
+        # (config but recompute layers) with whole experts and SP that fit -> the recomputed
+        # layers per chunk they needed (inf: the policy on every layer): its split-expert twin
+        # recomputing no fewer is slower (`_without_recompute`), so it is not priced
+        whole_fit: dict[tuple, float] = {}
         for cfg in (c for o in orders for c in inner_choices(limits, degrees, o)):
             layer_choices = recompute_layer_choices(limits, cfg)
             variants = 1 + len(layer_choices)  # cfg (every layer) and its per-layer variants
@@ -165,9 +170,18 @@ def search(
             if bounds.memory(cfg) > capacity:  # holds for the variants: they keep more
                 pruned["memory (lower bound)"] += variants
                 continue
+            twin = (_without_recompute(_memory_key(cfg)), cfg.recompute)
+            split_sp = cfg.etp > 1 and cfg.sequence_parallel
+            if split_sp and whole_fit.get(twin, 0) == 1:  # no fewer than one layer recomputes
+                pruned["dominated (experts split over tp, no less recompute)"] += variants
+                continue
             candidate = _fewest_layers(
                 estimator, limits, cfg, layer_choices, capacity, pruned, fewest
             )
+            layers = candidate.recompute_layers or math.inf
+            if split_sp and twin in whole_fit and layers >= whole_fit[twin]:
+                pruned["dominated (experts split over tp, no less recompute)"] += 1
+                continue
             if _memory_key(candidate) in over_memory:
                 pruned["memory (over in another axis order)"] += 1
                 continue
@@ -179,6 +193,8 @@ def search(
                     bounded.add(key)
                 continue
             if est.peak_memory_bytes <= capacity:
+                if cfg.sequence_parallel and cfg.etp == 1:
+                    whole_fit[twin] = layers
                 feasible.append(est)
                 if cfg.recompute == "none":
                     settled.add(_without_recompute(_memory_key(cfg)))

@@ -51,9 +51,13 @@ def test_routed_layer_scales_the_expert_work_by_top_k_over_experts(moe):
         assert any(op.shard == "expert" for op in dense.matmuls)
         for policy, split in dense.activations.items():
             extra = 2 * dense.moe_dispatch_bytes if policy == "none" else 0.0
-            assert routed.activations[policy]["expert"] == pytest.approx(
-                split["expert"] * f + extra
+            # the experts' intermediate-width values, and their hidden-wide rows ("routed",
+            # which expert tensor parallelism does not split) with the dispatch's copies
+            assert routed.activations[policy]["expert"] == pytest.approx(split["expert"] * f)
+            assert routed.activations[policy]["routed"] == pytest.approx(
+                split["routed"] * f + extra
             )
+            assert policy != "none" or split["routed"] > 0  # each expert output is hidden-wide
             assert routed.activations[policy]["rep"] == split["rep"]
         # tokens x top_k x hidden x fp32: what one all-to-all moves, per sample
         assert dense.moe_dispatch_bytes == cfg.seq_len * cfg.top_k * cfg.hidden * 4
