@@ -277,10 +277,14 @@ class Estimator:
         dropped = [[0.0] * top for _ in layers]
         transient = [[0.0] * top for _ in layers]
         activations = self.memory.activation_bytes
+        by_class: dict[str, float] = {}  # the blocks of a class drop the same bytes
         for k, chunk in enumerate(blocks):
             s = stage_of_chunk(cfg, k)
             for j, table in enumerate(chunk[:top]):
-                d = activations(cfg, table, "none") - activations(cfg, table, cfg.recompute)
+                d = by_class.get(table.class_id)
+                if d is None:
+                    d = activations(cfg, table, "none") - activations(cfg, table, cfg.recompute)
+                    by_class[table.class_id] = d
                 dropped[s][j] += d
                 transient[s][j] = max(transient[s][j], d)
         live, drop, peak = [], [0.0] * len(layers), [0.0] * len(layers)
