@@ -26,7 +26,6 @@ the fastest that did not fit, each with why it lost.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -145,10 +144,6 @@ def search(
         # order, so what memory decided for one order holds for the next (keys: `_memory_key`)
         fewest: dict[ParallelConfig, int | None] = {}
         over_memory: set[ParallelConfig] = set()
-        # (config but recompute layers) with whole experts and SP that fit -> the recomputed
-        # layers per chunk they needed (inf: the policy on every layer): its split-expert twin
-        # recomputing no fewer is slower (`_without_recompute`), so it is not priced
-        whole_fit: dict[tuple, float] = {}
         for cfg in (c for o in orders for c in inner_choices(limits, degrees, o)):
             layer_choices = recompute_layer_choices(limits, cfg)
             variants = 1 + len(layer_choices)  # cfg (every layer) and its per-layer variants
@@ -159,10 +154,7 @@ def search(
                 pruned["dominated (sequence parallel off)"] += variants
                 continue
             if _without_recompute(_memory_key(cfg)) in settled:
-                split = cfg.etp > 1 and cfg.sequence_parallel  # `_without_recompute`
-                why = "experts split over tp where whole ones fit" if split else (
-                    "more recompute than a config that fits")  # fmt: skip
-                pruned[f"dominated ({why})"] += variants
+                pruned["dominated (more recompute than a config that fits)"] += variants
                 continue
             if key in bounded:
                 pruned["slower than the best so far (bound)"] += variants
@@ -170,18 +162,9 @@ def search(
             if bounds.memory(cfg) > capacity:  # holds for the variants: they keep more
                 pruned["memory (lower bound)"] += variants
                 continue
-            twin = (_without_recompute(_memory_key(cfg)), cfg.recompute)
-            split_sp = cfg.etp > 1 and cfg.sequence_parallel
-            if split_sp and whole_fit.get(twin, 0) == 1:  # no fewer than one layer recomputes
-                pruned["dominated (experts split over tp, no less recompute)"] += variants
-                continue
             candidate = _fewest_layers(
                 estimator, limits, cfg, layer_choices, capacity, pruned, fewest
             )
-            layers = candidate.recompute_layers or math.inf
-            if split_sp and twin in whole_fit and layers >= whole_fit[twin]:
-                pruned["dominated (experts split over tp, no less recompute)"] += 1
-                continue
             if _memory_key(candidate) in over_memory:
                 pruned["memory (over in another axis order)"] += 1
                 continue
@@ -193,8 +176,6 @@ def search(
                     bounded.add(key)
                 continue
             if est.peak_memory_bytes <= capacity:
-                if cfg.sequence_parallel and cfg.etp == 1:
-                    whole_fit[twin] = layers
                 feasible.append(est)
                 if cfg.recompute == "none":
                     settled.add(_without_recompute(_memory_key(cfg)))
@@ -280,15 +261,9 @@ def _memory_key(cfg: ParallelConfig) -> ParallelConfig:
 
 
 def _without_recompute(cfg: ParallelConfig) -> tuple:
-    """``cfg`` less its recompute, for the search's dominance sets. With sequence parallelism
-    its etp is left out too: experts split over tp then run the same FLOPs as whole experts
-    on sequence shards and add collectives, so a split-expert config is slower than the same
-    config with whole experts (its memory aside), and what settles or bounds the one (a fit
-    without recompute, a slower no-recompute time) holds for the other; inner_choices yields
-    etp = 1 first."""
-    etp = 1 if cfg.sequence_parallel else cfg.etp
+    """``cfg`` less its recompute, for the search's dominance sets."""
     return (*_degrees(cfg), cfg.zero_stage, cfg.micro_batch_size, cfg.schedule,
-            cfg.virtual_stages, cfg.sequence_parallel, cfg.axis_order, etp)  # fmt: skip
+            cfg.virtual_stages, cfg.sequence_parallel, cfg.axis_order, cfg.etp)  # fmt: skip
 
 
 def _distinct_orders(

@@ -13,6 +13,10 @@ and two where ep covers every data rank, so FSDP leaves the experts out
 (`ExpertParallel.shard`): EP2 x FSDP2 x PP2 (Qwen3-MoE) and EP2 x FSDP2 beside TP2 (Mixtral);
 and EP2 over CP2 x PP2 (Qwen3-MoE: a pipeline chunk of a Hugging Face model routes its
 attention through the whole model's config; the runtime refused CP x PP for them before).
+Expert tensor parallelism (etp = tp = 2, `expert_tensor_parallel`: each expert's width split
+over the tp ranks, its input and routing gathered over them and its output reduce-scattered,
+the all-to-all on every tp rank with the group's tokens) for the three families under EP2 x
+TP2 + SP, and Qwen3-MoE under PP2 x TP2 (2026-11-25: 7.5e-8, 1.2e-7, 9.9e-8 and 1.1e-7).
 EP2 over DP2 for the three families runs on 2 ranks in test_numerics_cp_ep.py. Measured
 (max relative error): the matrix 4.9e-8 to 1.2e-7 (EP2 x TP2 + SP, 2026-11-24: Mixtral 1.1e-7,
 Qwen3-MoE 9.9e-8, DeepSeek-V3 9.9e-8); beside it with the same harness,
@@ -52,5 +56,8 @@ def test_ep_composed_with_fsdp_tp_pp_cp_matches_single_process():
         ),
         Case("mixtral-tiny-hf", C(fsdp=2, tp=2, ep=2, zero_stage=3), seq_len=32),
         Case("qwen3-moe-tiny-hf", C(cp=2, pp=2, ep=2, micro_batch_size=1), seq_len=32),
+        *(Case(m, C(dp=2, tp=2, ep=2, etp=2, sequence_parallel=True), seq_len=32)
+          for m in FAMILIES),  # fmt: skip
+        Case("qwen3-moe-tiny-hf", C(tp=2, pp=2, etp=2, micro_batch_size=1), seq_len=32),
     ]
     check_cases(4, cases)

@@ -7,7 +7,10 @@ all-to-all bytes 2x the plan), EP2 x TP2 + SP (each tp rank routing its sequence
 (1F1B), DP2xTP2 and PP2 x TP2 (+SP; the embedding and head split over the vocabulary on their
 stages: the last stage's parameters were priced 13% low while the runtime kept them whole) on
 the tiny GPT, Llama and MoE, and TP2 on a user's GPT-NeoX and BERT (their projections split as
-the trace pairs them; BERT's MLM transform whole, priced split before), one training step on
+the trace pairs them; BERT's MLM transform whole, priced split before), and expert tensor
+parallelism (etp = tp = 2) on the zoo MoE, Mixtral with SP and Mixtral under EP2 x TP2 + SP
+(activations 0.98-1.03 of the plan once the experts' hidden-wide rows were priced whole, 1.25
+before), one training step on
 gloo ranks issues exactly the collectives `Plan.communication` predicts (kind, calls, bytes per
 call; the loss-parallel reductions by count, their bytes being an upper bound; expert
 parallelism's all-to-alls by count on every rank and by bytes summed over the ranks, since
@@ -71,6 +74,13 @@ CASES_2 = [
         loss="model_factories:masked_lm_loss",
     ),  # fmt: skip
 ]
+# expert tensor parallelism (etp = tp): the experts' width split over tp, Megatron's f/g around
+# the expert call (the zoo MoE's dense combine), or with SP its input, routing weights and
+# indices gathered and its output reduce-scattered (Mixtral's stacks)
+CASES_2 += [
+    Case("moe-tiny", C(tp=2, etp=2)),
+    Case("mixtral-tiny-hf", C(tp=2, etp=2, sequence_parallel=True), seq_len=32),
+]
 CASES_4 = [
     Case("gpt-tiny", C(dp=2, tp=2)),
     Case("llama-tiny", C(dp=2, tp=2)),
@@ -93,6 +103,9 @@ CASES_4 = [
     # stages send the whole sequence
     Case("gpt-tiny", C(pp=2, tp=2, micro_batch_size=1)),
     Case("llama-tiny", C(pp=2, tp=2, sequence_parallel=True, micro_batch_size=1)),
+    # EP2 x ETP2 + SP: every tp rank dispatches the tp group's gathered tokens (all-to-all
+    # rows x tp), the hidden-wide rows kept whole, the experts' intermediate width split
+    Case("mixtral-tiny-hf", C(dp=2, tp=2, ep=2, etp=2, sequence_parallel=True), seq_len=32),
 ]
 
 

@@ -7,10 +7,13 @@ group construction under torch's fake process group (no ranks spawned): none is 
 config outside that fold is refused by `ParallelConfig.validate` with the numbers, and the
 plan `parallelize` returns for an MoE model on 8 ranks (and its alternatives) validates. On 1
 to 64 nodes, for the zoo MoE and transformers' Mixtral, Qwen3-MoE and DeepSeek-V3 presets, no
-expert config of the space is one `runtime_problems` refuses.
+expert config of the space is one `runtime_problems` refuses, with its experts whole on every
+tp rank or split over them (etp = tp).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch.distributed as dist
@@ -114,7 +117,7 @@ def test_no_expert_config_of_the_space_is_one_the_runtime_refuses(moe, name):
         model = hf.build(name)
         graph = autopar.trace(model, hf.example_inputs(name, model, seq_len=64))
     num_experts = next(layer.moe.num_experts for layer in graph.layers if layer.moe)
-    checked = 0
+    checked = split_checked = 0
     for nodes in (1, 8, 64):
         cluster = autopar.Cluster.from_profile("dgx_h100", nodes)
         lim = space_limits(model, graph, cluster, global_batch_size=512)
@@ -129,4 +132,10 @@ def test_no_expert_config_of_the_space_is_one_the_runtime_refuses(moe, name):
             assert (dp * fsdp * cp) % ep == 0 and num_experts % ep == 0, cfg.as_text()
             assert not runtime_problems(model, cfg, lim.num_blocks), cfg.as_text()
             checked += 1
-    assert checked > 20, checked
+            # the experts split over tp, where the space offers it (inner_choices)
+            assert lim.expert_width > 0, name  # every family here has Mixtral's layout
+            if tp > 1 and lim.expert_width % tp == 0:
+                split = replace(cfg, etp=tp)
+                assert not runtime_problems(model, split, lim.num_blocks), split.as_text()
+                split_checked += 1
+    assert checked > 20 and split_checked > 5, (checked, split_checked)
