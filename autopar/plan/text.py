@@ -163,6 +163,10 @@ def _experts_line(plan: Plan) -> list[str]:
     where = f"{int(e['num_experts']) // ep} per rank over ep={ep}" if ep > 1 else "no ep"
     if ep > 1 and ways > 1:  # each layer's experts an FSDP unit
         where += f", their state sharded over the {ways} ranks holding them"
+    if plan.config.etp > 1:
+        where += f", each split over tp={plan.config.etp}"
+    elif plan.config.tp > 1:
+        where += f", each whole on the {plan.config.tp} tp ranks"
     even = (
         "tokens spread evenly; a learned router's skew is higher: the program prints the "
         "busiest rank's measured load, which --moe-imbalance / CostOptions.moe_imbalance takes"

@@ -25,6 +25,11 @@ Invariants:
   the bytes this rank had to write and the bytes free; its partial directory is removed, and
   the checkpoints before it stay as they were.
 - The last `keep` complete checkpoints are kept; older ones are deleted after a save completes.
+- Parameters a rank holds a slice of by hand, under a name every rank shares (a Hugging Face
+  expert stack's experts under ep, an expert's width under etp), are plain tensors DCP would
+  take for replicas and save once: their keys, and their optimizer states', carry the slice
+  (`@ep1of2`, `@tp0of2`), and a checkpoint resumes only under the same expert layout (meta.json
+  `expert_layout`; refused with both layouts named otherwise).
 - Model and optimizer state go through `torch.distributed.checkpoint.state_dict.get_state_dict`
   / `set_state_dict`: keys are the original parameter names whatever the plan (FSDP2, TP,
   replicated), so a checkpoint saved under one plan loads under another (DCP reshards).
@@ -183,6 +188,30 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _tagged(
+    state: dict[str, dict[str, Any]], sliced: Mapping[str, str]
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, str]]]:
+    """``state`` ({"model", "optimizer"}, the optimizer's flattened as "state.<name>.<stat>"
+    and "param_groups.<name>.<key>") with each sliced parameter's keys suffixed by its slice,
+    and per part the tagged key -> the original."""
+    out: dict[str, dict[str, Any]] = {}
+    names: dict[str, dict[str, str]] = {}
+    for part, sd in state.items():
+        out[part], names[part] = {}, {}
+        for key, value in sd.items():
+            new = key
+            if part == "model":
+                new = key + sliced.get(key, "")
+            elif sliced:
+                head, _, rest = key.partition(".")
+                name, _, leaf = rest.rpartition(".")
+                if name in sliced:
+                    new = f"{head}.{name}{sliced[name]}.{leaf}"
+            out[part][new] = value
+            names[part][new] = key
+    return out, names
+
+
 def _rng_state() -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -205,8 +234,13 @@ class Checkpointer:
         global_batch_size: int,
         plan_text: str = "",
         fingerprint: str = "",
+        sliced: Mapping[str, str] | None = None,
+        expert_layout: str = "",
     ) -> None:
         self.options = options
+        # parameter name -> the slice this rank holds of it by hand (module docstring)
+        self.sliced = dict(sliced or {})
+        self.expert_layout = expert_layout
         self.model = model
         self.optimizer = optimizer
         self.global_batch_size = global_batch_size
@@ -240,11 +274,13 @@ class Checkpointer:
         meta = read_meta(path)
         self._check(meta, path)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SD_OPTIONS)
-        state = {"model": model_sd, "optimizer": optim_sd}
+        tagged, names = _tagged({"model": model_sd, "optimizer": optim_sd}, self.sliced)
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(tagged, checkpoint_id=str(path))
         except (Exception, CheckpointException) as e:  # a rank's read error, on every rank
             raise CheckpointError(f"checkpoint {path} could not be loaded: {_cause(e)}") from None
+        # back to the parameters' own names (DCP replaced the non-tensor values it read)
+        state = {part: {names[part][k]: v for k, v in sd.items()} for part, sd in tagged.items()}
         set_state_dict(
             self.model,
             self.optimizer,
@@ -299,6 +335,13 @@ class Checkpointer:
                 f"but this program trains one with fingerprint {self.fingerprint} (other "
                 "parameter names or shapes): use another --checkpoint-dir"
             )
+        saved = meta.get("expert_layout", "")
+        if saved != self.expert_layout:
+            raise CheckpointError(
+                f"checkpoint {path} holds experts sliced by hand as {saved or 'none'}, this run "
+                f"as {self.expert_layout or 'none'}: resume under the same ep and etp (autopar "
+                "does not re-slice Hugging Face expert stacks or experts split over tp)"
+            )
         if meta["global_batch_size"] != self.global_batch_size:
             raise CheckpointError(
                 f"checkpoint {path} was trained with global batch {meta['global_batch_size']} "
@@ -335,7 +378,7 @@ class Checkpointer:
         self._finish_pending(wait=True)
         partial = self.root / f".partial-{_name(step)}"
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SD_OPTIONS)
-        state = {"model": model_sd, "optimizer": optim_sd}
+        state, _ = _tagged({"model": model_sd, "optimizer": optim_sd}, self.sliced)
         error = None
         rng = partial / f"rng-rank{self.rank}.pt"
         try:
@@ -414,6 +457,7 @@ class Checkpointer:
             "model_fingerprint": self.fingerprint,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "plan": self.plan_text,
+            "expert_layout": self.expert_layout,
             "files": files,  # every shard, .metadata and RNG file: resume checks them
         }
         final = self.root / _name(step)
@@ -475,8 +519,12 @@ def open_checkpointer(
     global_batch_size: int,
     plan_text: str = "",
     fingerprint: str = "",
+    sliced: Mapping[str, str] | None = None,
+    expert_layout: str = "",
 ) -> Checkpointer | None:
-    """A `Checkpointer` when ``options`` asks for one, else None (the trainer's hook)."""
+    """A `Checkpointer` when ``options`` asks for one, else None (the trainer's hook).
+    ``sliced``: parameter name -> the slice this rank holds of it by hand; ``expert_layout``:
+    how, for meta.json (module docstring)."""
     if options is None:
         return None
     return Checkpointer(
@@ -486,4 +534,6 @@ def open_checkpointer(
         global_batch_size=global_batch_size,
         plan_text=plan_text,
         fingerprint=fingerprint,
+        sliced=sliced,
+        expert_layout=expert_layout,
     )

@@ -117,6 +117,9 @@ class ExpertParallel:
     # HF expert stack): one FSDP2 unit each under fsdp
     modules: tuple[tuple[nn.Module, ...], ...] = field(default=(), repr=False, compare=False)
     sharded: bool = False  # FSDP2 units over the expert data group reduce their gradients
+    # the expert names every ep rank shares while holding its own slice (transformers' stacks;
+    # the zoo's experts are named by their global index): what a checkpoint must tell apart
+    stacked_names: frozenset[str] = frozenset()
 
     def is_expert(self, name: str) -> bool:
         return name in self.expert_names
@@ -201,11 +204,12 @@ def apply_expert_parallel(
     ep, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
     edp = dist.get_world_size(groups.data) if groups.data is not None else 1
     names: set[str] = set()
+    stacked: set[str] = set()
     holders: list[tuple[nn.Module, ...]] = []
     for path, module in list(model.named_modules()):
         prefix = f"{path}." if path else ""
         if is_hf_experts(module):  # transformers' stacked experts: sliced under their names
-            names.update(prefix + n for n in shard_hf_experts(module, ep_group))
+            stacked.update(prefix + n for n in shard_hf_experts(module, ep_group))
             holders.append((module,))
             continue
         if not is_moe_block(module):
@@ -225,7 +229,14 @@ def apply_expert_parallel(
         raise ValueError(f"expert parallelism: {type(model).__name__} has no MoE block")
     data_ranks = num_data_ranks or ep * edp
     return ExpertParallel(
-        groups, ep, rank, data_ranks, frozenset(names), len(holders), tuple(holders)
+        groups,
+        ep,
+        rank,
+        data_ranks,
+        frozenset(names | stacked),
+        len(holders),
+        tuple(holders),
+        stacked_names=frozenset(stacked),
     )
 
 

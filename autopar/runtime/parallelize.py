@@ -270,8 +270,11 @@ def _parallelize_pipeline(
     expert = None
     if experts:  # one record for the rank's chunks: its parameters' names are the originals
         names = frozenset().union(*(e.expert_names for e in experts))
+        stacked = frozenset().union(*(e.stacked_names for e in experts))
         blocks_ = sum(e.num_blocks for e in experts)
-        expert = dataclasses.replace(experts[0], expert_names=names, num_blocks=blocks_)
+        expert = dataclasses.replace(
+            experts[0], expert_names=names, num_blocks=blocks_, stacked_names=stacked
+        )
     return ParallelModel(
         held,
         mesh,

@@ -263,6 +263,7 @@ def train(
         global_batch_size=global_batch_size,
         plan_text=config.as_text(),
         fingerprint=fingerprint,  # the whole model's (pp > 1 holds chunks only)
+        **_sliced_by_hand(pm, config),
     )
     first_step = ckpt.resume() if ckpt else 0
     world, start = dist.get_world_size(), mesh.data_rank * per_rank
@@ -390,6 +391,24 @@ def _global_norm_and_loss(
     total[1] = loss / world
     dist.all_reduce(total)
     return math.sqrt(total[0].item()), total[1].item()
+
+
+def _sliced_by_hand(pm: ParallelModel, config: ParallelConfig) -> dict[str, Any]:
+    """What a checkpoint must tell apart (`autopar.runtime.checkpoint`): the parameters every
+    rank names alike while holding its own slice -- a Hugging Face expert stack's under ep, an
+    expert's width under etp -- each with its slice, and the layout they were sliced in."""
+    sliced: dict[str, str] = {}
+    layout = []
+    ep = pm.expert_parallel
+    if ep is not None and ep.stacked_names:
+        sliced.update({name: f"@ep{ep.rank}of{ep.size}" for name in ep.stacked_names})
+        layout.append(f"ep={ep.size}")
+    if pm.split_experts:
+        r = dist.get_rank(pm.mesh.group("tp"))
+        for name in pm.split_experts:
+            sliced[name] = sliced.get(name, "") + f"@tp{r}of{config.tp}"
+        layout.append(f"etp={config.etp}")
+    return {"sliced": sliced, "expert_layout": " ".join(layout)}
 
 
 def _held_fewer(pm: ParallelModel, config: ParallelConfig) -> dict[int, int]:

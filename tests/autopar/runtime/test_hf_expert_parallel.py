@@ -56,8 +56,10 @@ def test_ep_composed_with_fsdp_tp_pp_cp_matches_single_process():
         ),
         Case("mixtral-tiny-hf", C(fsdp=2, tp=2, ep=2, zero_stage=3), seq_len=32),
         Case("qwen3-moe-tiny-hf", C(cp=2, pp=2, ep=2, micro_batch_size=1), seq_len=32),
-        *(Case(m, C(dp=2, tp=2, ep=2, etp=2, sequence_parallel=True), seq_len=32)
-          for m in FAMILIES),  # fmt: skip
+        *(
+            Case(m, C(dp=2, tp=2, ep=2, etp=2, sequence_parallel=True), seq_len=32)
+            for m in FAMILIES
+        ),  # fmt: skip
         Case("qwen3-moe-tiny-hf", C(tp=2, pp=2, etp=2, micro_batch_size=1), seq_len=32),
     ]
     check_cases(4, cases)
