@@ -96,6 +96,7 @@ from dataclasses import asdict, dataclass
 from itertools import pairwise
 
 from autopar.config import ParallelConfig
+from autopar.estimate.as_run import whole_vocabulary
 from autopar.estimate.layer_cost import dispatch_ways, expert_tp_collectives
 from autopar.estimate.memory import (
     PRECISION_BYTES,
@@ -108,7 +109,7 @@ from autopar.estimate.memory import (
     token_summed_params,
     token_ways,
 )
-from autopar.estimate.tables import LayerTable, ModelTables, whole_vocabulary
+from autopar.estimate.tables import LayerTable, ModelTables
 
 # Training element bytes: FSDP gathers the weights in the training precision.
 

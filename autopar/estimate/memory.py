@@ -33,8 +33,9 @@ cp > 1 the backward keeps the whole sequence's K and V (context parallelism all-
 from __future__ import annotations
 
 from autopar.config import ParallelConfig
+from autopar.estimate.as_run import routed_layer
 from autopar.estimate.options import CostOptions
-from autopar.estimate.tables import LayerTable, ModelTables, routed_layer
+from autopar.estimate.tables import LayerTable, ModelTables
 from cost_models.memory import ModelStateBytes, PeakMemory, model_state_bytes, peak_memory
 
 # Bytes per element of the training precision.
@@ -91,7 +92,7 @@ def shard_divisors(cfg: ParallelConfig, gathered_whole: bool = False) -> dict[st
     "gathered" (a column-parallel projection's saved input) as "rep", or by cp where SP's
     all-gather output is what is kept (``gathered_whole``:
     `CostOptions.sequence_parallel_saves_gathered`); "routed" (a dispatch's hidden-wide rows,
-    `tables.routed_layer`) as "expert", or by cp where etp = tp (the tp group's tokens)."""
+    `as_run.routed_layer`) as "expert", or by cp where etp = tp (the tp group's tokens)."""
     ways = token_ways(cfg)
     gathered = cfg.cp if gathered_whole and cfg.sequence_parallel else ways
     split = cfg.etp > 1
@@ -142,7 +143,7 @@ def tied_elements(tables: ModelTables) -> float:
 def vocab_whole(cfg: ParallelConfig, options: CostOptions) -> bool:
     """Whether ``cfg`` runs the token embedding and the LM head whole on every tp rank: tp > 1
     and cp > 1 where the stack splits the vocabulary only without context parallelism
-    (`CostOptions.vocab_parallel_with_cp`, `tables.whole_vocabulary`)."""
+    (`CostOptions.vocab_parallel_with_cp`, `as_run.whole_vocabulary`)."""
     return cfg.tp > 1 and cfg.cp > 1 and not options.vocab_parallel_with_cp
 
 
@@ -158,7 +159,7 @@ def sequence_ends_gathered(cfg: ParallelConfig, tables: ModelTables, options: Co
 
 def dispatched(cfg: ParallelConfig, table: LayerTable, imbalance: float = 1.0) -> LayerTable:
     """The layer as the runtime runs it under ``cfg``: with ep > 1 the all-to-all dispatch
-    runs each token on its top k experts only (`tables.routed_layer`); without, a
+    runs each token on its top k experts only (`as_run.routed_layer`); without, a
     dense-dispatch MoE runs every expert on every token, as traced. ``imbalance``: the busiest
     ep rank's routed rows over the mean (`CostOptions.moe_imbalance`)."""
     return routed_layer(table, imbalance) if cfg.ep > 1 else table

@@ -16,7 +16,7 @@ memory, MFU). `Estimator.evaluate` sequences the parts, each in its own module:
 
 Layer times and the chunk split depend on fewer fields than a config has (`_times_key`), so
 configs that differ only in ZeRO stage, schedule or per-layer recompute share them (cached).
-Expert layers: with ep > 1 their experts run the top-k routed rows (`tables.routed_layer`: a
+Expert layers: with ep > 1 their experts run the top-k routed rows (`as_run.routed_layer`: a
 dense-dispatch MoE's traced expert work times top_k / num_experts), on the busiest rank times
 `CostOptions.moe_imbalance` (its matmuls, saved rows and all-to-all bytes); without ep as
 traced.
@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from autopar.config import ParallelConfig
 from autopar.config.precision import Recipe, base_precision, check_recipe, recipe_of
 from autopar.errors import ConfigError
+from autopar.estimate.as_run import whole_vocabulary
 from autopar.estimate.layer_cost import LayerTime, layer_time
 from autopar.estimate.memory import (
     OPTIMIZER_BYTES,
@@ -62,7 +63,7 @@ from autopar.estimate.stages import (
     stage_layers,
     stage_of_chunk,
 )
-from autopar.estimate.tables import LayerTable, ModelTables, whole_vocabulary
+from autopar.estimate.tables import LayerTable, ModelTables
 from autopar.hardware import Cluster
 from cost_models.compute import DeviceSpec
 from cost_models.memory import PeakMemory, allocator_reserve_bytes

@@ -17,19 +17,19 @@ The same walk gives the runtime its column/row roles (`tensor_parallel_roles`).
 
 Experts of a dense-dispatch MoE (`autopar.models.moe`: every expert on every token, so the
 graph is exportable) are tabled as traced, which is what the runtime runs without expert
-parallelism; `routed_layer` gives the same layer at the top-k routed rows (the work times
+parallelism; `as_run.routed_layer` gives the same layer at the top-k routed rows (the work times
 top_k / num_experts), which is what the all-to-all dispatch of expert parallelism runs.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from autopar.tracing.graph import LayerInfo, ModelGraph, NodeInfo
 
 # "tp" | "rep" | "expert" | "whole" (a vocabulary layer TP leaves whole) | "gathered" | "routed"
-# (a dispatch's rows, `routed_layer`)
+# (a dispatch's rows, `as_run.routed_layer`)
 Shard = str
 _DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 
@@ -82,11 +82,12 @@ class LayerTable:
     moe_index_bytes: float = 0.0
     vocab_logits_bytes: float = 0.0  # the head's logits per sample (the loss keeps them)
     # routed / traced expert work: top_k / num_experts for a dense-dispatch MoE (the graph runs
-    # every expert on every token), 1 when the graph already routes; `routed_layer` applies it
+    # every expert on every token), 1 when the graph already routes; `as_run.routed_layer`
+    # applies it
     moe_routed_fraction: float = 1.0
     token_embedding: bool = False  # a token embedding: vocabulary-parallel under TP
     position_table: bool = False  # a learned position embedding (read by computed positions)
-    vocab_split: bool = True  # False: `whole_vocabulary`'s, the layer whole on every tp rank
+    vocab_split: bool = True  # False: `as_run.whole_vocabulary`'s, the layer whole on every tp rank
     # biases of row-parallel matmuls, counted in params_rep too: added after the all-reduce (or
     # the reduce-scatter, with SP), so whole, and their gradients whole on every tp rank
     params_row_bias: int = 0
@@ -352,77 +353,6 @@ def tensor_parallel_roles(graph: ModelGraph) -> dict[str, str]:
                 continue
             roles[node.module_path] = "row" if "tp" in classes else "col"
     return roles
-
-
-def whole_vocabulary(table: LayerTable) -> LayerTable:
-    """``table`` as a runtime that does not split the vocabulary runs it: a token embedding or
-    an LM head whole on every tp rank (its weights replicated, its matmul and logits per
-    context shard only, no vocabulary-parallel all-reduce); any other layer unchanged."""
-    if not (table.token_embedding or table.vocab_logits_bytes) or not table.vocab_split:
-        return table
-    return replace(
-        table,
-        matmuls=tuple(replace(m, shard="whole") if m.shard == "tp" else m for m in table.matmuls),
-        tp_allreduce_bytes=(),
-        params_tp=0,
-        params_rep=table.params_rep + table.params_tp,
-        vocab_split=False,
-    )
-
-
-def routed_layer(table: LayerTable, imbalance: float = 1.0) -> LayerTable:
-    """``table`` with its expert work at the routed rows: what a dispatching runtime runs.
-
-    A dense-dispatch MoE's graph (`autopar.models.moe`) runs all E experts on all T tokens;
-    dispatched, the experts run k T rows in all (each token on its top k). Every expert-class
-    term -- matmul FLOPs and activation bytes, memory-bound bytes, saved activations (the
-    "expert" and the hidden-wide "routed" ones) -- scales by f = k / E; weights, the router and
-    the combine's replicated work do not. The dispatch itself keeps two more copies of the
-    routed rows without recompute (D = moe_dispatch_bytes, k T H per sample, in "routed"):
-    each expert's gathered input rows (the dense graph's experts share the block's x) and the
-    weighted rows `index_add` keeps (`autopar.runtime.expert_parallel`;
-    measured on moe-tiny EP2: rows of 64 x 64 fp32, two per layer beyond the experts').
-    ``imbalance``: the busiest rank's routed rows over the mean (`CostOptions.moe_imbalance`):
-    every expert-class term and the dispatched rows (moe_dispatch_bytes, which the all-to-all
-    moves) of that rank scale by it. The table itself when f = 1 and the routing is even (a
-    graph that routes already, or no MoE)."""
-    f = table.moe_routed_fraction
-    if not table.moe_num_experts or (f == 1.0 and imbalance == 1.0):
-        return table
-    dispatch = table.moe_dispatch_bytes * imbalance
-    extra = {"none": 2 * dispatch} if f != 1.0 else {}
-    f *= imbalance
-
-    def matmul(op: MatmulOp) -> MatmulOp:
-        if op.shard != "expert":
-            return op
-        return replace(
-            op,
-            flops=op.flops * f,
-            backward_flops=op.backward_flops * f,
-            weight_grad_flops=op.weight_grad_flops * f,
-            activation_bytes=op.activation_bytes * f,
-        )
-
-    return replace(
-        table,
-        matmuls=tuple(matmul(op) for op in table.matmuls),
-        memory_ops=tuple(
-            (shard, nbytes * f if shard == "expert" else nbytes, count)
-            for shard, nbytes, count in table.memory_ops
-        ),
-        # the dispatch's rows are hidden-wide: their own class ("routed", which expert tensor
-        # parallelism does not split)
-        activations={
-            policy: {
-                **{k: v * f if k in ("expert", "routed") else v for k, v in split.items()},
-                "routed": split.get("routed", 0.0) * f + extra.get(policy, 0.0),
-            }
-            for policy, split in table.activations.items()
-        },
-        moe_dispatch_bytes=dispatch,
-        moe_routed_fraction=1.0,
-    )
 
 
 # Projections tensor parallelism keeps whole: multi-head latent attention's down-projections

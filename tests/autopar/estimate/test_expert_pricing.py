@@ -17,7 +17,7 @@ import pytest
 import autopar
 from autopar import Cluster, ParallelConfig
 from autopar.estimate import CostOptions, Estimator, build_tables
-from autopar.estimate.tables import routed_layer
+from autopar.estimate.as_run import routed_layer
 from autopar.models import zoo
 
 ROUND = Path(__file__).with_name("round.toml")

@@ -5,9 +5,10 @@ uninterrupted 4 steps vs a resume from the step-2 checkpoint of a 4-step run (bl
 asynchronous saves, FSDP2 and TP2; training went on after the step-2 save began; Mixtral's
 expert stacks under EP2 and split over tp under ETP2 + SP, whose slices every rank names alike:
 before their keys carried the slice, DCP saved one rank's: resumed, EP2 trained to 4.8191
-against 4.8029 at step 3, and ETP2 (zoo MoE) to 4.8636 against 4.8670 at step 4), `keep` pruning, and
-checkpoints of another model, global batch or expert layout refused. The directory rules
-(partial and incomplete checkpoints never resumed) are checked without processes.
+against 4.8029 at step 3, and ETP2 (zoo MoE) to 4.8636 against 4.8670 at step 4), `keep`
+pruning, and checkpoints of another model, global batch or expert layout refused. The
+directory rules (partial and incomplete checkpoints never resumed) are checked without
+processes.
 """
 
 from __future__ import annotations
