@@ -5,6 +5,9 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
     forward  = sum_matmul op_time(F_i b / d_i) + sum_attn op_time(F_a b / (t c))
                + sum_buckets op_time(memory-bound bytes b / m_k)                 (compute_forward)
     backward = the same with each op's backward FLOPs, memory-bound ops twice the bytes
+    A stacked expert layer's matmul (`MatmulOp.groups`: transformers' grouped or batched
+    experts) runs one GEMM per expert on the rank, E / e of them: each is priced at the matmul
+    efficiency of its own size (the routed rows one expert receives), one launch in all.
     d_i = t c for tensor-parallel matmuls, c for replicated ones (the router) and for the
     experts: autopar's runtime splits them over ep only, each tp rank running its tokens'
     experts whole (its TP plan leaves them replicated), unless etp = tp, which splits each
@@ -132,8 +135,9 @@ def layer_time(
         io = acts + weights
         low = recipe is not None and op.weight_bytes > 0  # a linear layer, not a bmm
         gemm, scale = (recipe.gemm_dtype, 1 / recipe.gemm_efficiency) if low else (dtype, 1.0)
-        fwd += op_time_s(device, "matmul", op.flops * b / d * scale, io, gemm)
-        back = op_time_s(device, "matmul", op.backward_flops * b / d * scale, 2 * io, gemm)
+        groups = max(1, op.groups // cfg.ep)  # this rank's experts' GEMMs
+        fwd += _gemms_time(device, op.flops * b / d * scale, io, gemm, groups)
+        back = _gemms_time(device, op.backward_flops * b / d * scale, 2 * io, gemm, groups)
         bwd += back
         if low:
             (fa, fw), (ba, bw) = recipe.cast_forward, recipe.cast_backward
@@ -166,6 +170,15 @@ def layer_time(
     if cfg.recompute != "none" and table.kind == "block":
         recompute += recompute_overhead_s(overheads, cfg.recompute)
     return LayerTime(fwd, bwd, wgrad, recompute, tp_f + etp_f, tp_f + etp_b, cp_f, cp_b, ep, ep)
+
+
+def _gemms_time(device: DeviceSpec, flops: float, io: float, dtype: str, groups: int) -> float:
+    """``groups`` equal GEMMs of ``flops`` and ``io`` bytes in all, as one launch (a grouped
+    GEMM): each at the matmul efficiency of its own size (module docstring)."""
+    if groups == 1:
+        return op_time_s(device, "matmul", flops, io, dtype)
+    one = op_time_s(device, "matmul", flops / groups, io / groups, dtype)
+    return groups * (one - device.launch_overhead_s) + device.launch_overhead_s
 
 
 def runtime_overhead_s(overheads: Mapping[str, float] | None, cfg: ParallelConfig) -> float:

@@ -42,6 +42,9 @@ class MatmulOp:
     activation_bytes: float  # per sample (inputs + output without the weight)
     weight_bytes: float
     shard: Shard
+    # the GEMMs the op runs, one per expert of a stacked expert layer (a grouped or batched
+    # matmul over every expert of a graph that routes), else 1: each priced at its own size
+    groups: int = 1
 
 
 @dataclass(frozen=True)
@@ -241,7 +244,8 @@ def _layer_table(
                     weight_grad_flops=min(node.flops, node.backward_flops),
                     activation_bytes=max(0.0, node.bytes_read + node.bytes_written - weight),
                     weight_bytes=weight,
-                    shard=_compute_shard(node, router, kept),
+                    shard=(kind := _compute_shard(node, router, kept)),
+                    groups=_expert_groups(layer, kind),
                 )
             )
             if out == "rep" and "tp" in classes:
@@ -523,6 +527,14 @@ def _dispatch_bytes(layer: LayerInfo, nodes: dict[str, NodeInfo]) -> float:
     assert layer.moe is not None
     value = _block_input(layer, nodes)
     return 0.0 if value is None else _value_bytes(value) * layer.moe.top_k
+
+
+def _expert_groups(layer: LayerInfo, shard: Shard) -> int:
+    """`MatmulOp.groups` of a matmul of ``shard`` class in ``layer``: the experts, for an
+    expert matmul of a graph that routes (transformers' stacks trace one grouped or batched
+    matmul over all of them; autopar's dense-dispatch MoEBlock, one matmul per expert)."""
+    moe = layer.moe
+    return moe.num_experts if shard == "expert" and moe and not moe.dense_dispatch else 1
 
 
 def _expert_call_bytes(

@@ -107,3 +107,30 @@ def test_expert_gradients_leave_the_dp_all_reduce_for_their_replicas(moe, dp, ep
     # the old price: every gradient, experts included, all-reduced over dp
     everything = 2 * (dp - 1) / dp * (dense + experts) / FAST
     assert est.breakdown["dp_comm"] < everything
+
+
+def test_a_stacked_expert_layer_prices_each_experts_gemm_at_its_own_size():
+    """transformers' stacks trace one grouped matmul over every expert; the runtime runs one
+    GEMM per expert on its routed rows, each at the matmul efficiency of its own size."""
+    from autopar.estimate.layer_cost import _gemms_time
+    from autopar.models import hf
+
+    model = hf.build("mixtral-tiny-hf", device="meta")
+    tables = build_tables(autopar.trace(model, hf.example_inputs("mixtral-tiny-hf", model)))
+    moe_layer = next(t for t in tables.layers if t.moe_num_experts)
+    groups = {op.groups for op in moe_layer.matmuls if op.shard == "expert"}
+    assert groups == {model.config.num_local_experts}
+    assert all(op.groups == 1 for op in moe_layer.matmuls if op.shard != "expert")
+    dense = build_tables(
+        autopar.trace(zoo.build("moe-tiny"), zoo.example_inputs("moe-tiny", zoo.build("moe-tiny")))
+    )
+    assert all(op.groups == 1 for t in dense.layers for op in t.matmuls)  # one op per expert
+    device = Cluster.from_profile("dgx_h100", 1).profile.device
+    flops, io = 8 * 2 * 512 * 4096 * 14336, 1e6  # 8 experts of 512 rows
+    grouped, whole = (
+        _gemms_time(device, flops, io, "bf16", 8),
+        _gemms_time(device, flops, io, "bf16", 1),
+    )
+    one = _gemms_time(device, flops / 8, io / 8, "bf16", 1)
+    assert whole < grouped  # small GEMMs run further from the peak
+    assert grouped == pytest.approx(8 * one - 7 * device.launch_overhead_s)  # one launch
