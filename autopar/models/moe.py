@@ -100,12 +100,17 @@ class MoEBlock(nn.Module):
         b, s, h = x_BSH.shape
         x_TH = x_BSH.reshape(b * s, h)
         w_TE = self.routing_weights(x_TH).to(x_BSH.dtype)
-        if self.dispatch is not None:
-            return self.dispatch(x_TH, w_TE, self.experts).view(b, s, h)
+        combine = self.dispatch if self.dispatch is not None else self.dense_combine
+        return combine(x_TH, w_TE, self.experts).view(b, s, h)
+
+    @staticmethod
+    def dense_combine(x_TH: torch.Tensor, w_TE: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        """sum_e w[:, e] * expert_e(x) over every expert of ``experts`` (all of them, in order),
+        on every token: the dense dispatch."""
         out_TH = torch.zeros_like(x_TH)
-        for e, expert in enumerate(self.experts):
+        for e, expert in enumerate(experts):
             out_TH = out_TH + w_TE[:, e : e + 1] * expert(x_TH)
-        return out_TH.view(b, s, h)
+        return out_TH
 
 
 class MoE(DecoderLM):

@@ -42,6 +42,7 @@ from torch import nn
 from torch.autograd import Function
 
 from autopar.runtime.collectives import all_gather_seq
+from autopar.runtime.expert_parallel import is_moe_block
 from autopar.runtime.hf_experts import is_hf_experts
 
 
@@ -53,7 +54,7 @@ class _CopyToTp(Function):  # Megatron's f: identity forward, all-reduce backwar
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
+        grad = grad.contiguous().clone()  # reduced in place: not autograd's own tensor
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -96,10 +97,10 @@ def _gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 class _SplitExperts:
-    """An expert call (x [T, H], routing, extra) -> [T, H] on this rank's slices, wrapped with
-    the collectives of the module docstring. ``routing_index``: the argument holding the
-    routing weights (differentiable); an integer tensor argument is gathered without
-    autograd, any other passes as it is."""
+    """An expert call (x [T, H], then the routing: weights, an expert stack's top-k indices,
+    a MoEBlock's experts) -> [T, H] on this rank's slices, wrapped with the collectives of the
+    module docstring: float tensors (x, the routing weights) with autograd, integer ones (the
+    indices) gathered without, anything else passed as it is."""
 
     def __init__(self, inner, group: dist.ProcessGroup, sequence_parallel: bool) -> None:
         self.inner, self.group, self.sp = inner, group, sequence_parallel
@@ -114,16 +115,6 @@ class _SplitExperts:
     def __call__(self, x: torch.Tensor, *args):
         out = self.inner(self._in(x), *(self._in(a) for a in args))
         return (_ScatterToTp if self.sp else _ReduceFromTp).apply(out, self.group)
-
-
-def _dense_experts(x_TH: torch.Tensor, w_TE: torch.Tensor, experts: nn.Module) -> torch.Tensor:
-    """`MoEBlock`'s dense combine over ``experts`` (a list, or expert parallelism's dict)."""
-    out_TH = torch.zeros_like(x_TH)
-    items = experts.items() if isinstance(experts, nn.ModuleDict) else enumerate(experts)
-    for e, expert in items:
-        e = int(e)
-        out_TH = out_TH + w_TE[:, e : e + 1] * expert(x_TH)
-    return out_TH
 
 
 def expert_split_problem(module: nn.Module) -> str:
@@ -177,7 +168,7 @@ def apply_expert_tensor_parallel(
             module.down_proj = _slice(module.down_proj, 2, 1, rank, tp)
             names.update(f"{prefix}{n}" for n in ("gate_up_proj", "down_proj"))
             module.forward = _SplitExperts(module.forward, group, sequence_parallel)
-        elif hasattr(module, "dispatch") and hasattr(module, "experts"):  # autopar's MoEBlock
+        elif is_moe_block(module):  # autopar's MoEBlock
             experts = module.experts
             for key, expert in experts.named_children():
                 width = expert.down_proj.in_features
@@ -188,8 +179,9 @@ def apply_expert_tensor_parallel(
                     linear = getattr(expert, proj)
                     linear.weight = _slice(linear.weight, dim, 1, rank, tp)
                     names.add(f"{prefix}experts.{key}.{proj}.weight")
-            module.dispatch = _SplitExperts(module.dispatch or _dense_experts, group,
-                                            sequence_parallel)  # fmt: skip
+            # ep = 1: the block's own dense combine (ep's dispatch keeps a dict of its experts)
+            combine = module.dispatch or module.dense_combine
+            module.dispatch = _SplitExperts(combine, group, sequence_parallel)
     if not names and required:
         raise ValueError(f"expert tensor parallelism: {type(model).__name__} has no MoE layer")
     return frozenset(names)
