@@ -12,6 +12,7 @@ import json
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -190,17 +191,25 @@ def test_megatron_per_layer_recompute_is_megatrons_block_method(tiny):
 def _deepspeed_load(config: dict, data_parallel_ranks: int) -> dict:
     """DeepSpeed's own DeepSpeedConfig on ``config``, in a fresh interpreter with a one-rank
     gloo group (DeepSpeed reads the world from its communication backend); the data-parallel
-    size comes through DeepSpeed's model-parallel-unit hook, as Megatron-style models give it."""
+    size comes through DeepSpeed's model-parallel-unit hook, as Megatron-style models give it.
+    The group meets through a file store of its own, not a fixed TCP port, which a test on
+    another pytest-xdist worker may hold."""
+    with tempfile.TemporaryDirectory() as directory:
+        return _deepspeed_parse(config, data_parallel_ranks, Path(directory) / "store")
+
+
+def _deepspeed_parse(config: dict, data_parallel_ranks: int, store: Path) -> dict:
     code = f"""
 import json, os, sys
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT="29531")
+                  MASTER_PORT="0")
 import deepspeed
 from deepspeed.runtime.config import DeepSpeedConfig
 # the CPU backend would first compile its shared-memory collective kernel (a minute of g++),
 # which reading a config never calls
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+deepspeed.init_distributed(dist_backend="gloo", verbose=False, init_method="file://{store}",
+                           rank=0, world_size=1)
 
 class DataParallelRanks:
     def get_data_parallel_world_size(self):
