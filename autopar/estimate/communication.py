@@ -335,8 +335,8 @@ def _expert_tensor_parallel(
     cfg: ParallelConfig, layers: list[LayerTable], m: int, x: float
 ) -> list[PlannedCollective]:
     out: list[PlannedCollective] = []
+    forwards = 2 if cfg.recompute == "full" else 1
     for t in layers:
-        forwards = 2 if cfg.recompute == "full" else 1
         calls = Counter(expert_tp_collectives(t, cfg, x))
         for (kind, nbytes, forward), n in calls.items():
             count = n * (forwards if forward else 1) * m

@@ -301,7 +301,7 @@ def _layer_table(
         moe_num_experts=layer.moe.num_experts if layer.moe else 0,
         moe_top_k=layer.moe.top_k if layer.moe else 0,
         moe_dispatch_bytes=_dispatch_bytes(layer, nodes) if layer.moe else 0.0,
-        **_expert_call_bytes(layer, nodes, graph),
+        **_expert_call_bytes(layer, nodes),
         vocab_logits_bytes=_logits_bytes(layer, nodes),
         # a head TP keeps whole (a classifier, not a vocabulary): its logits are whole too
         vocab_split=_head_path(layer, nodes) not in kept,
@@ -537,16 +537,14 @@ def _expert_groups(layer: LayerInfo, shard: Shard) -> int:
     return moe.num_experts if shard == "expert" and moe and not moe.dense_dispatch else 1
 
 
-def _expert_call_bytes(
-    layer: LayerInfo, nodes: dict[str, NodeInfo], graph: ModelGraph
-) -> dict[str, float]:
+def _expert_call_bytes(layer: LayerInfo, nodes: dict[str, NodeInfo]) -> dict[str, float]:
     """The `LayerTable.moe_hidden_bytes` / `moe_weights_bytes` / `moe_index_bytes` of an MoE
     layer, per sample (their comment); nothing for another layer."""
     value = _block_input(layer, nodes) if layer.moe else None
     if layer.moe is None or value is None:
         return {}
     hidden = float(_value_bytes(value))
-    fb = _traced_float_bytes(graph)
+    fb = _DTYPE_BYTES.get(value.dtypes[0], 4)  # the hidden rows' element size
     tokens = hidden / (value.shapes[0][-1] * fb)
     moe = layer.moe
     if moe.dense_dispatch:  # autopar's MoEBlock: [T, E] weights in the model's dtype

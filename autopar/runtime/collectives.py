@@ -5,6 +5,8 @@ loss on every rank differentiates to the gradients of the sum of the ranks' loss
 
     all_gather_seq(x, group, dim)      forward all-gather along ``dim`` (rank order);
                                        backward reduce-scatter (each rank's slice of the sum)
+    reduce_scatter_seq(x, group, dim)  its adjoint: reduce-scatter forward, all-gather backward
+    gather_rows(x, group, dim=0)       the all-gather without autograd (routing indices)
     ring_shift(x, group)               forward: send to rank+1, receive from rank-1 (ring);
                                        backward: the gradient goes the other way round
     all_to_all(x, out_splits, in_splits, group)
@@ -41,27 +43,53 @@ def _front(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.movedim(dim, 0).contiguous()
 
 
+def gather_rows(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 0) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order; no autograd."""
+    front = _front(x, dim)
+    out = front.new_empty((dist.get_world_size(group) * front.shape[0], *front.shape[1:]))
+    dist.all_gather_single(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+def _scatter_rows(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """This rank's slice along ``dim`` of the sum of every rank's ``x``; no autograd."""
+    front = _front(x, dim)
+    out = front.new_empty((front.shape[0] // dist.get_world_size(group), *front.shape[1:]))
+    dist.reduce_scatter_single(out, front, group=group)
+    return out.movedim(0, dim)
+
+
 class _GatherSeq(Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
         ctx.group, ctx.dim = group, dim
-        front = _front(x, dim)
-        out = front.new_empty((dist.get_world_size(group) * front.shape[0], *front.shape[1:]))
-        dist.all_gather_single(out, front, group=group)
-        return out.movedim(0, dim)
+        return gather_rows(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        front = _front(grad, ctx.dim)
-        size = dist.get_world_size(ctx.group)
-        out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
-        dist.reduce_scatter_single(out, front, group=ctx.group)
-        return out.movedim(0, ctx.dim), None, None
+        return _scatter_rows(grad, ctx.group, ctx.dim), None, None
+
+
+class _ScatterSeq(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _scatter_rows(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return gather_rows(grad, ctx.group, ctx.dim), None, None
 
 
 def all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim`` in rank order (backward: reduce-scatter)."""
     return _GatherSeq.apply(x, group, dim)
+
+
+def reduce_scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    """This rank's slice along ``dim`` of the sum of every rank's ``x`` (backward:
+    all-gather): `all_gather_seq`'s adjoint."""
+    return _ScatterSeq.apply(x, group, dim)
 
 
 def _shift(x: torch.Tensor, group: dist.ProcessGroup, step: int) -> torch.Tensor:

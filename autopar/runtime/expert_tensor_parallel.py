@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Function
 
-from autopar.runtime.collectives import all_gather_seq
+from autopar.runtime.collectives import all_gather_seq, gather_rows, reduce_scatter_seq
 from autopar.runtime.expert_parallel import is_moe_block
 from autopar.runtime.hf_experts import is_hf_experts
 
@@ -71,31 +71,6 @@ class _ReduceFromTp(Function):  # Megatron's g: all-reduce forward, identity bac
         return grad, None
 
 
-class _ScatterToTp(Function):  # reduce-scatter rows forward, all-gather backward
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        x = x.contiguous()
-        out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
-        dist.reduce_scatter_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        out = grad.new_empty((dist.get_world_size(ctx.group) * grad.shape[0], *grad.shape[1:]))
-        dist.all_gather_single(out, grad, group=ctx.group)
-        return out, None
-
-
-def _gather_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Every tp rank's rows, in rank order, without autograd (routing indices)."""
-    x = x.contiguous()
-    out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-    dist.all_gather_single(out, x, group=group)
-    return out
-
-
 class _SplitExperts:
     """An expert call (x [T, H], then the routing: weights, an expert stack's top-k indices,
     a MoEBlock's experts) -> [T, H] on this rank's slices, wrapped with the collectives of the
@@ -109,12 +84,14 @@ class _SplitExperts:
         if not isinstance(arg, torch.Tensor):
             return arg
         if not arg.is_floating_point():
-            return _gather_rows(arg, self.group) if self.sp else arg
+            return gather_rows(arg, self.group) if self.sp else arg
         return all_gather_seq(arg, self.group, 0) if self.sp else _CopyToTp.apply(arg, self.group)
 
     def __call__(self, x: torch.Tensor, *args):
         out = self.inner(self._in(x), *(self._in(a) for a in args))
-        return (_ScatterToTp if self.sp else _ReduceFromTp).apply(out, self.group)
+        if self.sp:
+            return reduce_scatter_seq(out, self.group, 0)
+        return _ReduceFromTp.apply(out, self.group)
 
 
 def expert_split_problem(module: nn.Module) -> str:

@@ -266,6 +266,7 @@ def train(
         **_sliced_by_hand(pm, config),
     )
     first_step = ckpt.resume() if ckpt else 0
+    fewer = _held_fewer(pm, config)  # the gradient norm's weights: the parameters stay put
     world, start = dist.get_world_size(), mesh.data_rank * per_rank
     if options.log and mesh.rank == 0:
         print(f"[autopar] {mesh.as_text()}; {pm.data_parallel.as_text()}", flush=True)
@@ -305,9 +306,7 @@ def train(
             data_parallel.sync_gradients()
         # a tied embedding's copy on the last stage is counted once (pipeline.norm_parameters)
         counted = model.parameters() if pm.pipeline is None else pm.pipeline.norm_parameters()
-        grad_norm, mean_loss = _global_norm_and_loss(
-            counted, loss_sum, mesh, world, _held_fewer(pm, config)
-        )
+        grad_norm, mean_loss = _global_norm_and_loss(counted, loss_sum, mesh, world, fewer)
         coef = min(1.0, options.max_grad_norm / (grad_norm + 1e-6))
         with torch.no_grad():
             for p in model.parameters():
