@@ -420,10 +420,28 @@ def _propagate(
     return "tp" if "tp" in classes else ("expert" if "expert" in classes else "rep")
 
 
+# ops that pass their input's values on in another shape: GPT-2 looks its tokens up after
+# ``input_ids.view(-1, seq)``
+_RESHAPES = frozenset(
+    f"aten.{op}.default"
+    for op in ("view", "reshape", "_unsafe_view", "clone", "contiguous", "alias", "flatten")
+)
+
+
 def _indexed_by_tokens(node: NodeInfo, nodes: dict[str, NodeInfo]) -> bool:
-    """A token embedding (vocab-parallel under TP, Megatron) reads the model's input ids; a
-    position embedding reads computed positions and stays replicated."""
-    return any(nodes[i].kind == "input" for i in node.inputs)
+    """A token embedding (vocab-parallel under TP, Megatron) reads the model's input ids, or
+    a reshape of them; a position embedding reads computed positions and stays replicated."""
+    todo, seen = list(node.inputs), set()
+    while todo:
+        source = nodes[name] if (name := todo.pop()) in nodes else None
+        if source is None or name in seen:
+            continue
+        seen.add(name)
+        if source.kind == "input":
+            return True
+        if source.op in _RESHAPES:
+            todo += source.inputs
+    return False
 
 
 def _compute_shard(node: NodeInfo, router: str | None, kept: frozenset[str]) -> Shard:

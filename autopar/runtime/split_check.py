@@ -2,23 +2,26 @@
 
 In: the model, one sample's inputs as meta tensors, and the block linears the trace made column- or
 row-parallel (`autopar.estimate.tables.tensor_parallel_roles`). Out: the roles the runtime may
-apply, and why it may not apply the others.
+apply -- "col/N" for a fused projection of N pieces -- and why it may not apply the others.
 
 autopar's runtime hands the output of a column-parallel projection to the model's code as the
 rank's slice of its features, as torchtitan and Megatron do. For projections it knows by name
 (`tensor_parallel.COLUMN_NAMES`) that code is known to read heads by "-1" and so computes on
 the rank's heads. For any other, the trace says which projections a Megatron pair splits, but
-not whether the code around them reads their outputs by position: Phi-3 cuts its fused qkv at
-fixed offsets and chunks its fused gate_up in two, so a rank's slice would hold parts of each
-piece, and T5 views its heads by a fixed count. Two checks on the meta device (any model size,
-no memory, no ranks) catch these:
+not whether the code around them reads their outputs by position: T5 views its heads by a
+fixed count. And a fused projection whose code cuts its output where it is made -- GPT-2's
+`c_attn` by ``split(hidden)``, Phi-3's `qkv_proj` by slices and `gate_up_proj` by ``chunk(2)``
+-- must be split piece by piece (`autopar.runtime.fused_pieces`), named or not. Two runs on
+the meta device (any model size, no memory, no ranks) find these:
 
-- the model runs with those linears at their tensor-parallel widths (tp = 2) and returns
-  outputs of the shapes it returns whole: a fixed head count or width fails here;
-- no column-parallel output is cut along its features where it is made (split, chunk, a
-  slice, narrow, unbind): a fused projection cut by position is refused. A view into heads
-  before a cut (GPT-NeoX's per-head fused qkv) passes: each head's pieces are then in one
-  rank's slice.
+- whole, watching where each column-parallel output is cut along its features where it is
+  made: cuts into pieces of one width make it a fused projection of that many pieces (each
+  split over tp); pieces of different widths (Phi-3's q, k, v with fewer key/value heads) are
+  refused, for no split of one tensor gives each rank its share of each;
+- as the runtime runs them at tp = 2 (each split module computing whole, as a DTensor module
+  does, its column outputs handed on as the rank's slice -- a fused one's as `Pieces` -- and
+  its row inputs widened back): the model must return outputs of the shapes it returns whole,
+  so a fixed head count or width fails here.
 
 What they do not prove: code that first views features into (pieces, heads) and then cuts the
 pieces would pass and be wrong on ranks. The suite's any-model matrix runs each family it
@@ -38,74 +41,68 @@ from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from autopar.runtime.tensor_parallel import COLUMN_NAMES, ROW_NAMES
+from autopar.runtime.fused_pieces import CUTS, Pieces
+from autopar.runtime.tensor_parallel import COLUMN_NAMES, ROW_NAMES, is_projection, transposed
 
 _WAYS = 2  # the smallest split shows a code that reads by position
-# the calls that cut a tensor into pieces (functions and methods)
-_CUTS = frozenset(
-    {
-        torch.split, torch.chunk, torch.tensor_split, torch.narrow, torch.unbind,
-        torch.Tensor.split, torch.Tensor.chunk, torch.Tensor.tensor_split,
-        torch.Tensor.narrow, torch.Tensor.unbind, torch.Tensor.__getitem__,
-    }
-)  # fmt: skip
 
 
 def checked_roles(
     model: nn.Module, roles: dict[str, str], inputs: tuple[torch.Tensor, ...]
 ) -> tuple[dict[str, str], str]:
-    """The traced ``roles`` of linears the Megatron names do not cover, when ``model``'s code
-    computes on their slices (module docstring), with ""; else ({}, why). Named ones are
-    left to the name rule."""
+    """The traced ``roles`` of block linears the Megatron names do not cover, and "col/N" for
+    any column-parallel one, named or not, that is a fused projection of N pieces, when
+    ``model``'s code computes on their slices (module docstring), with ""; else ({}, why).
+    Named ones that are not fused are left to the name rule."""
     listed = tuple(
         f"{path}."
         for path, m in model.named_modules()
         if path and isinstance(m, nn.ModuleList | nn.ModuleDict)
     )  # the repeated blocks' (a chain of linears gets `tp_plan`'s alternation instead)
+    in_blocks = {p: r for p, r in roles.items() if p.startswith(listed)}
     traced = {
-        p: r
-        for p, r in roles.items()
-        if p.rsplit(".", 1)[-1] not in COLUMN_NAMES | ROW_NAMES and p.startswith(listed)
+        p: r for p, r in in_blocks.items() if p.rsplit(".", 1)[-1] not in COLUMN_NAMES | ROW_NAMES
     }
     for path in traced:
-        if not isinstance(module := _module(model, path), nn.Linear):
+        if not is_projection(module := _module(model, path)):
             kind = type(module).__name__
             return {}, (
-                f"{path} ({kind}) multiplies by its weights in its own code, not through an "
-                "nn.Linear the runtime can split"
+                f"{path} ({kind}) multiplies by its weights in its own code, not through a "
+                "linear layer the runtime can split"
             )
-    if not traced:
+    in_blocks = {p: r for p, r in in_blocks.items() if is_projection(_module(model, p))}
+    if not in_blocks:
         return {}, ""
-    why = _problem(model, traced, inputs)
-    return ({}, why) if why else (traced, "")
-
-
-def _module(model: nn.Module, path: str) -> nn.Module | None:
-    try:
-        return model.get_submodule(path)
-    except AttributeError:
-        return None
-
-
-def _problem(model: nn.Module, roles: dict[str, str], args: tuple[torch.Tensor, ...]) -> str:
     whole = _meta_state(model)
-    local = dict(whole)
-    for path, role in roles.items():
-        linear = model.get_submodule(path)
-        out_f, in_f = linear.weight.shape
-        if (out_f if role == "col" else in_f) % _WAYS:
-            return f"{path} has {out_f if role == 'col' else in_f} features, odd"
-        shape = (out_f // _WAYS, in_f) if role == "col" else (out_f, in_f // _WAYS)
-        local[f"{path}.weight"] = torch.empty(shape, dtype=linear.weight.dtype, device="meta")
-        if role == "col" and linear.bias is not None:
-            local[f"{path}.bias"] = torch.empty(
-                out_f // _WAYS, dtype=linear.bias.dtype, device="meta"
-            )
     try:
-        want = _shapes(functional_call(model, whole, args))
+        pieces = _fused(model, whole, in_blocks, inputs)
+    except _Unequal as e:
+        return {}, str(e)
     except Exception as e:  # data-dependent code (an .item()) cannot run on meta
+        if not traced:
+            return {}, ""  # named only: the name rule, as it always was
         first = str(e).splitlines()[0][:200] if str(e) else ""
-        return f"its code does not run on the meta device ({type(e).__name__}: {first})"
+        return {}, f"its code does not run on the meta device ({type(e).__name__}: {first})"
+    if not traced and not pieces:
+        return {}, ""
+    if why := _problem(model, whole, in_blocks, pieces, inputs):
+        return {}, why
+    checked = {**traced, **{p: "col" for p in pieces}}
+    return {p: f"{r}/{pieces[p]}" if p in pieces else r for p, r in checked.items()}, ""
+
+
+class _Unequal(Exception):
+    """A fused projection cut into pieces of different widths (the message says which)."""
+
+
+def _fused(
+    model: nn.Module,
+    whole: dict[str, torch.Tensor],
+    roles: dict[str, str],
+    args: tuple[torch.Tensor, ...],
+) -> dict[str, int]:
+    """{column-parallel path: its number of pieces} for each whose output the code cuts along
+    its features where it is made, into pieces of one width; raises `_Unequal` otherwise."""
     cuts = _CutWatch()
     hooks = [
         model.get_submodule(path).register_forward_hook(cuts.made(path))
@@ -114,7 +111,48 @@ def _problem(model: nn.Module, roles: dict[str, str], args: tuple[torch.Tensor, 
     ]
     try:
         with cuts:
-            got = _shapes(functional_call(model, local, args))
+            functional_call(model, whole, args)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = {}
+    for path, (width, bounds) in cuts.bounds.items():
+        edges = sorted(bounds | {0, width})
+        widths = [b - a for a, b in zip(edges, edges[1:], strict=False)]
+        if len(set(widths)) > 1:
+            raise _Unequal(
+                f"its code cuts {path}'s output into pieces of {widths} features: a fused "
+                "projection split over tp piece by piece needs pieces of one width"
+            )
+        out[path] = len(widths)
+    return out
+
+
+def _problem(
+    model: nn.Module,
+    whole: dict[str, torch.Tensor],
+    roles: dict[str, str],
+    pieces: dict[str, int],
+    args: tuple[torch.Tensor, ...],
+) -> str:
+    """Why ``model`` run as the runtime splits ``roles`` at tp = 2 fails or changes its outputs'
+    shapes, or ""."""
+    for path, role in roles.items():
+        module = model.get_submodule(path)
+        in_f, out_f = module.weight.shape if transposed(module) else module.weight.shape[::-1]
+        width = out_f if role == "col" else in_f
+        if width % (_WAYS * pieces.get(path, 1)):
+            return f"{path} has {width} features, odd"
+    want = _shapes(functional_call(model, whole, args))
+    hooks = []
+    for path, role in roles.items():
+        module = model.get_submodule(path)
+        if role == "col":
+            hooks.append(module.register_forward_hook(_rank_slice(pieces.get(path, 1))))
+        else:
+            hooks.append(module.register_forward_pre_hook(_widened, with_kwargs=True))
+    try:
+        got = _shapes(functional_call(model, whole, args))
     except Exception as e:  # the model's own code failing at the local widths is the finding
         return (
             f"its code fails with {_named(roles)} at 1/{_WAYS} of their features "
@@ -123,15 +161,40 @@ def _problem(model: nn.Module, roles: dict[str, str], args: tuple[torch.Tensor, 
     finally:
         for h in hooks:
             h.remove()
-    if cuts.found:
-        path, name = cuts.found
-        return (
-            f"its code cuts {path}'s output along its features by position ({name}): a fused "
-            "projection, whose pieces a rank's slice would mix"
-        )
     if got != want:
         return f"its outputs at 1/{_WAYS} of {_named(roles)}'s features have other shapes"
     return ""
+
+
+def _rank_slice(pieces: int):
+    """A forward hook: the output as one rank's share (the first 1/_WAYS of each piece)."""
+
+    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        piece = out.shape[-1] // pieces
+        share = torch.cat([p[..., : piece // _WAYS] for p in out.split(piece, dim=-1)], dim=-1)
+        return Pieces.wrap(share, _WAYS, piece) if pieces > 1 else share
+
+    return hook
+
+
+def _widened(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward pre-hook: a row-parallel module's rank-slice input widened back to the whole,
+    as the DTensor module sees it."""
+
+    def wide(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x] * _WAYS, dim=-1)
+
+    if args:
+        return (wide(args[0]), *args[1:]), kwargs
+    first = next(iter(kwargs))
+    return args, {**kwargs, first: wide(kwargs[first])}
+
+
+def _module(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def _meta_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -148,13 +211,15 @@ def _shapes(out: Any) -> list[tuple[int, ...]]:
 
 
 class _CutWatch(TorchFunctionMode):
-    """Notes the first cut of a column-parallel output along its last dimension, right where
-    the projection made it (`_CUTS`)."""
+    """Notes where each column-parallel output is cut along its last dimension, right where
+    the projection made it (`CUTS`): {path: (its width, the offsets where its pieces start
+    and end)}. A piece's offset is its storage offset from the output's (the cuts are views);
+    an output whose last dimension is not contiguous is noted as cut at every feature."""
 
     def __init__(self) -> None:
         super().__init__()
         self.outputs: dict[int, tuple[str, torch.Tensor]] = {}  # the tensors kept alive
-        self.found: tuple[str, str] | None = None
+        self.bounds: dict[str, tuple[int, set[int]]] = {}
 
     def made(self, path: str):
         def hook(module: nn.Module, args: Any, out: Any) -> None:
@@ -167,12 +232,22 @@ class _CutWatch(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         source = args[0] if args else None
-        watched = isinstance(source, torch.Tensor) and id(source) in self.outputs
-        if func in _CUTS and self.found is None and watched:
-            width = source.shape[-1]
-            pieces = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            if any(t.dim() == source.dim() and t.shape[-1] < width for t in pieces):
-                self.found = (self.outputs[id(source)][0], getattr(func, "__name__", str(func)))
+        if func not in CUTS or not isinstance(source, torch.Tensor):
+            return out
+        if (seen := self.outputs.get(id(source))) is None:
+            return out
+        width = source.shape[-1]
+        pieces = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        cut = [t for t in pieces if t.dim() == source.dim() and t.shape[-1] < width]
+        if not cut:
+            return out
+        bounds = self.bounds.setdefault(seen[0], (width, set()))[1]
+        if source.stride(-1) != 1:
+            bounds.update(range(width))
+        row = source.stride(-2) if source.dim() > 1 else width  # a leading index's step
+        for t in cut:
+            start = (t.storage_offset() - source.storage_offset()) % row
+            bounds.update((start, start + t.shape[-1]))
         return out
 
 

@@ -138,7 +138,7 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if not listed or any(path.startswith(t + ".") for t in taken):
             continue
         items = list(module.named_children())
-        if items and all(_has_linear(m) and not isinstance(m, nn.Linear) for _, m in items):
+        if items and all(_has_linear(m) and not is_projection(m) for _, m in items):
             found += [(f"{path}.{name}", m) for name, m in items]
             taken.append(path)
     return found
@@ -156,8 +156,8 @@ def unsplit_block(
     model: nn.Module, num_blocks: int, roles: dict[str, str] | None = None
 ) -> str | None:
     """The first repeated block tensor parallelism would not shard as priced ("path (Class)"),
-    or None: a block with no column-parallel nn.Linear feeding a row-parallel one, by name or
-    by the traced ``roles`` (GPT-2's Conv1D; anything without roles the Megatron names miss)
+    or None: a block with no column-parallel linear (`is_projection`) feeding a row-parallel
+    one, by name or by the traced ``roles`` (anything without roles the Megatron names miss),
     would run replicated, or split one projection alone, while priced sharded. A model
     without blocks is a chain of linears."""
     blocks = find_blocks(model)
@@ -173,21 +173,40 @@ def unsplit_block(
         return f"{path} (no nn.Linear in its blocks{how})"
     plan = tp_plan(model, ParallelConfig(tp=2), roles=roles)
     for path, block in blocks:  # a column-parallel projection feeding a row-parallel one
-        styles = {style for key, style in plan.items() if key.startswith(path + ".")}
+        styles = {base_style(s) for key, s in plan.items() if key.startswith(path + ".")}
         if "colwise" not in styles or "rowwise" not in styles:
             return f"{path} ({type(block).__name__})"
     return None
 
 
 def _projects(module: nn.Module) -> bool:
-    """A module other than nn.Linear that multiplies by a matrix of its own (GPT-2's Conv1D)."""
+    """A module other than a linear (`is_projection`) that multiplies by a matrix of its own."""
     weight = getattr(module, "weight", None)
     matrix = isinstance(weight, nn.Parameter) and weight.dim() == 2
-    return matrix and not isinstance(module, nn.Linear | nn.Embedding)
+    return matrix and not isinstance(module, nn.Embedding) and not is_projection(module)
 
 
 def _has_linear(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.Linear) for m in module.modules())
+    return any(is_projection(m) for m in module.modules())
+
+
+def transposed(module: nn.Module) -> bool:
+    """A linear layer that stores its weight as [in, out] and computes ``x @ weight + bias``
+    (Hugging Face's `Conv1D`, GPT-2's and GPT's projections): its output features are the
+    weight's dimension 1. Known by its attributes, not its class."""
+    weight = getattr(module, "weight", None)
+    nx, nf = getattr(module, "nx", None), getattr(module, "nf", None)
+    return isinstance(weight, nn.Parameter) and weight.dim() == 2 and weight.shape == (nx, nf)
+
+
+def is_projection(module: nn.Module) -> bool:
+    """A module tensor parallelism splits as a linear: nn.Linear, or a `transposed` one."""
+    return isinstance(module, nn.Linear) or transposed(module)
+
+
+def base_style(style: str) -> str:
+    """A TP plan's style without its "/N" (the fused pieces of "colwise/3")."""
+    return style.split("/")[0]
 
 
 def _num_inputs(module: nn.Module) -> int:
@@ -276,7 +295,7 @@ def _add_shared_inputs(plan: dict[str, str], model: nn.Module) -> None:
     down-projections): it would meet a DTensor with a plain weight."""
     users: dict[str, int] = {}
     for key, style in plan.items():
-        if style == "colwise":
+        if base_style(style) == "colwise":
             parent = key.rsplit(".", 1)[0]
             users[parent] = users.get(parent, 0) + 1
     for parent, count in users.items():
@@ -359,26 +378,39 @@ def _block_plan(
     path: str, block: nn.Module, weights: dict[str, str], roles: dict[str, str]
 ) -> tuple[dict[str, str], bool]:
     """Styles of one block's linears, grouped by their parent (attention, MLP), or as one
-    traced group; and whether every group is a Megatron column/row pair."""
+    traced group; and whether every group is a Megatron column/row pair. A traced linear
+    beside named ones joins their group (Phi-3's qkv_proj with o_proj)."""
     groups: dict[str, dict[str, list[str]]] = {}
-    for name, module in block.named_modules():
+    projections = [
+        (name, module)
+        for name, module in block.named_modules()
+        if is_projection(module) and not REPLICATED_SCOPES & set(name.split("."))
+    ]
+    named = {
+        name.rpartition(".")[0]
+        for name, _ in projections
+        if name.rpartition(".")[2] in COLUMN_NAMES | ROW_NAMES
+    }
+    for name, module in projections:
         parts = name.split(".")
-        if not isinstance(module, nn.Linear) or REPLICATED_SCOPES & set(parts):
-            continue
         full = f"{path}.{name}"
         role = "col" if parts[-1] in COLUMN_NAMES else "row" if parts[-1] in ROW_NAMES else None
         group = ".".join(parts[:-1])
+        traced, _, pieces = roles.get(full, "").partition("/")  # "col/3": fused, 3 pieces
         if role is None:
-            role, group = roles.get(full), _TRACED
+            role, group = traced, group if group in named else _TRACED
         if role not in ("col", "row"):
             continue
         placement = weights.get(full, "S(0)" if role == "col" else "S(1)")
-        groups.setdefault(group, {"col": [], "row": []})[role].append((full, placement))
+        if transposed(module) and full in weights:  # the weight is [in, out]: dims swapped
+            placement = {"S(0)": "S(1)", "S(1)": "S(0)"}.get(placement, placement)
+        full_pieces = (full, placement, f"/{pieces}" if pieces else "")
+        groups.setdefault(group, {"col": [], "row": []})[role].append(full_pieces)
     plan: dict[str, str] = {}
     all_pairs = bool(groups)
     for group, members in groups.items():
         cols, rows = members["col"], members["row"]
-        paired = all(p == "S(0)" for _, p in cols) and all(p == "S(1)" for _, p in rows)
+        paired = all(p == "S(0)" for _, p, _ in cols) and all(p == "S(1)" for _, p, _ in rows)
         paired = paired and bool(cols) and bool(rows)
         all_pairs &= paired
         if paired and group != _TRACED:  # per-head norms (Qwen3's q_norm, k_norm)
@@ -387,10 +419,10 @@ def _block_plan(
             key, rope = _shared_rope_key(scope, f"{path}.{group}" if group else path)
             if key:
                 plan[key] = f"latent_kv/{rope}"
-        for full, placement in cols:
+        for full, placement, pieces in cols:
             if placement == "S(0)":
-                plan[full] = "colwise" if paired else "colwise_gather"
-        for full, placement in rows:
+                plan[full] = ("colwise" if paired else "colwise_gather") + pieces
+        for full, placement, _ in rows:
             if placement == "S(1)":
                 plan[full] = "rowwise" if paired else "rowwise_from_replicate"
     return plan, all_pairs
@@ -468,7 +500,7 @@ def _token_modules(block: nn.Module) -> list[str]:
 def _chain_plan(model: nn.Module, weights: dict[str, str]) -> dict[str, str]:
     """A model without blocks: its linears in order, Megatron's alternation (or the
     placements), a sharded end gathered."""
-    linears = [p for p, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears = [p for p, m in model.named_modules() if is_projection(m)]
     plan: dict[str, str] = {}
     sharded = False  # is the activation entering the next linear split over tp?
     prev = ""
@@ -513,7 +545,9 @@ def _add_sequence_parallel(
             plan[f"{path}.{name}"] = "expert_split" if split else "token_sum"
         # the modules whose column-parallel projections read the whole sequence: gathered
         parents = {
-            k.rsplit(".", 1)[0] for k in plan if k.startswith(path + ".") and plan[k] == "colwise"
+            k.rsplit(".", 1)[0]
+            for k in plan
+            if k.startswith(path + ".") and base_style(plan[k]) == "colwise"
         }
         if path in parents:
             raise ValueError(

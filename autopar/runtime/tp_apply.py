@@ -16,13 +16,21 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -33,23 +41,25 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from autopar.runtime.tensor_parallel import STYLES
+from autopar.runtime.fused_pieces import Pieces
+from autopar.runtime.tensor_parallel import STYLES, transposed
 
 
 def _style(style: str) -> ParallelStyle:
     name, _, count = style.partition("/")
     rest = (None,) * (int(count or 1) - 1)
-    if name == "colwise":
-        return ColwiseParallel()
+    if name == "colwise":  # "/N": a fused projection of N pieces
+        return _Colwise(int(count or 1))
     if name == "rowwise":
-        return RowwiseParallel()
+        return _Rowwise()
     if name == "colwise_gather":
-        return ColwiseParallel(output_layouts=Replicate())
+        return _Colwise(int(count or 1), output_layouts=Replicate())
     if name == "rowwise_from_replicate":
-        return RowwiseParallel(input_layouts=Replicate())
+        return _Rowwise(input_layouts=Replicate())
     if name == "rowwise_to_seq":
-        return RowwiseParallel(output_layouts=Shard(1))
+        return _Rowwise(output_layouts=Shard(1))
     if name == "sequence_parallel":
         return SequenceParallel(use_local_output=True)
     if name == "head_norm":  # [batch, seq, heads, head_dim]: the rank's heads on dim 2
@@ -91,6 +101,77 @@ def _style(style: str) -> ParallelStyle:
             desired_output_layouts=Replicate(),
         )
     raise ValueError(f"unknown tensor-parallel style {style!r}; known: {', '.join(STYLES)}")
+
+
+class _Colwise(ColwiseParallel):
+    """torch's ColwiseParallel, also for a `transposed` linear (its weight split on dim 1) and a
+    fused projection of ``pieces`` (`autopar.runtime.fused_pieces`): each piece split over tp
+    (`_StridedShard`), the local output handed on as `Pieces`, whose cuts at the whole
+    output's offsets are taken at the rank's."""
+
+    def __init__(self, pieces: int = 1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.pieces = pieces
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if self.pieces == 1 and not transposed(module):
+            return super()._apply(module, device_mesh)
+        out_dim = 1 if transposed(module) else 0
+
+        def split(dim: int) -> Placement:
+            return _StridedShard(dim, split_factor=self.pieces) if self.pieces > 1 else Shard(dim)
+
+        def partition(_: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for name, param in list(mod.named_parameters(recurse=False)):
+                placement = split(out_dim if name == "weight" else 0)
+                dist = distribute_tensor(param, mesh, [placement], src_data_rank=self.src_data_rank)
+                mod.register_parameter(name, nn.Parameter(dist, param.requires_grad))
+
+        return distribute_module(
+            module,
+            device_mesh,
+            partition,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            self._output_fn(device_mesh.size(), module),
+        )
+
+    def _output_fn(self, ways: int, module: nn.Module) -> Any:
+        whole = getattr(module, "nf", None) or module.weight.shape[0]  # before partition
+        piece = whole // self.pieces
+
+        def output(_: nn.Module, outputs: DTensor, mesh: DeviceMesh) -> Any:
+            if self.output_layouts != (Shard(-1),) or not self.use_local_output:
+                return self._prepare_output_fn(
+                    self.output_layouts, self.use_local_output, _, outputs, mesh
+                )
+            local = outputs.to_local()  # [piece 0's share | piece 1's share | ...]
+            return Pieces.wrap(local, ways, piece) if self.pieces > 1 else local
+
+        return output
+
+
+class _Rowwise(RowwiseParallel):
+    """torch's RowwiseParallel, also for a `transposed` linear: its weight split on dim 0, its
+    bias replicated."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not transposed(module):
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+
+        def partition(_: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for name, param in list(mod.named_parameters(recurse=False)):
+                placement = Shard(0) if name == "weight" else Replicate()
+                dist = distribute_tensor(param, mesh, [placement], src_data_rank=self.src_data_rank)
+                mod.register_parameter(name, nn.Parameter(dist, param.requires_grad))
+
+        return distribute_module(
+            module,
+            device_mesh,
+            partition,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
 
 
 class _FirstInput(ParallelStyle):

@@ -93,8 +93,10 @@ def gemma2() -> nn.Module:
                eos_token_id=0)  # fmt: skip
 
 
-def phi3() -> nn.Module:
-    return _hf("Phi3Config", "Phi3ForCausalLM", **_DECODER, num_key_value_heads=2,
+def phi3(kv_heads: int = HEADS) -> nn.Module:
+    """Phi-3-mini's layout (as many key/value heads as query heads) by default; Phi-3-medium
+    has fewer (40 and 10), which its fused qkv_proj cuts into pieces of unequal widths."""
+    return _hf("Phi3Config", "Phi3ForCausalLM", **_DECODER, num_key_value_heads=kv_heads,
                pad_token_id=0, bos_token_id=0, eos_token_id=0)  # fmt: skip
 
 
