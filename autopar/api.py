@@ -238,7 +238,9 @@ def evaluate(
     roles: tuple[dict[str, str], str] = ({}, "")
     if own_runtime(options.stack):  # another stack's program is that framework's to run
         roles = traced_roles(model, graph)
-        problems += runtime_problems(model, config, limits.num_blocks, options.stack, roles)
+        problems += runtime_problems(
+            model, config, limits.num_blocks, options.stack, roles, limits.seq_len
+        )
     if problems:
         raise ConfigError(
             f"config {config.as_text()} cannot run {graph.model_type} on "

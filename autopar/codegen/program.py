@@ -192,7 +192,9 @@ if IMPORT_ROOT and os.path.isdir(IMPORT_ROOT) and IMPORT_ROOT not in sys.path:
 def _tensor_parallel(plan: Plan, model: nn.Module) -> str:
     c = plan.config
     if c.pp > 1:  # every pipeline chunk's own plan: SP splits and gathers at each chunk's ends
-        tp = pipeline_tp_plan(model, c, plan.placements, _stage_layers(plan))
+        tp = pipeline_tp_plan(
+            model, c, plan.placements, _stage_layers(plan), roles=plan.tensor_parallel_roles
+        )
     else:
         # no vocabulary split with cp: the context-parallel loss reads whole logits
         tp = tp_plan(

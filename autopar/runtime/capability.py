@@ -19,7 +19,9 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
                         taken by a style (routers and experts are: their gradients are summed
                         over tp; MLA's down-projections are not: `tensor_parallel.tp_plan`)
                         -> else tensor parallelism without it
-    context parallelism needs a forward at a shard's global positions (`parts`) -> else cp = 1
+    context parallelism needs a forward at a shard's global positions (`parts`), and no
+                        sliding attention window narrower than the sequence (Mistral's,
+                        Phi-3's: its attention is whole and causal) -> else cp = 1
     expert parallelism  needs MoE blocks with a token dispatch (`expert_parallel`: the zoo's,
                         and transformers' stacked experts, `hf_experts`) -> else ep = 1
     expert tensor par.  etp = tp splits each expert's width (`expert_tensor_parallel`): the
@@ -51,7 +53,7 @@ from autopar.runtime.expert_parallel import is_moe_block
 from autopar.runtime.expert_tensor_parallel import expert_split_problem
 from autopar.runtime.hf_experts import is_hf_experts
 from autopar.runtime.low_precision import runnable
-from autopar.runtime.parts import has_parts
+from autopar.runtime.parts import has_parts, sliding_window
 from autopar.runtime.split_check import checked_roles
 from autopar.runtime.tensor_parallel import find_blocks, tp_plan, unsplit_block
 from autopar.runtime.traced_stages import traced_blocks, why_no_block_list
@@ -128,6 +130,9 @@ def runtime_limits(
     if not has_parts(model) and limits.max_cp > 1:
         limits = replace(limits, max_cp=1)
         notes.append(f"no context-parallel plans: {_no_cp(name)}")
+    elif limits.max_cp > 1 and (window := _narrower_window(model, limits.seq_len)):
+        limits = replace(limits, max_cp=1)
+        notes.append(f"no context-parallel plans: {_windowed(name, window, limits.seq_len)}")
     unsplit = unsplit_block(model, limits.num_blocks, roles[0])
     wide = whole_width_norm(model)
     if unsplit or wide:
@@ -146,10 +151,11 @@ def runtime_problems(
     num_blocks: int,
     stack: str = "autopar",
     roles: tuple[dict[str, str], str] = ({}, ""),
+    seq_len: int = 0,
 ) -> list[str]:
     """Every way autopar's runtime would refuse ``config`` for ``model`` (whose trace found
-    ``num_blocks`` repeated layers) when ``stack`` runs it, or run it otherwise than priced;
-    empty when it runs. ``roles``: `traced_roles`."""
+    ``num_blocks`` repeated layers, of ``seq_len`` tokens) when ``stack`` runs it, or run it
+    otherwise than priced; empty when it runs. ``roles``: `traced_roles`."""
     out = []
     name = type(model).__name__
     if stack == COMPILED_STACK and max(config.tp, config.cp, config.ep) > 1:
@@ -170,6 +176,8 @@ def runtime_problems(
             out.append(f"pp={config.pp}: {cut}")
     if config.cp > 1 and not has_parts(model):
         out.append(f"cp={config.cp}: {_no_cp(name)}")
+    elif config.cp > 1 and (window := _narrower_window(model, seq_len)):
+        out.append(f"cp={config.cp}: {_windowed(name, window, seq_len)}")
     if config.ep > 1 and not _dispatches_experts(model):
         out.append(f"ep={config.ep}: {_no_ep(name)}")
     if config.etp > 1:
@@ -245,6 +253,20 @@ def _no_ep(name: str) -> str:
         "(autopar.models.moe) and Hugging Face expert stacks (experts stacked on the first "
         f"dimension, forward(hidden_states, top_k_index, top_k_weights)), not {name}'s, whose "
         "experts it would run replicated"
+    )
+
+
+def _narrower_window(model: nn.Module, seq_len: int) -> int | None:
+    """The model's sliding attention window where it is narrower than ``seq_len``."""
+    window = sliding_window(model)
+    return window if window and window < seq_len else None
+
+
+def _windowed(name: str, window: int, seq_len: int) -> str:
+    return (
+        f"autopar's runtime computes whole causal attention under context parallelism, and "
+        f"{name} attends within a sliding window of {window} tokens, narrower than its "
+        f"{seq_len}"
     )
 
 

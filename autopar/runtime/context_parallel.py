@@ -302,7 +302,8 @@ def apply_context_parallel(
 
         AttentionInterface.register(HF_ATTENTION, _hf_attention)
         for module in model.modules():
-            if type(module).__name__.endswith("Attention") and hasattr(module, "o_proj"):
+            named = type(module).__name__.endswith("Attention")  # GPT-2's writes by c_proj
+            if named and (hasattr(module, "o_proj") or hasattr(module, "c_proj")):
                 module.attention_fn = attend
                 count += 1
         model.set_attn_implementation(HF_ATTENTION)

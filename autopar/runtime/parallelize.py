@@ -295,11 +295,13 @@ def pipeline_tp_plan(
     placements: dict | None = None,
     stage_layers: Sequence[Sequence[str]] | None = None,
     schedule: str | None = None,
+    roles: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """The TP plan pp > 1 applies, every chunk's (`tp_plan(chunk)`) in one dict: what a
     generated program prints and passes back as ``tp``. With sequence parallelism each chunk's
     first block splits the sequence and its last gathers it. ``model`` may be on the meta
-    device; it is not changed (the chunks share its modules)."""
+    device; it is not changed (the chunks share its modules). ``roles``: as `tp_plan`'s
+    (`Plan.tensor_parallel_roles`)."""
     if config.tp == 1:  # nothing to split (and a traced cut has no StageModules to ask)
         return {}
     layout = layout_for(config, model, stage_layers, schedule)
@@ -307,7 +309,7 @@ def pipeline_tp_plan(
     plan: dict[str, str] = {}
     for rank in range(config.pp):
         for chunk in build_stage_modules(model, layout, rank):
-            plan.update(_chunk_plan(chunk, config, placements, vocab))
+            plan.update(_chunk_plan(chunk, config, placements, vocab, roles))
     return plan
 
 
@@ -323,11 +325,12 @@ def _chunk_plan(
     config: ParallelConfig,
     placements: dict | None,
     vocab: tuple[str, str, str | None] | None,
+    roles: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """One pipeline chunk's TP plan: its blocks' (`tp_plan(chunk)`: with SP the chunk's
     first block splits the sequence, its last gathers it), and the vocabulary split of the
     embedding or head it holds."""
-    plan = tp_plan(chunk, config, placements)
+    plan = tp_plan(chunk, config, placements, roles=roles)
     if not plan or vocab is None:
         return plan
     held = {name for name, _ in chunk.named_modules()}

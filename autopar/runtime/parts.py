@@ -126,13 +126,23 @@ def _decoder_parts(model: nn.Module) -> ModelParts:
 # ------------------------------------------------------------------ Hugging Face decoders
 
 
-def _hf_decoder_parts(model: nn.Module) -> ModelParts:
-    """LlamaForCausalLM and its look-alikes (Mistral, Qwen2, Mixtral, Qwen2/3-MoE, DeepSeek-V3):
-    `model.embed_tokens`,
-    `model.layers`, `model.norm`, `model.rotary_emb`, `lm_head`, as `LlamaModel.forward`."""
-    from transformers.masking_utils import create_causal_mask
+def sliding_window(model: nn.Module) -> int | None:
+    """The window of local attention a Hugging Face model's config sets (Mistral's 4096, Phi-3
+    mini's 2047), or None. Context parallelism computes whole causal attention."""
+    window = getattr(getattr(model, "config", None), "sliding_window", None)
+    return int(window) if window else None
+
+
+def _hf_decoder_parts(model: nn.Module, sliding: bool = False) -> ModelParts:
+    """LlamaForCausalLM and its look-alikes (Mistral, Phi-3, Qwen2, Mixtral, Qwen2/3-MoE,
+    DeepSeek-V3): `model.embed_tokens`, `model.layers`, `model.norm`, `model.rotary_emb`,
+    `lm_head`, as `LlamaModel.forward`. ``sliding``: the family's forward masks every layer
+    to its config's sliding window when one is set (Mistral, Phi-3, Mixtral)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     config = model.config
+    if sliding and sliding_window(model):
+        create_causal_mask = create_sliding_window_causal_mask  # noqa: N806 (same signature)
 
     def embed(m: nn.Module, inputs: tuple[Tensor, ...], positions_S: Tensor) -> Tensor:
         (ids_BS,) = inputs
@@ -171,15 +181,56 @@ def _hf_decoder_parts(model: nn.Module) -> ModelParts:
     )
 
 
+def _gpt2_parts(model: nn.Module) -> ModelParts:
+    """GPT2LMHeadModel: `transformer.wte` + `transformer.wpe` (positions) -> `transformer.h`
+    -> `transformer.ln_f`, `lm_head` (tied to wte), as `GPT2Model.forward`."""
+    from transformers.masking_utils import create_causal_mask
+
+    config = model.config
+
+    def embed(m: nn.Module, inputs: tuple[Tensor, ...], positions_S: Tensor) -> Tensor:
+        (ids_BS,) = inputs
+        h = m.get_submodule("transformer.wte")(ids_BS)
+        h = h + m.get_submodule("transformer.wpe")(positions_S[None, :])
+        return m.get_submodule("transformer.drop")(h)
+
+    def context(m: nn.Module, h: Tensor, positions_S: Tensor) -> dict[str, Any]:
+        position_ids = positions_S[None, :]
+        mask = create_causal_mask(
+            config=config,
+            inputs_embeds=h,
+            attention_mask=None,
+            past_key_values=None,
+            position_ids=position_ids,
+        )
+        return {"attention_mask": mask, "position_ids": position_ids, "use_cache": False}
+
+    return ModelParts(
+        embed_modules=("transformer.wte", "transformer.wpe", "transformer.drop"),
+        blocks="transformer.h",
+        head_modules=("transformer.ln_f", "lm_head"),
+        embed=embed,
+        context=context,
+        block=lambda layer, h, ctx: layer(h, **ctx),
+        head=lambda m, h: m.lm_head(m.get_submodule("transformer.ln_f")(h)),
+    )
+
+
+def _hf_sliding_parts(model: nn.Module) -> ModelParts:
+    return _hf_decoder_parts(model, sliding=True)
+
+
 _HF = "transformers.models"
 PARTS: MappingProxyType[str, Callable[[nn.Module], ModelParts]] = MappingProxyType(
     {
         "autopar.models.gpt.GPT": _gpt_parts,
         "autopar.models.llama.DecoderLM": _decoder_parts,  # Llama, MoE
         f"{_HF}.llama.modeling_llama.LlamaForCausalLM": _hf_decoder_parts,
-        f"{_HF}.mistral.modeling_mistral.MistralForCausalLM": _hf_decoder_parts,
+        f"{_HF}.mistral.modeling_mistral.MistralForCausalLM": _hf_sliding_parts,
+        f"{_HF}.phi3.modeling_phi3.Phi3ForCausalLM": _hf_sliding_parts,
         f"{_HF}.qwen2.modeling_qwen2.Qwen2ForCausalLM": _hf_decoder_parts,
-        f"{_HF}.mixtral.modeling_mixtral.MixtralForCausalLM": _hf_decoder_parts,
+        f"{_HF}.mixtral.modeling_mixtral.MixtralForCausalLM": _hf_sliding_parts,
+        f"{_HF}.gpt2.modeling_gpt2.GPT2LMHeadModel": _gpt2_parts,
         f"{_HF}.qwen2_moe.modeling_qwen2_moe.Qwen2MoeForCausalLM": _hf_decoder_parts,
         f"{_HF}.qwen3_moe.modeling_qwen3_moe.Qwen3MoeForCausalLM": _hf_decoder_parts,
         f"{_HF}.deepseek_v3.modeling_deepseek_v3.DeepseekV3ForCausalLM": _hf_decoder_parts,

@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from autopar.config import ParallelConfig
 from autopar.models.source import HF_FACTORY, ZOO_FACTORY
 from autopar.runtime.mesh import free_port, rank_environment
+from autopar.runtime.parallelize import pipeline_tp_plan
 from autopar.runtime.task import task_from_source
 from autopar.runtime.tensor_parallel import tp_plan
 from autopar.runtime.trainer import TrainOptions, reference_run, train
@@ -77,10 +78,13 @@ def task_of(case: Case):
 def tp_of(case: Case) -> dict[str, str] | None:
     """The TP plan of a case whose plan split projections by the trace (``roles``), as the
     generated program spells it out; None: the trainer derives it (names, placements)."""
-    if not case.roles or case.config.pp > 1:
+    if not case.roles:
         return None
     c = case.config
     model = task_of(case).build()
+    if c.pp > 1:
+        layers = case.stage_layers
+        return pipeline_tp_plan(model, c, case.placements, layers, case.schedule, case.roles)
     return tp_plan(model, c, case.placements, roles=case.roles, vocab_parallel=c.cp == 1)
 
 

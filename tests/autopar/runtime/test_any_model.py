@@ -60,19 +60,19 @@ def styles(n: int) -> dict[str, C]:
 
 # (model, style) refused at evaluate on 2 and 4 devices, and the words that say why. GPT-NeoX's
 # and BERT's projections, outside the Megatron names, split as the trace pairs them (ViT's MLP
-# too); Phi-3's fused projections are cut by position and T5 views heads by a fixed count
-# (`autopar.runtime.split_check`), GPT-2's Conv1D and nn.MultiheadAttention hold their weights
-# outside nn.Linear
+# too); GPT-2's fused c_attn (a Conv1D) and Phi-3's fused qkv_proj and gate_up_proj split piece
+# by piece where their code cuts them (`autopar.runtime.fused_pieces`); T5 views heads by a fixed
+# count (`autopar.runtime.split_check`) and nn.MultiheadAttention holds its weights outside a
+# linear layer
 _NO_TP = "blocks replicated"
 _NO_CP = "context parallelism on models it can call at a sequence shard's positions"
 _NO_PP = "cannot cut"
 _OWN_CODE = "multiplies by its weights in its own code"
 _FAILS = "its code fails with"
 REFUSED = {
-    **{(m, s): why for m, why in (("mha", _OWN_CODE), ("classifier", _NO_TP), ("gpt2", _NO_TP),
-                                  ("phi3", _FAILS), ("t5", _FAILS))
+    **{(m, s): why for m, why in (("mha", _OWN_CODE), ("classifier", _NO_TP), ("t5", _FAILS))
        for s in ("TP", "TP+SP")},
-    **{(m, "CP"): _NO_CP for m in MODELS if m != "qwen2"},
+    **{(m, "CP"): _NO_CP for m in MODELS if m not in ("qwen2", "gpt2", "phi3")},
     ("classifier", "PP"): _NO_PP,
     ("t5", "PP"): _NO_PP,
     ("vit", "TP+SP"): "the blocks' sequence of 17 does not divide",

@@ -1,13 +1,13 @@
 """Projections outside the Megatron names split as the trace pairs them, where the model's code
 computes on their slices (`autopar.runtime.split_check`; issue 19).
 
-Four small blocks of one shape, a list of two each, on meta: a per-head fused QKV (viewed into
-heads before its cut, GPT-NeoX's layout) splits; the same MLP with a fused gate/up chunked in
-two, a head count fixed in a view, and weights multiplied outside nn.Linear are refused, each
-with its reason. The runtime then takes the traced pairs into its TP plan (`tp_plan`'s roles;
-sequence parallelism, which gathers at a module holding the projections, is refused for a
-block that calls them itself), and the evaluated plan carries them for the generated
-program."""
+Five small blocks, a list of two each, on meta: a per-head fused QKV (viewed into heads before
+its cut, GPT-NeoX's layout) splits; a fused gate/up chunked in two where it is made splits piece
+by piece ("col/2"); a fused QKV sliced into pieces of unequal widths, a head count fixed in a
+view, and weights multiplied outside a linear layer are refused, each with its reason. The
+runtime then takes the traced pairs into its TP plan (`tp_plan`'s roles; sequence parallelism,
+which gathers at a module holding the projections, is refused for a block that calls them
+itself), and the evaluated plan carries them for the generated program."""
 
 from __future__ import annotations
 
@@ -62,6 +62,25 @@ class FusedGateUp(nn.Module):
         return x + self.out(F.silu(gate) * value)
 
 
+class FusedUnequal(nn.Module):
+    """A fused projection sliced into q, k, v of unequal widths (fewer key/value heads than
+    query heads: Phi-3-medium's qkv_proj)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(HIDDEN, 2 * HIDDEN)
+        self.out = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(x)
+        q, k, v = qkv[..., :HIDDEN], qkv[..., HIDDEN : 3 * HIDDEN // 2], qkv[..., 3 * HIDDEN // 2 :]
+        heads = [t.view(b, s, -1, HIDDEN // HEADS).transpose(1, 2) for t in (q, k, v)]
+        k, v = (t.repeat_interleave(2, dim=1) for t in heads[1:])
+        att = F.scaled_dot_product_attention(heads[0], k, v, is_causal=True)
+        return x + self.out(att.transpose(1, 2).reshape(b, s, -1))
+
+
 class OwnWeights(nn.Module):
     """Weights multiplied in the block's own code (nn.MultiheadAttention's in_proj_weight)."""
 
@@ -105,12 +124,24 @@ def test_a_per_head_fused_projection_splits_as_the_trace_pairs_it():
     assert not any(k.startswith("blocks.0.") for k in tp_plan(model, ParallelConfig(tp=2)))
 
 
+def test_a_fused_projection_cut_where_it_is_made_splits_piece_by_piece():
+    """Cut into pieces of one width (a chunk in two, Phi-3's gate_up), it splits piece by
+    piece: "col/2" carried to the TP plan as "colwise/2"."""
+    model = Stack(FusedGateUp)
+    roles, why = _roles(model)
+    assert why == ""
+    assert roles == {"blocks.0.gate_and_value": "col/2", "blocks.0.out": "row",
+                     "blocks.1.gate_and_value": "col/2", "blocks.1.out": "row"}  # fmt: skip
+    plan = tp_plan(model, ParallelConfig(tp=2), roles=roles)
+    assert plan["blocks.1.gate_and_value"] == "colwise/2" and plan["blocks.1.out"] == "rowwise"
+
+
 def test_code_that_reads_a_projection_by_position_is_refused_with_its_reason():
-    roles, why = _roles(Stack(FusedGateUp))
+    roles, why = _roles(Stack(FusedUnequal))
     assert roles == {}
     assert why == (
-        "its code cuts blocks.0.gate_and_value's output along its features by position "
-        "(chunk): a fused projection, whose pieces a rank's slice would mix"
+        "its code cuts blocks.0.qkv's output into pieces of [32, 16, 16] features: a fused "
+        "projection split over tp piece by piece needs pieces of one width"
     )
     roles, why = _roles(Stack(FusedHeads, fixed_heads=True))
     assert roles == {} and why.startswith(
@@ -119,8 +150,8 @@ def test_code_that_reads_a_projection_by_position_is_refused_with_its_reason():
     ), why
     roles, why = _roles(Stack(OwnWeights))
     assert roles == {} and why == (
-        "blocks.0 (OwnWeights) multiplies by its weights in its own code, not through an "
-        "nn.Linear the runtime can split"
+        "blocks.0 (OwnWeights) multiplies by its weights in its own code, not through a "
+        "linear layer the runtime can split"
     )
 
 
@@ -134,11 +165,15 @@ def test_evaluate_prices_and_carries_the_pairs_or_refuses_naming_the_reason():
     assert autopar.Plan.from_json(plan.to_json()).tensor_parallel_roles == (
         plan.tensor_parallel_roles
     )
+    fused = autopar.evaluate(
+        Stack(FusedGateUp), cluster, ParallelConfig(tp=2), inputs, global_batch_size=2
+    )
+    assert fused.tensor_parallel_roles["blocks.1.gate_and_value"] == "col/2"
     try:
-        autopar.evaluate(Stack(FusedGateUp), cluster, ParallelConfig(tp=2), inputs,
+        autopar.evaluate(Stack(FusedUnequal), cluster, ParallelConfig(tp=2), inputs,
                          global_batch_size=2)  # fmt: skip
     except ConfigError as e:
-        assert "Stack's blocks replicated, blocks.0 (FusedGateUp) first" in str(e)
-        assert "cuts blocks.0.gate_and_value's output along its features by position" in str(e)
+        assert "Stack's blocks replicated, blocks.0 (FusedUnequal) first" in str(e)
+        assert "cuts blocks.0.qkv's output into pieces of [32, 16, 16] features" in str(e)
     else:
-        raise AssertionError("tp=2 of a chunked fused projection was priced")
+        raise AssertionError("tp=2 of a fused projection of unequal pieces was priced")

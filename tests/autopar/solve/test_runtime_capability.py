@@ -103,18 +103,35 @@ def _olmo2() -> nn.Module:
     return Olmo2ForCausalLM(config)
 
 
+def _phi3_gqa(**more: int) -> nn.Module:
+    """Phi-3 with fewer key/value heads than query heads (Phi-3-medium's 40 and 10): its fused
+    qkv_proj is sliced into q, k, v of unequal widths, which no piece-by-piece split gives each
+    tp rank its share of."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    config = Phi3Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, **more,
+    )  # fmt: skip
+    return Phi3ForCausalLM(config)
+
+
 def test_evaluate_refuses_what_the_runtime_cannot_run_naming_the_model_and_why():
     cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=4)
     cases = [
         (_gemma2(), (torch.randint(0, 128, (1, 64)),), dict(pp=2, tp=2),
          "pp=2 cuts Gemma2ForCausalLM from its traced graph"),
-        (hf.build("gpt2-tiny-hf"), (torch.randint(0, 128, (1, 64)),), dict(tp=2),
-         "tp=2: autopar's runtime would leave GPT2LMHeadModel's blocks replicated"),
+        (_phi3_gqa(), (torch.randint(0, 128, (1, 64)),), dict(dp=2, tp=2),
+         "tp=2: autopar's runtime would leave Phi3ForCausalLM's blocks replicated"),
         (Classifier(), (torch.randn(1, 32),), dict(pp=2, dp=2),
          "pp=2: autopar's runtime cannot cut Classifier into pipeline stages"),
         (_olmo2(), (torch.randint(0, 128, (1, 64)),), dict(dp=2, tp=2),
          "tp=2: model.layers.0.self_attn.q_norm (Olmo2RMSNorm) normalises the whole output of "
          "a column-parallel projection"),
+        (_phi3_gqa(sliding_window=16), (torch.randint(0, 128, (1, 64)),), dict(dp=2, cp=2),
+         "cp=2: autopar's runtime computes whole causal attention under context parallelism, "
+         "and Phi3ForCausalLM attends within a sliding window of 16 tokens, narrower than its "
+         "64"),
         (_llama4(), (torch.randint(0, 128, (1, 64)),), dict(dp=4, ep=2),
          "ep=2: autopar's runtime dispatches tokens to experts over ranks for its own MoE "
          "blocks (autopar.models.moe) and Hugging Face expert stacks"),
@@ -130,11 +147,11 @@ def test_evaluate_refuses_what_the_runtime_cannot_run_naming_the_model_and_why()
 
 
 def test_a_plan_for_another_stack_is_that_frameworks_to_run():
-    """Megatron splits GPT-2's fused projections and dispatches Llama 4's experts: priced for
-    its stack, neither is refused (the refusals are autopar's runtime's)."""
+    """Megatron splits a fused QKV of fewer key/value heads and dispatches Llama 4's experts:
+    priced for its stack, neither is refused (the refusals are autopar's runtime's)."""
     cluster = autopar.Cluster.from_profile("dgx_h100", 1)
     cases = [
-        (hf.build("gpt2-tiny-hf"), dict(tp=2, dp=4)),
+        (_phi3_gqa(), dict(tp=2, dp=4)),
         (_llama4(), dict(dp=8, ep=2)),
     ]
     for model, degrees in cases:
@@ -160,14 +177,16 @@ def test_a_model_the_runtime_can_cut_keeps_pipeline_plans_in_the_space():
 
 
 def test_a_model_whose_blocks_the_runtime_cannot_split_gets_no_tensor_parallel_plan():
-    """GPT-2's projections are Conv1D, not nn.Linear: tp would run them replicated while the
-    estimate priced them sharded."""
-    model = hf.build("gpt2-tiny-hf")
+    """Phi-3's fused qkv_proj of unequal pieces: tp would run its blocks replicated while the
+    estimate priced them sharded. GPT-2's Conv1D projections (weights stored [in, out]) split,
+    as Llama's nn.Linear ones do."""
+    model = _phi3_gqa()
     assert not splits_every_block(model, 2)
     plan = _plan(model, (torch.randint(0, 128, (1, 64)),), 4)
     assert plan.config.tp == 1 and all(" tp=1 " in alt["config"] for alt in plan.alternatives)
     assert any("blocks replicated" in note for note in plan.notes)
     assert splits_every_block(hf.build("llama-tiny-hf"), 2)
+    assert splits_every_block(hf.build("gpt2-tiny-hf"), 2)
 
 
 def test_plans_for_the_compiled_stack_keep_blocks_whole_on_each_rank():
