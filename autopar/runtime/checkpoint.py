@@ -32,7 +32,9 @@ Invariants:
   `expert_layout`; refused with both layouts named otherwise).
 - Model and optimizer state go through `torch.distributed.checkpoint.state_dict.get_state_dict`
   / `set_state_dict`: keys are the original parameter names whatever the plan (FSDP2, TP,
-  replicated), so a checkpoint saved under one plan loads under another (DCP reshards).
+  replicated), so a checkpoint saved under one plan loads under another (DCP reshards). A
+  fused projection split piece by piece over tp is written as the plain split of its dimension
+  (`fused_pieces.unstrided`), which DCP can place, and read back into its pieces.
 - The data position is the step: step s's global batch depends on s alone (see
   `autopar.runtime.task`), so resuming after step s continues with batch s and recomputes no
   step before it. A checkpoint of another model (fingerprint) or another global batch size is
@@ -78,12 +80,11 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard  # no public name (torch 2.13)
 
 from autopar.errors import AutoparError
 from autopar.estimate.goodput import goodput_interval
 from autopar.models.source import model_fingerprint
+from autopar.runtime.fused_pieces import restrided, unstrided
 
 FORMAT_VERSION = 1
 _FINAL = re.compile(r"^step-(\d{8})$")
@@ -214,74 +215,6 @@ def _tagged(
     return out, names
 
 
-def _unstrided(state: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict]:
-    """``state`` with each DTensor split piece by piece over tp (a fused projection's,
-    `_StridedShard` on the "tp" mesh axis, `autopar.runtime.fused_pieces`) as the plain split
-    of the same dimension over tp alone, and {(part, key): the original}. DCP writes and reads
-    each rank's local tensor as one block of the whole at one offset, which a rank's share of
-    several pieces is not (saved as it is, the ranks' blocks overlap); and where FSDP2 shards
-    the same dimension again, DTensor's own redistribution of the two strided splits is wrong
-    (torch 2.13). So by steps: the FSDP shards joined into the tp rank's tensor, then that
-    redistributed to the plain tp split; the copies on the other axes' ranks are the same
-    blocks, which DCP writes once."""
-    out: dict[str, dict[str, Any]] = {}
-    strided: dict[tuple[str, str], DTensor] = {}
-    for part, sd in state.items():
-        out[part] = dict(sd)
-        for key, value in sd.items():
-            if (pieces := _tp_pieces(value)) is not None:
-                tp_mesh = value.device_mesh["tp"]
-                mine = DTensor.from_local(_tp_local(value), tp_mesh, [pieces], run_check=False)
-                out[part][key] = mine.redistribute(tp_mesh, [Shard(pieces.dim)])
-                strided[(part, key)] = value
-    return out, strided
-
-
-def _tp_pieces(value: Any) -> _StridedShard | None:
-    """A DTensor's piece-by-piece split over the "tp" mesh axis, or None."""
-    if not isinstance(value, DTensor):
-        return None
-    names = value.device_mesh.mesh_dim_names or ()
-    found = [pl for pl, n in zip(value.placements, names, strict=False) if n == "tp"]
-    return found[0] if found and isinstance(found[0], _StridedShard) else None
-
-
-def _tp_local(value: DTensor) -> torch.Tensor:
-    """The tensor this rank's tp coordinate holds of ``value`` (its share of each piece),
-    its shards on the other mesh axes (FSDP's, of the tp rank's tensor) joined."""
-    names = value.device_mesh.mesh_dim_names
-    outer = [(n, pl) for n, pl in zip(names, value.placements, strict=True) if n != "tp"]
-    if all(pl.is_replicate() for _, pl in outer):
-        return value.to_local()
-    mesh = value.device_mesh[tuple(n for n, _ in outer)]
-    plain = [Shard(pl.dim) if isinstance(pl, _StridedShard) else pl for _, pl in outer]
-    shape = list(value.shape)
-    tp_index = names.index("tp")
-    shape[value.placements[tp_index].dim] //= value.device_mesh.size(tp_index)
-    whole = torch.Size(shape)
-    joined = DTensor.from_local(value.to_local(), mesh, plain, run_check=False, shape=whole,
-                                stride=torch.empty(whole, device="meta").stride())  # fmt: skip
-    return joined.full_tensor()
-
-
-def _restrided(loaded: DTensor, original: DTensor) -> DTensor:
-    """A value `_unstrided` gave DCP to fill, back in ``original``'s split."""
-    pieces = _tp_pieces(original)
-    assert pieces is not None
-    mine = loaded.redistribute(loaded.device_mesh, [pieces]).to_local()
-    names = original.device_mesh.mesh_dim_names
-    outer = [(n, pl) for n, pl in zip(names, original.placements, strict=True) if n != "tp"]
-    if not all(pl.is_replicate() for _, pl in outer):
-        mesh = original.device_mesh[tuple(n for n, _ in outer)]
-        plain = [Shard(pl.dim) if isinstance(pl, _StridedShard) else pl for _, pl in outer]
-        whole = DTensor.from_local(mine, mesh, [Replicate()] * len(outer), run_check=False)
-        mine = whole.redistribute(mesh, plain).to_local()
-    return DTensor.from_local(
-        mine, original.device_mesh, original.placements, run_check=False,
-        shape=original.shape, stride=original.stride(),
-    )  # fmt: skip
-
-
 def _rng_state() -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -345,13 +278,13 @@ class Checkpointer:
         self._check(meta, path)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SD_OPTIONS)
         tagged, names = _tagged({"model": model_sd, "optimizer": optim_sd}, self.sliced)
-        tagged, strided = _unstrided(tagged)
+        tagged, strided = unstrided(tagged)
         try:
             dcp.load(tagged, checkpoint_id=str(path))
         except (Exception, CheckpointException) as e:  # a rank's read error, on every rank
             raise CheckpointError(f"checkpoint {path} could not be loaded: {_cause(e)}") from None
         for (part, key), original in strided.items():  # back to the pieces' split
-            tagged[part][key] = _restrided(tagged[part][key], original)
+            tagged[part][key] = restrided(tagged[part][key], original)
         # back to the parameters' own names (DCP replaced the non-tensor values it read)
         state = {part: {names[part][k]: v for k, v in sd.items()} for part, sd in tagged.items()}
         set_state_dict(
@@ -452,7 +385,7 @@ class Checkpointer:
         partial = self.root / f".partial-{_name(step)}"
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_SD_OPTIONS)
         state, _ = _tagged({"model": model_sd, "optimizer": optim_sd}, self.sliced)
-        state, _ = _unstrided(state)
+        state, _ = unstrided(state)
         error = None
         rng = partial / f"rng-rank{self.rank}.pt"
         try:

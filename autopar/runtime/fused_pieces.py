@@ -14,9 +14,15 @@ An offset that does not fall on a piece boundary has no local counterpart: refus
 offset, where it is made (`autopar.runtime.split_check` checks a model's cuts on meta before a
 plan uses them).
 
+A piece-by-piece split is a `_StridedShard` on the "tp" mesh axis, which DCP cannot write
+(it takes each rank's local tensor for one block of the whole): `unstrided` gives checkpoints
+the plain split of the same dimension, `restrided` takes it back.
+
 Public:
-    Pieces.wrap(local, ways, width) -> Pieces     # the local output, ``width`` = one piece
+    Pieces.wrap(local, ways, piece) -> Pieces     # the local output, ``piece`` = one's width
     CUTS                                          # the functions that cut a tensor
+    unstrided(state) -> (state, {(part, key): original})   # for DCP's save and load
+    restrided(loaded, original) -> DTensor        # a loaded value in the original's split
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard  # no public name (torch 2.13)
 from torch.utils._pytree import tree_map
 
 # the calls that cut a tensor into pieces (functions and methods)
@@ -107,3 +115,74 @@ def _local_index(index: Any, last: int, local: Any) -> Any:
         None if b is None else (local(b) if b >= 0 else -local(-b)) for b in (s.start, s.stop)
     ]
     return (*items[:-1], slice(*bounds))
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def unstrided(state: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict]:
+    """``state`` with each DTensor split piece by piece over tp (a fused projection's,
+    `_StridedShard` on the "tp" mesh axis, `autopar.runtime.fused_pieces`) as the plain split
+    of the same dimension over tp alone, and {(part, key): the original}. DCP writes and reads
+    each rank's local tensor as one block of the whole at one offset, which a rank's share of
+    several pieces is not (saved as it is, the ranks' blocks overlap); and where FSDP2 shards
+    the same dimension again, DTensor's own redistribution of the two strided splits is wrong
+    (torch 2.13). So by steps: the FSDP shards joined into the tp rank's tensor, then that
+    redistributed to the plain tp split; the copies on the other axes' ranks are the same
+    blocks, which DCP writes once."""
+    out: dict[str, dict[str, Any]] = {}
+    strided: dict[tuple[str, str], DTensor] = {}
+    for part, sd in state.items():
+        out[part] = dict(sd)
+        for key, value in sd.items():
+            if (pieces := _tp_pieces(value)) is not None:
+                tp_mesh = value.device_mesh["tp"]
+                mine = DTensor.from_local(_tp_local(value), tp_mesh, [pieces], run_check=False)
+                out[part][key] = mine.redistribute(tp_mesh, [Shard(pieces.dim)])
+                strided[(part, key)] = value
+    return out, strided
+
+
+def _tp_pieces(value: Any) -> _StridedShard | None:
+    """A DTensor's piece-by-piece split over the "tp" mesh axis, or None."""
+    if not isinstance(value, DTensor):
+        return None
+    names = value.device_mesh.mesh_dim_names or ()
+    found = [pl for pl, n in zip(value.placements, names, strict=False) if n == "tp"]
+    return found[0] if found and isinstance(found[0], _StridedShard) else None
+
+
+def _tp_local(value: DTensor) -> torch.Tensor:
+    """The tensor this rank's tp coordinate holds of ``value`` (its share of each piece),
+    its shards on the other mesh axes (FSDP's, of the tp rank's tensor) joined."""
+    names = value.device_mesh.mesh_dim_names
+    outer = [(n, pl) for n, pl in zip(names, value.placements, strict=True) if n != "tp"]
+    if all(pl.is_replicate() for _, pl in outer):
+        return value.to_local()
+    mesh = value.device_mesh[tuple(n for n, _ in outer)]
+    plain = [Shard(pl.dim) if isinstance(pl, _StridedShard) else pl for _, pl in outer]
+    shape = list(value.shape)
+    tp_index = names.index("tp")
+    shape[value.placements[tp_index].dim] //= value.device_mesh.size(tp_index)
+    whole = torch.Size(shape)
+    joined = DTensor.from_local(value.to_local(), mesh, plain, run_check=False, shape=whole,
+                                stride=torch.empty(whole, device="meta").stride())  # fmt: skip
+    return joined.full_tensor()
+
+
+def restrided(loaded: DTensor, original: DTensor) -> DTensor:
+    """A value `unstrided` gave DCP to fill, back in ``original``'s split."""
+    pieces = _tp_pieces(original)
+    assert pieces is not None
+    mine = loaded.redistribute(loaded.device_mesh, [pieces]).to_local()
+    names = original.device_mesh.mesh_dim_names
+    outer = [(n, pl) for n, pl in zip(names, original.placements, strict=True) if n != "tp"]
+    if not all(pl.is_replicate() for _, pl in outer):
+        mesh = original.device_mesh[tuple(n for n, _ in outer)]
+        plain = [Shard(pl.dim) if isinstance(pl, _StridedShard) else pl for _, pl in outer]
+        whole = DTensor.from_local(mine, mesh, [Replicate()] * len(outer), run_check=False)
+        mine = whole.redistribute(mesh, plain).to_local()
+    return DTensor.from_local(
+        mine, original.device_mesh, original.placements, run_check=False,
+        shape=original.shape, stride=original.stride(),
+    )  # fmt: skip

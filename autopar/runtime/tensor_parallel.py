@@ -14,10 +14,15 @@ input (q/k/v, qkv, fc, gate/up) are column parallel, the one that writes back (o
 row parallel. A block linear these names miss takes the role the estimator's propagation gave
 it (``roles``, `Plan.tensor_parallel_roles`: GPT-NeoX's query_key_value, BERT's query and
 attention.output.dense), where `autopar.runtime.split_check` found the model's code computes
-on its slices. A model with no repeated blocks (the zoo's MLP) is a chain of linears: column,
-row, column, ... as the estimator's propagation alternates; a chain that ends sharded gathers
-its output. Convolutions, norms (without SP), position embeddings, MoE routers and experts stay
-replicated: exact, and what the estimator assumes for them. With SP, routers and experts run on
+on its slices; a traced one beside named ones pairs with them (Phi-3's qkv_proj with o_proj).
+A linear is an nn.Linear or a `transposed` one (transformers' Conv1D: weight [in, out], so a
+placement's dimensions swap). A fused projection whose code cuts its output where it is made
+("col/N" in ``roles``, named or not: GPT-2's c_attn, Phi-3's qkv_proj) is "colwise/N": each of
+its N pieces split over tp (`autopar.runtime.fused_pieces`). A model with no repeated
+blocks (the zoo's MLP) is a chain of linears: column, row, column, ... as the estimator's
+propagation alternates; a chain that ends sharded gathers its output. Convolutions, norms
+(without SP), position embeddings, MoE routers and experts stay replicated: exact, and what
+the estimator assumes for them. With SP, routers and experts run on
 the rank's sequence shard (a token's routing and its experts read that token only), so each tp
 rank dispatches its own tokens, as Megatron-Core's MoE layer does with SP; their weights stay
 whole and their gradients, each rank's tokens' share, are summed over tp after the backward
@@ -41,7 +46,8 @@ itself ("rowwise_from_replicate"); so any placement the ILP picks computes the s
 
 The styles and the collectives they imply (forward; the backward mirrors them):
 
-    colwise                  none (input replicated); backward: all-reduce of the input grad
+    colwise[/N]              none (input replicated); backward: all-reduce of the input grad;
+                             /N: a fused projection of N pieces, split piece by piece
     rowwise                  all-reduce of the output (Megatron's g)
     colwise_gather           all-gather of the output
     rowwise_from_replicate   none in (local split); all-reduce of the output

@@ -7,7 +7,8 @@ and ViT (image classification), built from configs.
 
 Styles, on 2 and 4 local_cpu devices: the plan `parallelize` returns, and forced DP, FSDP
 (ZeRO-3), TP, TP+SP, PP and CP (the suite runs on 2 ranks all but DP, the forced twins of the
-plans and FSDP of the Llama-like blocks, on 4 two pipelines; the script below, all on both).
+plans and FSDP of the Llama-like blocks, on 4 two pipelines and GPT-2 and Phi-3's fused
+projections under PP x TP + SP and FSDP x TP; the script below, all styles on both).
 Each either prices (`evaluate`) and then trains 3 steps on gloo ranks to the single
 process's loss and gradient norm within 1e-5 relative (fp32), or is refused at `evaluate`
 with a message naming the model and the part; which ones are refused is pinned below.
@@ -130,6 +131,25 @@ def matrix(
     return cases, refused
 
 
+def composed(n: int, label: str, config: C) -> Case:
+    """A case of ``label`` under ``config`` on ``n`` devices, as `evaluate` prices it."""
+    source = _source(label)
+    task = task_from_source(
+        source["factory"], {}, global_batch_size=GLOBAL_BATCH, seq_len=SEQ,
+        data=source["data"], loss=source["loss"],
+    )  # fmt: skip
+    model = task.build()
+    inputs = tuple(t[:1] for t in task.batch(0, 0, 1)[0])
+    cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=n)
+    priced = autopar.evaluate(
+        model, cluster, config, inputs, global_batch_size=GLOBAL_BATCH, precision="fp32"
+    )
+    stages = tuple(tuple(s.layers) for s in priced.stages) if config.pp > 1 else None
+    return Case(f"{label} [{config.as_text().split(' |')[0]}]", config, GLOBAL_BATCH,
+                placements=priced.placements, stage_layers=stages, seq_len=SEQ,
+                roles=priced.tensor_parallel_roles, **source)  # fmt: skip
+
+
 def _without_plan_twins(cases: list[Case]) -> list[Case]:
     """``cases`` less each forced style whose degrees equal its model's plan's."""
 
@@ -182,11 +202,19 @@ def test_every_model_runs_its_plan_and_a_pipeline_over_data_parallelism_on_4_ran
     """What 4 ranks add to 2: the planned pipelines of 4 stages (values carried through the
     middle stages: Gemma 2's two masks and rotary tables, its tied head summed across four)
     and pp x dp (BERT); the other styles and models differ from 2 ranks only in their degree
-    (the script runs them all)."""
+    (the script runs them all); and fused projections split piece by piece under two
+    dimensions more: GPT-2's c_attn over a pipeline with SP (each chunk's plan carrying the
+    pieces), Phi-3's qkv_proj and gate_up_proj under FSDP2 (which shards the tp rank's pieces
+    again, on the same dimension)."""
     cases, _ = matrix(4, ["gemma2"], only=("auto",))
     more, _ = matrix(4, ["bert"], only=("PP",))
     assert [c.config.pp for c in cases + more] == [4, 2], [c.label for c in cases + more]
-    check_cases(4, cases + more)
+    fused = [
+        composed(4, "gpt2", C(pp=2, tp=2, sequence_parallel=True, micro_batch_size=1)),
+        composed(4, "phi3", C(fsdp=2, tp=2, zero_stage=3, micro_batch_size=1)),
+    ]
+    assert all("/" in style for c in fused for style in c.roles.values()), fused
+    check_cases(4, cases + more + fused)
 
 
 def _main(labels: list[str]) -> None:

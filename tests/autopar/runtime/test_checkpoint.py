@@ -5,8 +5,10 @@ uninterrupted 4 steps vs a resume from the step-2 checkpoint of a 4-step run (bl
 asynchronous saves, FSDP2 and TP2; training went on after the step-2 save began; Mixtral's
 expert stacks under EP2 and split over tp under ETP2 + SP, whose slices every rank names alike:
 before their keys carried the slice, DCP saved one rank's: resumed, EP2 trained to 4.8191
-against 4.8029 at step 3, and ETP2 (zoo MoE) to 4.8636 against 4.8670 at step 4), `keep`
-pruning, and checkpoints of another model, global batch or expert layout refused. The
+against 4.8029 at step 3, and ETP2 (zoo MoE) to 4.8636 against 4.8670 at step 4); GPT-2
+under TP2, its fused c_attn split piece by piece, resumed under FSDP2 (saved as they were, the
+ranks' blocks of it overlapped and DCP refused the save); `keep` pruning, and checkpoints of
+another model, global batch or expert layout refused. The
 directory rules (partial and incomplete checkpoints never resumed) are checked without
 processes.
 """
@@ -20,7 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from harness import OPTIONS, Case, run_ranks, task_of
+from harness import OPTIONS, Case, run_ranks, task_of, tp_of
+from test_plan_fidelity import plan_of
 
 from autopar.config import ParallelConfig
 from autopar.runtime.checkpoint import (
@@ -47,12 +50,19 @@ PP2 = Case(
 
 def _run(case: Case, steps: int, ckpt: CheckpointOptions | None) -> list[float]:
     options = replace(OPTIONS, steps=steps, checkpoint=ckpt)
-    results = train(task_of(case), case.config, case.global_batch_size, options=options)
+    results = train(
+        task_of(case), case.config, case.global_batch_size, options=options, tp=tp_of(case)
+    )
     return [r.loss for r in results]
 
 
-def _cases(root: str) -> dict[str, object]:
+def _cases(root: str, fused: Case, fused_fsdp: Case) -> dict[str, object]:
     out: dict[str, object] = {}
+    # a fused projection split piece by piece over tp, resumed under FSDP2 (DCP reshards)
+    straight = _run(fused, 4, None)
+    ckpt = CheckpointOptions(f"{root}/fused", every=2)
+    _run(fused, 2, ckpt)
+    out["fused"] = (straight, _run(fused_fsdp, 4, ckpt))
     cases = (("fsdp2", FSDP2, False), ("tp2-async", TP2, True), ("pp2", PP2, False),
              ("hf-ep2", HF_EP2, False), ("etp2", ETP2, False))  # fmt: skip
     for label, case, async_save in cases:
@@ -90,7 +100,7 @@ def _cases(root: str) -> dict[str, object]:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_resume_continues_bitwise_and_refuses_another_model_or_batch(tmp_path):
-    got = run_ranks(2, _cases, str(tmp_path))[0]
+    got = run_ranks(2, _cases, str(tmp_path), *_fused_cases())[0]
     for label in ("fsdp2", "tp2-async", "pp2", "hf-ep2", "etp2"):
         straight, first, resumed = got[label]
         assert first == straight
@@ -110,6 +120,20 @@ def test_resume_continues_bitwise_and_refuses_another_model_or_batch(tmp_path):
     assert "trained with global batch 4 but this run's is 8" in message
     message = got["other layout"]
     assert "holds experts sliced by hand as etp=2, this run as none" in message
+    straight, resumed = got["fused"]  # another layout: equal to rounding, not bitwise
+    assert max(abs(a - b) / abs(a) for a, b in zip(straight[2:], resumed, strict=True)) < 1e-6
+
+
+def _fused_cases() -> tuple[Case, Case]:
+    """GPT-2 (a user's factory) under TP2, its c_attn split piece by piece ("col/3"), and the
+    same under FSDP2; with the roles `evaluate` gives them."""
+    out = []
+    for config in (ParallelConfig(tp=2, micro_batch_size=1),
+                   ParallelConfig(fsdp=2, zero_stage=3, micro_batch_size=1)):  # fmt: skip
+        case = Case("gpt2", config, 8, seq_len=16, factory="model_factories:gpt2")
+        out.append(replace(case, roles=plan_of(case).tensor_parallel_roles))
+    assert out[0].roles["transformer.h.0.attn.c_attn"] == "col/3", out[0].roles
+    return out[0], out[1]
 
 
 def test_only_complete_checkpoints_are_resumed(tmp_path):

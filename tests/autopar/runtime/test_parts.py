@@ -16,10 +16,26 @@ def test_zoo_parts_equal_forward(name: str) -> None:
     torch.testing.assert_close(parts.run(model, (ids,)), model(ids), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["llama-tiny-hf", "mixtral-tiny-hf"])
+@pytest.mark.parametrize("name", ["llama-tiny-hf", "mixtral-tiny-hf", "gpt2-tiny-hf"])
 def test_hf_parts_equal_forward(name: str) -> None:
     model = hf.build(name, num_hidden_layers=3)
     (ids,) = hf.example_inputs(name, model, batch_size=2)
+    torch.testing.assert_close(parts.run(model, (ids,)), model(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["Phi3", "Mistral"])
+def test_a_sliding_window_narrower_than_the_sequence_is_kept(family: str) -> None:
+    """Phi-3 and Mistral mask every layer to their sliding window: the stages' context does
+    too (a whole causal mask differed past the window)."""
+    import transformers
+
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, sliding_window=4, pad_token_id=0,
+    )  # fmt: skip
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    ids = torch.randint(0, 64, (2, 16))
+    assert parts.sliding_window(model) == 4
     torch.testing.assert_close(parts.run(model, (ids,)), model(ids).logits, rtol=0, atol=0)
 
 

@@ -7,7 +7,8 @@ all-to-all bytes 2x the plan), EP2 x TP2 + SP (each tp rank routing its sequence
 (1F1B), DP2xTP2 and PP2 x TP2 (+SP; the embedding and head split over the vocabulary on their
 stages: the last stage's parameters were priced 13% low while the runtime kept them whole) on
 the tiny GPT, Llama and MoE, and TP2 on a user's GPT-NeoX and BERT (their projections split as
-the trace pairs them; BERT's MLM transform whole, priced split before), and expert tensor
+the trace pairs them; BERT's MLM transform whole, priced split before), TP2 + SP on a user's
+GPT-2 and TP2 on Phi-3 (their fused projections split piece by piece), and expert tensor
 parallelism (etp = tp = 2) on the zoo MoE, Mixtral with SP and Mixtral under EP2 x TP2 + SP
 (activations 0.98-1.03 of the plan once the experts' hidden-wide rows were priced whole, 1.25
 before), one training step on
@@ -73,6 +74,13 @@ CASES_2 = [
         factory="model_factories:bert",
         loss="model_factories:masked_lm_loss",
     ),  # fmt: skip
+]
+# fused projections split piece by piece (GPT-2's Conv1D c_attn under SP, Phi-3's qkv_proj
+# and gate_up_proj); GPT-2's token embedding, looked up by reshaped ids, was priced replicated
+# while the runtime split it over the vocabulary (16 all-reduces and the loss's 24 unpriced)
+CASES_2 += [
+    Case("gpt2", C(tp=2, sequence_parallel=True), 8, seq_len=16, factory="model_factories:gpt2"),
+    Case("phi3", C(tp=2), 8, seq_len=16, factory="model_factories:phi3"),
 ]
 # expert tensor parallelism (etp = tp): the experts' width split over tp, Megatron's f/g around
 # the expert call (the zoo MoE's dense combine), or with SP its input, routing weights and
