@@ -130,9 +130,9 @@ def runtime_limits(
     if not has_parts(model) and limits.max_cp > 1:
         limits = replace(limits, max_cp=1)
         notes.append(f"no context-parallel plans: {_no_cp(name)}")
-    elif limits.max_cp > 1 and (window := _narrower_window(model, limits.seq_len)):
+    elif limits.max_cp > 1 and (why := _cp_attention(model, limits.seq_len)):
         limits = replace(limits, max_cp=1)
-        notes.append(f"no context-parallel plans: {_windowed(name, window, limits.seq_len)}")
+        notes.append(f"no context-parallel plans: {why}")
     unsplit = unsplit_block(model, limits.num_blocks, roles[0])
     wide = whole_width_norm(model)
     if unsplit or wide:
@@ -176,8 +176,8 @@ def runtime_problems(
             out.append(f"pp={config.pp}: {cut}")
     if config.cp > 1 and not has_parts(model):
         out.append(f"cp={config.cp}: {_no_cp(name)}")
-    elif config.cp > 1 and (window := _narrower_window(model, seq_len)):
-        out.append(f"cp={config.cp}: {_windowed(name, window, seq_len)}")
+    elif config.cp > 1 and (why := _cp_attention(model, seq_len)):
+        out.append(f"cp={config.cp}: {why}")
     if config.ep > 1 and not _dispatches_experts(model):
         out.append(f"ep={config.ep}: {_no_ep(name)}")
     if config.etp > 1:
@@ -256,17 +256,22 @@ def _no_ep(name: str) -> str:
     )
 
 
-def _narrower_window(model: nn.Module, seq_len: int) -> int | None:
-    """The model's sliding attention window where it is narrower than ``seq_len``."""
+def _cp_attention(model: nn.Module, seq_len: int) -> str:
+    """Why autopar's context-parallel attention (whole causal softmax attention) would not
+    compute ``model``'s, or "": a sliding window narrower than the sequence (Mistral's, Phi-3's,
+    Gemma 2's), scores soft-capped before the softmax (Gemma 2's)."""
+    name = type(model).__name__
     window = sliding_window(model)
-    return window if window and window < seq_len else None
-
-
-def _windowed(name: str, window: int, seq_len: int) -> str:
+    cap = getattr(getattr(model, "config", None), "attn_logit_softcapping", None)
+    if window and window < seq_len:
+        why = f"attends within a sliding window of {window} tokens, narrower than its {seq_len}"
+    elif cap:
+        why = f"soft-caps its attention scores (at {cap}) before the softmax"
+    else:
+        return ""
     return (
-        f"autopar's runtime computes whole causal attention under context parallelism, and "
-        f"{name} attends within a sliding window of {window} tokens, narrower than its "
-        f"{seq_len}"
+        "autopar's runtime computes whole causal attention under context parallelism, and "
+        f"{name} {why}"
     )
 
 

@@ -60,6 +60,7 @@ from torch import nn
 
 from autopar.runtime import parts as model_parts
 from autopar.runtime.collectives import all_gather_seq, all_reduce_flat, ring_attention
+from autopar.runtime.tensor_parallel import is_projection
 
 IGNORE = -100  # F.cross_entropy's default ignore_index
 HF_ATTENTION = "autopar_cp"  # the name registered in transformers' AttentionInterface
@@ -302,8 +303,10 @@ def apply_context_parallel(
 
         AttentionInterface.register(HF_ATTENTION, _hf_attention)
         for module in model.modules():
-            named = type(module).__name__.endswith("Attention")  # GPT-2's writes by c_proj
-            if named and (hasattr(module, "o_proj") or hasattr(module, "c_proj")):
+            # an attention module calling the interface holds its projections (Llama's o_proj,
+            # GPT-2's c_proj, GPT-NeoX's dense); a wrapper of attention modules holds none
+            named = type(module).__name__.endswith("Attention")
+            if named and any(is_projection(c) for c in module.children()):
                 module.attention_fn = attend
                 count += 1
         model.set_attn_implementation(HF_ATTENTION)

@@ -33,7 +33,7 @@ Public functions:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -133,20 +133,40 @@ def sliding_window(model: nn.Module) -> int | None:
     return int(window) if window else None
 
 
-def _hf_decoder_parts(model: nn.Module, sliding: bool = False) -> ModelParts:
+@dataclass(frozen=True)
+class _Names:
+    """Where a Llama-like Hugging Face decoder keeps its parts (GPT-NeoX names them apart)."""
+
+    base: str = "model"
+    embed: str = "embed_tokens"
+    norm: str = "norm"
+    dropout: str | None = None  # after the embedding (GPT-NeoX's emb_dropout)
+
+
+_GPT_NEOX = _Names("gpt_neox", "embed_in", "final_layer_norm", "emb_dropout")
+
+
+def _hf_decoder_parts(
+    model: nn.Module, sliding: bool = False, names: _Names = _Names()
+) -> ModelParts:
     """LlamaForCausalLM and its look-alikes (Mistral, Phi-3, Qwen2, Mixtral, Qwen2/3-MoE,
-    DeepSeek-V3): `model.embed_tokens`, `model.layers`, `model.norm`, `model.rotary_emb`,
-    `lm_head`, as `LlamaModel.forward`. ``sliding``: the family's forward masks every layer
-    to its config's sliding window when one is set (Mistral, Phi-3, Mixtral)."""
+    DeepSeek-V3, GPT-NeoX): `model.embed_tokens`, `model.layers`, `model.norm`,
+    `model.rotary_emb`, `lm_head` (or as ``names`` calls them), as `LlamaModel.forward`.
+    ``sliding``: the family's forward masks every layer to its config's sliding window when
+    one is set (Mistral, Phi-3, Mixtral)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     config = model.config
     if sliding and sliding_window(model):
         create_causal_mask = create_sliding_window_causal_mask  # noqa: N806 (same signature)
+    base = names.base
+    embeds = (f"{base}.{names.embed}",) + ((f"{base}.{names.dropout}",) if names.dropout else ())
 
     def embed(m: nn.Module, inputs: tuple[Tensor, ...], positions_S: Tensor) -> Tensor:
-        (ids_BS,) = inputs
-        return m.get_submodule("model.embed_tokens")(ids_BS)
+        (h,) = inputs
+        for path in embeds:
+            h = m.get_submodule(path)(h)
+        return h
 
     def context(m: nn.Module, h: Tensor, positions_S: Tensor) -> dict[str, Any]:
         position_ids = positions_S[None, :]
@@ -157,7 +177,7 @@ def _hf_decoder_parts(model: nn.Module, sliding: bool = False) -> ModelParts:
             past_key_values=None,
             position_ids=position_ids,
         )
-        rope = m.get_submodule("model.rotary_emb")(h, position_ids=position_ids)
+        rope = m.get_submodule(f"{base}.rotary_emb")(h, position_ids=position_ids)
         return {
             "attention_mask": mask,
             "position_embeddings": rope,
@@ -167,17 +187,17 @@ def _hf_decoder_parts(model: nn.Module, sliding: bool = False) -> ModelParts:
         }
 
     def head(m: nn.Module, h: Tensor) -> Tensor:
-        return m.lm_head(m.get_submodule("model.norm")(h))
+        return m.lm_head(m.get_submodule(f"{base}.{names.norm}")(h))
 
     return ModelParts(
-        embed_modules=("model.embed_tokens",),
-        blocks="model.layers",
-        head_modules=("model.norm", "lm_head"),
+        embed_modules=embeds,
+        blocks=f"{base}.layers",
+        head_modules=(f"{base}.{names.norm}", "lm_head"),
         embed=embed,
         context=context,
         block=lambda layer, h, ctx: layer(h, **ctx),
         head=head,
-        shared_modules=("model.rotary_emb",),
+        shared_modules=(f"{base}.rotary_emb",),
     )
 
 
@@ -216,8 +236,43 @@ def _gpt2_parts(model: nn.Module) -> ModelParts:
     )
 
 
+def _gemma2_parts(model: nn.Module) -> ModelParts:
+    """Gemma2ForCausalLM: the Llama layout, with each layer masked as its attention type says
+    (whole or sliding-window causal) and the logits soft-capped, as `Gemma2Model.forward` and
+    its head do (the embedding scales itself)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    config, llama = model.config, _hf_decoder_parts(model)
+    cap = config.final_logit_softcapping
+
+    def context(m: nn.Module, h: Tensor, positions_S: Tensor) -> tuple[dict, dict[str, Any]]:
+        position_ids = positions_S[None, :]
+        given = {"config": config, "inputs_embeds": h, "attention_mask": None,
+                 "past_key_values": None, "position_ids": position_ids}  # fmt: skip
+        masks = {
+            "full_attention": create_causal_mask(**given),
+            "sliding_attention": create_sliding_window_causal_mask(**given),
+        }
+        rope = m.get_submodule("model.rotary_emb")(h, position_ids=position_ids)
+        return masks, {"position_embeddings": rope, "position_ids": position_ids}
+
+    def block(layer: nn.Module, h: Tensor, ctx: tuple[dict, dict[str, Any]]) -> Tensor:
+        masks, rest = ctx
+        return layer(h, attention_mask=masks[layer.self_attn.layer_type], **rest)
+
+    def head(m: nn.Module, h: Tensor) -> Tensor:
+        logits = llama.head(m, h)
+        return torch.tanh(logits / cap) * cap if cap is not None else logits
+
+    return replace(llama, context=context, block=block, head=head)
+
+
 def _hf_sliding_parts(model: nn.Module) -> ModelParts:
     return _hf_decoder_parts(model, sliding=True)
+
+
+def _gpt_neox_parts(model: nn.Module) -> ModelParts:
+    return _hf_decoder_parts(model, names=_GPT_NEOX)
 
 
 _HF = "transformers.models"
@@ -231,6 +286,8 @@ PARTS: MappingProxyType[str, Callable[[nn.Module], ModelParts]] = MappingProxyTy
         f"{_HF}.qwen2.modeling_qwen2.Qwen2ForCausalLM": _hf_decoder_parts,
         f"{_HF}.mixtral.modeling_mixtral.MixtralForCausalLM": _hf_sliding_parts,
         f"{_HF}.gpt2.modeling_gpt2.GPT2LMHeadModel": _gpt2_parts,
+        f"{_HF}.gpt_neox.modeling_gpt_neox.GPTNeoXForCausalLM": _gpt_neox_parts,
+        f"{_HF}.gemma2.modeling_gemma2.Gemma2ForCausalLM": _gemma2_parts,
         f"{_HF}.qwen2_moe.modeling_qwen2_moe.Qwen2MoeForCausalLM": _hf_decoder_parts,
         f"{_HF}.qwen3_moe.modeling_qwen3_moe.Qwen3MoeForCausalLM": _hf_decoder_parts,
         f"{_HF}.deepseek_v3.modeling_deepseek_v3.DeepseekV3ForCausalLM": _hf_decoder_parts,
