@@ -19,9 +19,9 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
                         taken by a style (routers and experts are: their gradients are summed
                         over tp; MLA's down-projections are not: `tensor_parallel.tp_plan`)
                         -> else tensor parallelism without it
-    context parallelism needs a forward at a shard's global positions (`parts`), and no
-                        sliding attention window narrower than the sequence (Mistral's,
-                        Phi-3's: its attention is whole and causal) -> else cp = 1
+    context parallelism needs a forward at a shard's global positions (`parts`), and
+                        attention it computes: no sliding window narrower than the sequence
+                        (Mistral's, Phi-3's), no soft-capped scores (Gemma 2's) -> else cp = 1
     expert parallelism  needs MoE blocks with a token dispatch (`expert_parallel`: the zoo's,
                         and transformers' stacked experts, `hf_experts`) -> else ep = 1
     expert tensor par.  etp = tp splits each expert's width (`expert_tensor_parallel`): the

@@ -36,15 +36,15 @@ class Classifier(nn.Module):
         return self.out(self.net(x))
 
 
-def _gemma2() -> nn.Module:
+def _starcoder2() -> nn.Module:
     """Llama-named projections (tensor parallelism splits them), no parts entry."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    from transformers import Starcoder2Config, Starcoder2ForCausalLM
 
-    config = Gemma2Config(
+    config = Starcoder2Config(
         num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, sliding_window=None,
     )  # fmt: skip
-    return Gemma2ForCausalLM(config)
+    return Starcoder2ForCausalLM(config)
 
 
 def _llama4() -> nn.Module:
@@ -70,13 +70,13 @@ def test_hugging_face_expert_stacks_get_expert_parallel_plans():
 
 
 def test_a_traced_model_gets_pipeline_plans_without_tensor_or_context_parallelism():
-    model = _gemma2()
+    model = _starcoder2()
     assert not has_parts(model) and splits_every_block(model, 4)
     plan = _plan(model, (torch.randint(0, 128, (1, 128)),), 8)
     configs = [alt["config"] for alt in plan.alternatives] + [plan.config.as_text()]
     assert any(" pp=1 " not in c for c in configs), configs  # pipeline plans offered ...
     assert all(" tp=1 " in c and " cp=1 " in c for c in configs if " pp=1 " not in c)
-    assert any("cut Gemma2ForCausalLM from its traced graph" in n for n in plan.notes)
+    assert any("cut Starcoder2ForCausalLM from its traced graph" in n for n in plan.notes)
     assert not any("no tensor-parallel plans" in n for n in plan.notes)  # tp with pp = 1
 
 
@@ -119,8 +119,8 @@ def _phi3_gqa(**more: int) -> nn.Module:
 def test_evaluate_refuses_what_the_runtime_cannot_run_naming_the_model_and_why():
     cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=4)
     cases = [
-        (_gemma2(), (torch.randint(0, 128, (1, 64)),), dict(pp=2, tp=2),
-         "pp=2 cuts Gemma2ForCausalLM from its traced graph"),
+        (_starcoder2(), (torch.randint(0, 128, (1, 64)),), dict(pp=2, tp=2),
+         "pp=2 cuts Starcoder2ForCausalLM from its traced graph"),
         (_phi3_gqa(), (torch.randint(0, 128, (1, 64)),), dict(dp=2, tp=2),
          "tp=2: autopar's runtime would leave Phi3ForCausalLM's blocks replicated"),
         (Classifier(), (torch.randn(1, 32),), dict(pp=2, dp=2),
