@@ -149,18 +149,23 @@ _GPT_NEOX = _Names("gpt_neox", "embed_in", "final_layer_norm", "emb_dropout")
 def _hf_decoder_parts(
     model: nn.Module, sliding: bool = False, names: _Names = _Names()
 ) -> ModelParts:
-    """LlamaForCausalLM and its look-alikes (Mistral, Phi-3, Qwen2, Mixtral, Qwen2/3-MoE,
-    DeepSeek-V3, GPT-NeoX): `model.embed_tokens`, `model.layers`, `model.norm`,
+    """LlamaForCausalLM and its look-alikes (Mistral, Phi-3, Qwen2/3, Mixtral, Qwen2/3-MoE,
+    DeepSeek-V3, GPT-NeoX, Gemma 2): `model.embed_tokens`, `model.layers`, `model.norm`,
     `model.rotary_emb`, `lm_head` (or as ``names`` calls them), as `LlamaModel.forward`.
-    ``sliding``: the family's forward masks every layer to its config's sliding window when
-    one is set (Mistral, Phi-3, Mixtral)."""
+    Masks as the family's forward makes them: per layer by its attention type where the config
+    lists them (Qwen2/3, Gemma 2: whole or sliding-window causal), else sliding-window causal
+    for every layer where ``sliding`` and the config sets a window (Mistral, Phi-3, Mixtral),
+    else whole causal."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     config = model.config
-    if sliding and sliding_window(model):
-        create_causal_mask = create_sliding_window_causal_mask  # noqa: N806 (same signature)
     base = names.base
     embeds = (f"{base}.{names.embed}",) + ((f"{base}.{names.dropout}",) if names.dropout else ())
+    types = getattr(config, "layer_types", None) or ()
+    per_layer = "sliding_attention" in types
+    whole = create_causal_mask
+    if sliding and sliding_window(model) and not per_layer:
+        whole = create_sliding_window_causal_mask
 
     def embed(m: nn.Module, inputs: tuple[Tensor, ...], positions_S: Tensor) -> Tensor:
         (h,) = inputs
@@ -170,21 +175,24 @@ def _hf_decoder_parts(
 
     def context(m: nn.Module, h: Tensor, positions_S: Tensor) -> dict[str, Any]:
         position_ids = positions_S[None, :]
-        mask = create_causal_mask(
-            config=config,
-            inputs_embeds=h,
-            attention_mask=None,
-            past_key_values=None,
-            position_ids=position_ids,
-        )
+        given = {"config": config, "inputs_embeds": h, "attention_mask": None,
+                 "past_key_values": None, "position_ids": position_ids}  # fmt: skip
         rope = m.get_submodule(f"{base}.rotary_emb")(h, position_ids=position_ids)
+        masks = {"full_attention": whole(**given)}
+        if per_layer:
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**given)
         return {
-            "attention_mask": mask,
+            "masks": masks,
             "position_embeddings": rope,
             "position_ids": position_ids,
             "past_key_values": None,
             "use_cache": False,
         }
+
+    def block(layer: nn.Module, h: Tensor, ctx: dict[str, Any]) -> Tensor:
+        masks, rest = ctx["masks"], {k: v for k, v in ctx.items() if k != "masks"}
+        kind = types[layer.self_attn.layer_idx] if per_layer else "full_attention"
+        return layer(h, attention_mask=masks[kind], **rest)
 
     def head(m: nn.Module, h: Tensor) -> Tensor:
         return m.lm_head(m.get_submodule(f"{base}.{names.norm}")(h))
@@ -195,7 +203,7 @@ def _hf_decoder_parts(
         head_modules=(f"{base}.{names.norm}", "lm_head"),
         embed=embed,
         context=context,
-        block=lambda layer, h, ctx: layer(h, **ctx),
+        block=block,
         head=head,
         shared_modules=(f"{base}.rotary_emb",),
     )
@@ -237,34 +245,16 @@ def _gpt2_parts(model: nn.Module) -> ModelParts:
 
 
 def _gemma2_parts(model: nn.Module) -> ModelParts:
-    """Gemma2ForCausalLM: the Llama layout, with each layer masked as its attention type says
-    (whole or sliding-window causal) and the logits soft-capped, as `Gemma2Model.forward` and
-    its head do (the embedding scales itself)."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-    config, llama = model.config, _hf_decoder_parts(model)
-    cap = config.final_logit_softcapping
-
-    def context(m: nn.Module, h: Tensor, positions_S: Tensor) -> tuple[dict, dict[str, Any]]:
-        position_ids = positions_S[None, :]
-        given = {"config": config, "inputs_embeds": h, "attention_mask": None,
-                 "past_key_values": None, "position_ids": position_ids}  # fmt: skip
-        masks = {
-            "full_attention": create_causal_mask(**given),
-            "sliding_attention": create_sliding_window_causal_mask(**given),
-        }
-        rope = m.get_submodule("model.rotary_emb")(h, position_ids=position_ids)
-        return masks, {"position_embeddings": rope, "position_ids": position_ids}
-
-    def block(layer: nn.Module, h: Tensor, ctx: tuple[dict, dict[str, Any]]) -> Tensor:
-        masks, rest = ctx
-        return layer(h, attention_mask=masks[layer.self_attn.layer_type], **rest)
+    """Gemma2ForCausalLM: the Llama layout (its layers masked by their attention types, its
+    embedding scaling itself), the logits soft-capped as its head does."""
+    llama = _hf_decoder_parts(model)
+    cap = model.config.final_logit_softcapping
 
     def head(m: nn.Module, h: Tensor) -> Tensor:
         logits = llama.head(m, h)
         return torch.tanh(logits / cap) * cap if cap is not None else logits
 
-    return replace(llama, context=context, block=block, head=head)
+    return replace(llama, head=head)
 
 
 def _hf_sliding_parts(model: nn.Module) -> ModelParts:
@@ -284,6 +274,7 @@ PARTS: MappingProxyType[str, Callable[[nn.Module], ModelParts]] = MappingProxyTy
         f"{_HF}.mistral.modeling_mistral.MistralForCausalLM": _hf_sliding_parts,
         f"{_HF}.phi3.modeling_phi3.Phi3ForCausalLM": _hf_sliding_parts,
         f"{_HF}.qwen2.modeling_qwen2.Qwen2ForCausalLM": _hf_decoder_parts,
+        f"{_HF}.qwen3.modeling_qwen3.Qwen3ForCausalLM": _hf_decoder_parts,
         f"{_HF}.mixtral.modeling_mixtral.MixtralForCausalLM": _hf_sliding_parts,
         f"{_HF}.gpt2.modeling_gpt2.GPT2LMHeadModel": _gpt2_parts,
         f"{_HF}.gpt_neox.modeling_gpt_neox.GPTNeoXForCausalLM": _gpt_neox_parts,
