@@ -75,7 +75,7 @@ def checked_roles(
         return {}, ""
     whole = _meta_state(model)
     try:
-        pieces = _fused(model, whole, in_blocks, inputs)
+        pieces, want = _fused(model, whole, in_blocks, inputs)
     except _Unequal as e:
         return {}, str(e)
     except Exception as e:  # data-dependent code (an .item()) cannot run on meta
@@ -85,14 +85,15 @@ def checked_roles(
         return {}, f"its code does not run on the meta device ({type(e).__name__}: {first})"
     if not traced and not pieces:
         return {}, ""
-    if why := _problem(model, whole, in_blocks, pieces, inputs):
+    if why := _problem(model, whole, in_blocks, pieces, inputs, want):
         return {}, why
     checked = {**traced, **{p: "col" for p in pieces}}
     return {p: f"{r}/{pieces[p]}" if p in pieces else r for p, r in checked.items()}, ""
 
 
 class _Unequal(Exception):
-    """A fused projection cut into pieces of different widths (the message says which)."""
+    """A fused projection cut into pieces the runtime cannot split piece by piece (the message
+    says how)."""
 
 
 def _fused(
@@ -100,9 +101,13 @@ def _fused(
     whole: dict[str, torch.Tensor],
     roles: dict[str, str],
     args: tuple[torch.Tensor, ...],
-) -> dict[str, int]:
+) -> tuple[dict[str, int], list[tuple[int, ...]]]:
     """{column-parallel path: its number of pieces} for each whose output the code cuts along
-    its features where it is made, into pieces of one width; raises `_Unequal` otherwise."""
+    its features where it is made, into pieces of one width, each of two heads or more where
+    the config says the head width; and the shapes of the model's outputs. Raises `_Unequal`
+    otherwise: pieces of a head or less (a code that cuts heads apart) would be split inside
+    a head."""
+    head = _head_width(model)
     cuts = _CutWatch()
     hooks = [
         model.get_submodule(path).register_forward_hook(cuts.made(path))
@@ -111,10 +116,12 @@ def _fused(
     ]
     try:
         with cuts:
-            functional_call(model, whole, args)
+            shapes = _shapes(functional_call(model, whole, args))
     finally:
         for h in hooks:
             h.remove()
+    for path in cuts.unread:
+        raise _Unequal(f"its code cuts {path}'s output along its features, not contiguous")
     out = {}
     for path, (width, bounds) in cuts.bounds.items():
         edges = sorted(bounds | {0, width})
@@ -124,8 +131,25 @@ def _fused(
                 f"its code cuts {path}'s output into pieces of {widths} features: a fused "
                 "projection split over tp piece by piece needs pieces of one width"
             )
+        if head and (widths[0] % head or widths[0] < 2 * head):
+            raise _Unequal(
+                f"its code cuts {path}'s output into pieces of {widths[0]} features, heads "
+                f"being {head} wide: a fused projection split over tp piece by piece needs "
+                "pieces of whole heads, two or more"
+            )
         out[path] = len(widths)
-    return out
+    return out, shapes
+
+
+def _head_width(model: nn.Module) -> int:
+    """The attention heads' width a Hugging Face config gives, or 0."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    width = getattr(config, "head_dim", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not width and heads and hidden:
+        width = hidden // heads
+    return int(width or 0)
 
 
 def _problem(
@@ -134,6 +158,7 @@ def _problem(
     roles: dict[str, str],
     pieces: dict[str, int],
     args: tuple[torch.Tensor, ...],
+    want: list[tuple[int, ...]],
 ) -> str:
     """Why ``model`` run as the runtime splits ``roles`` at tp = 2 fails or changes its outputs'
     shapes, or ""."""
@@ -143,7 +168,6 @@ def _problem(
         width = out_f if role == "col" else in_f
         if width % (_WAYS * pieces.get(path, 1)):
             return f"{path} has {width} features, odd"
-    want = _shapes(functional_call(model, whole, args))
     hooks = []
     for path, role in roles.items():
         module = model.get_submodule(path)
@@ -214,12 +238,13 @@ class _CutWatch(TorchFunctionMode):
     """Notes where each column-parallel output is cut along its last dimension, right where
     the projection made it (`CUTS`): {path: (its width, the offsets where its pieces start
     and end)}. A piece's offset is its storage offset from the output's (the cuts are views);
-    an output whose last dimension is not contiguous is noted as cut at every feature."""
+    an output whose last dimension is not contiguous is noted in `unread`."""
 
     def __init__(self) -> None:
         super().__init__()
         self.outputs: dict[int, tuple[str, torch.Tensor]] = {}  # the tensors kept alive
         self.bounds: dict[str, tuple[int, set[int]]] = {}
+        self.unread: set[str] = set()
 
     def made(self, path: str):
         def hook(module: nn.Module, args: Any, out: Any) -> None:
@@ -242,8 +267,8 @@ class _CutWatch(TorchFunctionMode):
         if not cut:
             return out
         bounds = self.bounds.setdefault(seen[0], (width, set()))[1]
-        if source.stride(-1) != 1:
-            bounds.update(range(width))
+        if source.stride(-1) != 1:  # no offsets to read
+            self.unread.add(seen[0])
         row = source.stride(-2) if source.dim() > 1 else width  # a leading index's step
         for t in cut:
             start = (t.storage_offset() - source.storage_offset()) % row

@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-from torch.distributed.tensor.placement_types import _StridedShard
+from torch.distributed.tensor.placement_types import _StridedShard  # no public name (2.13)
 
 from autopar.runtime.fused_pieces import Pieces
 from autopar.runtime.tensor_parallel import STYLES, transposed
@@ -118,26 +118,19 @@ class _Colwise(ColwiseParallel):
             return super()._apply(module, device_mesh)
         out_dim = 1 if transposed(module) else 0
 
-        def split(dim: int) -> Placement:
+        def split(name: str) -> Placement:
+            dim = out_dim if name == "weight" else 0  # the bias: its only dimension
             return _StridedShard(dim, split_factor=self.pieces) if self.pieces > 1 else Shard(dim)
-
-        def partition(_: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            for name, param in list(mod.named_parameters(recurse=False)):
-                placement = split(out_dim if name == "weight" else 0)
-                dist = distribute_tensor(param, mesh, [placement], src_data_rank=self.src_data_rank)
-                mod.register_parameter(name, nn.Parameter(dist, param.requires_grad))
 
         return distribute_module(
             module,
             device_mesh,
-            partition,
+            _partition(split, self.src_data_rank),
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            self._output_fn(device_mesh.size(), module),
+            self._output_fn(device_mesh.size(), module.weight.shape[out_dim] // self.pieces),
         )
 
-    def _output_fn(self, ways: int, module: nn.Module) -> Any:
-        whole = getattr(module, "nf", None) or module.weight.shape[0]  # before partition
-        piece = whole // self.pieces
+    def _output_fn(self, ways: int, piece: int) -> Any:
 
         def output(_: nn.Module, outputs: DTensor, mesh: DeviceMesh) -> Any:
             if self.output_layouts != (Shard(-1),) or not self.use_local_output:
@@ -159,19 +152,28 @@ class _Rowwise(RowwiseParallel):
             return super()._apply(module, device_mesh)
         self.desired_input_layouts = (Shard(-1),)
 
-        def partition(_: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            for name, param in list(mod.named_parameters(recurse=False)):
-                placement = Shard(0) if name == "weight" else Replicate()
-                dist = distribute_tensor(param, mesh, [placement], src_data_rank=self.src_data_rank)
-                mod.register_parameter(name, nn.Parameter(dist, param.requires_grad))
+        def split(name: str) -> Placement:
+            return Shard(0) if name == "weight" else Replicate()
 
         return distribute_module(
             module,
             device_mesh,
-            partition,
+            _partition(split, self.src_data_rank),
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
         )
+
+
+def _partition(split: Any, src_data_rank: int | None) -> Any:
+    """distribute_module's partition function: each of a module's own parameters a DTensor of
+    the placement ``split(name)`` gives it."""
+
+    def partition(_: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for name, param in list(module.named_parameters(recurse=False)):
+            whole = distribute_tensor(param, mesh, [split(name)], src_data_rank=src_data_rank)
+            module.register_parameter(name, nn.Parameter(whole, param.requires_grad))
+
+    return partition
 
 
 class _FirstInput(ParallelStyle):

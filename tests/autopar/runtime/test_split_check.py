@@ -1,13 +1,14 @@
 """Projections outside the Megatron names split as the trace pairs them, where the model's code
 computes on their slices (`autopar.runtime.split_check`; issue 19).
 
-Five small blocks, a list of two each, on meta: a per-head fused QKV (viewed into heads before
+Six small blocks, a list of two each, on meta: a per-head fused QKV (viewed into heads before
 its cut, GPT-NeoX's layout) splits; a fused gate/up chunked in two where it is made splits piece
-by piece ("col/2"); a fused QKV sliced into pieces of unequal widths, a head count fixed in a
-view, and weights multiplied outside a linear layer are refused, each with its reason. The
-runtime then takes the traced pairs into its TP plan (`tp_plan`'s roles; sequence parallelism,
-which gathers at a module holding the projections, is refused for a block that calls them
-itself), and the evaluated plan carries them for the generated program."""
+by piece ("col/2"); a fused QKV sliced into pieces of unequal widths or cut into its heads, a
+head count fixed in a view, and weights multiplied outside a linear layer are refused, each
+with its reason. The runtime then takes the traced pairs into its TP plan (`tp_plan`'s roles;
+sequence parallelism, which gathers at a module holding the projections, is refused for a
+block that calls them itself), and the evaluated plan carries them for the generated
+program."""
 
 from __future__ import annotations
 
@@ -81,6 +82,23 @@ class FusedUnequal(nn.Module):
         return x + self.out(att.transpose(1, 2).reshape(b, s, -1))
 
 
+class PerHeadCuts(nn.Module):
+    """A fused QKV cut into one piece per head where it is made: pieces of one width, but a
+    piece-by-piece split would halve each head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.out = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        heads = torch.stack(self.qkv(x).split(HIDDEN // HEADS, dim=-1), dim=1)  # [b, 3N, s, d]
+        q, k, v = heads.chunk(3, dim=1)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(att.transpose(1, 2).reshape(b, s, -1))
+
+
 class OwnWeights(nn.Module):
     """Weights multiplied in the block's own code (nn.MultiheadAttention's in_proj_weight)."""
 
@@ -102,6 +120,12 @@ class Stack(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
+
+
+class Config:
+    """What a Hugging Face config says of the heads (their width, for the per-head check)."""
+
+    num_attention_heads, hidden_size = HEADS, HIDDEN
 
 
 def _roles(model: nn.Module) -> tuple[dict[str, str], str]:
@@ -142,6 +166,13 @@ def test_code_that_reads_a_projection_by_position_is_refused_with_its_reason():
     assert why == (
         "its code cuts blocks.0.qkv's output into pieces of [32, 16, 16] features: a fused "
         "projection split over tp piece by piece needs pieces of one width"
+    )
+    per_head = Stack(PerHeadCuts)
+    per_head.config = Config()
+    roles, why = _roles(per_head)
+    assert roles == {} and why == (
+        "its code cuts blocks.0.qkv's output into pieces of 8 features, heads being 8 wide: a "
+        "fused projection split over tp piece by piece needs pieces of whole heads, two or more"
     )
     roles, why = _roles(Stack(FusedHeads, fixed_heads=True))
     assert roles == {} and why.startswith(
