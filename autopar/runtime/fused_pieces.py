@@ -152,17 +152,26 @@ def _tp_pieces(value: Any) -> _StridedShard | None:
     return found[0] if found and isinstance(found[0], _StridedShard) else None
 
 
-def _tp_local(value: DTensor) -> torch.Tensor:
-    """The tensor this rank's tp coordinate holds of ``value`` (its share of each piece),
-    its shards on the other mesh axes (FSDP's, of the tp rank's tensor) joined."""
+def _outer(value: DTensor) -> tuple[Any, list]:
+    """The sub-mesh of ``value``'s axes other than "tp" and its plain splits there (FSDP2's
+    strided shard of the tp rank's tensor as the Shard it is of that tensor); (None, []) when
+    it is replicated on them."""
     names = value.device_mesh.mesh_dim_names
     outer = [(n, pl) for n, pl in zip(names, value.placements, strict=True) if n != "tp"]
     if all(pl.is_replicate() for _, pl in outer):
-        return value.to_local()
+        return None, []
     mesh = value.device_mesh[tuple(n for n, _ in outer)]
-    plain = [Shard(pl.dim) if isinstance(pl, _StridedShard) else pl for _, pl in outer]
+    return mesh, [Shard(pl.dim) if isinstance(pl, _StridedShard) else pl for _, pl in outer]
+
+
+def _tp_local(value: DTensor) -> torch.Tensor:
+    """The tensor this rank's tp coordinate holds of ``value`` (its share of each piece),
+    its shards on the other mesh axes (FSDP's, of the tp rank's tensor) joined."""
+    mesh, plain = _outer(value)
+    if mesh is None:
+        return value.to_local()
     shape = list(value.shape)
-    tp_index = names.index("tp")
+    tp_index = value.device_mesh.mesh_dim_names.index("tp")
     shape[value.placements[tp_index].dim] //= value.device_mesh.size(tp_index)
     whole = torch.Size(shape)
     joined = DTensor.from_local(value.to_local(), mesh, plain, run_check=False, shape=whole,
@@ -175,12 +184,9 @@ def restrided(loaded: DTensor, original: DTensor) -> DTensor:
     pieces = _tp_pieces(original)
     assert pieces is not None
     mine = loaded.redistribute(loaded.device_mesh, [pieces]).to_local()
-    names = original.device_mesh.mesh_dim_names
-    outer = [(n, pl) for n, pl in zip(names, original.placements, strict=True) if n != "tp"]
-    if not all(pl.is_replicate() for _, pl in outer):
-        mesh = original.device_mesh[tuple(n for n, _ in outer)]
-        plain = [Shard(pl.dim) if isinstance(pl, _StridedShard) else pl for _, pl in outer]
-        whole = DTensor.from_local(mine, mesh, [Replicate()] * len(outer), run_check=False)
+    mesh, plain = _outer(original)
+    if mesh is not None:  # this rank's FSDP shard of the tp rank's tensor
+        whole = DTensor.from_local(mine, mesh, [Replicate()] * len(plain), run_check=False)
         mine = whole.redistribute(mesh, plain).to_local()
     return DTensor.from_local(
         mine, original.device_mesh, original.placements, run_check=False,
