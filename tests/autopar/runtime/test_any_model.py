@@ -99,17 +99,10 @@ def matrix(
     cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=n)
     options = autopar.PlanOptions(sensitivity=False)
     for label in labels or list(MODELS):
-        source = _source(label)
-        task = task_from_source(
-            source["factory"], {}, global_batch_size=GLOBAL_BATCH, seq_len=SEQ,
-            data=source["data"], loss=source["loss"],
-        )  # fmt: skip
-        model = task.build()
-        inputs = tuple(t[:1] for t in task.batch(0, 0, 1)[0])
-        common = dict(global_batch_size=GLOBAL_BATCH, precision="fp32")
+        model, inputs = _model_and_inputs(label)
         planned = {}
         if only is None or "auto" in only:
-            plan = autopar.parallelize(model, cluster, inputs, options=options, **common)
+            plan = autopar.parallelize(model, cluster, inputs, options=options, **_COMMON)
             planned["auto"] = (plan.config, plan)
         for style, config in styles(n).items():
             if only is not None and style not in only:
@@ -118,37 +111,40 @@ def matrix(
             try:
                 planned[style] = (
                     config,
-                    autopar.evaluate(model, cluster, config, inputs, **common),
+                    autopar.evaluate(model, cluster, config, inputs, **_COMMON),
                 )
             except ConfigError as e:
                 refused[(label, style)] = str(e)
-        for style, (config, priced) in planned.items():
-            stages = tuple(tuple(s.layers) for s in priced.stages) if config.pp > 1 else None
-            cases.append(
-                Case(f"{label} [{style}]", config, GLOBAL_BATCH, placements=priced.placements,
-                     stage_layers=stages, seq_len=SEQ, roles=priced.tensor_parallel_roles,
-                     **source)
-            )  # fmt: skip
+        cases += [_case(label, style, priced) for style, (_, priced) in planned.items()]
     return cases, refused
 
 
-def composed(n: int, label: str, config: C) -> Case:
-    """A case of ``label`` under ``config`` on ``n`` devices, as `evaluate` prices it."""
+_COMMON = dict(global_batch_size=GLOBAL_BATCH, precision="fp32")
+
+
+def _model_and_inputs(label: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     source = _source(label)
     task = task_from_source(
         source["factory"], {}, global_batch_size=GLOBAL_BATCH, seq_len=SEQ,
         data=source["data"], loss=source["loss"],
     )  # fmt: skip
-    model = task.build()
-    inputs = tuple(t[:1] for t in task.batch(0, 0, 1)[0])
-    cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=n)
-    priced = autopar.evaluate(
-        model, cluster, config, inputs, global_batch_size=GLOBAL_BATCH, precision="fp32"
-    )
+    return task.build(), tuple(t[:1] for t in task.batch(0, 0, 1)[0])
+
+
+def _case(label: str, style: str, priced: autopar.Plan) -> Case:
+    config = priced.config
     stages = tuple(tuple(s.layers) for s in priced.stages) if config.pp > 1 else None
-    return Case(f"{label} [{config.as_text().split(' |')[0]}]", config, GLOBAL_BATCH,
-                placements=priced.placements, stage_layers=stages, seq_len=SEQ,
-                roles=priced.tensor_parallel_roles, **source)  # fmt: skip
+    return Case(f"{label} [{style}]", config, GLOBAL_BATCH, placements=priced.placements,
+                stage_layers=stages, seq_len=SEQ, roles=priced.tensor_parallel_roles,
+                **_source(label))  # fmt: skip
+
+
+def composed(n: int, label: str, config: C) -> Case:
+    """A case of ``label`` under ``config`` on ``n`` devices, as `evaluate` prices it."""
+    model, inputs = _model_and_inputs(label)
+    cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=n)
+    priced = autopar.evaluate(model, cluster, config, inputs, **_COMMON)
+    return _case(label, config.as_text().split(" |")[0], priced)
 
 
 def _without_plan_twins(cases: list[Case]) -> list[Case]:
