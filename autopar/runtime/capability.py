@@ -286,7 +286,7 @@ def _no_cp(name: str) -> str:
 def _no_tp(name: str, block: str, why: str = "") -> str:
     return (
         f"autopar's runtime would leave {name}'s blocks replicated, {block} first (it splits "
-        "nn.Linear projections it can pair column/row), while the estimate prices them sharded"
+        "linear projections it can pair column/row), while the estimate prices them sharded"
         + (f"; it does not split the projections the trace pairs because {why}" if why else "")
     )
 

@@ -21,6 +21,7 @@ the plain split of the same dimension, `restrided` takes it back.
 Public:
     Pieces.wrap(local, ways, piece) -> Pieces     # the local output, ``piece`` = one's width
     CUTS                                          # the functions that cut a tensor
+    local_cut(func, args, kwargs, ways, piece) -> (args, kwargs)   # a cut's offsets, local
     unstrided(state) -> (state, {(part, key): original})   # for DCP's save and load
     restrided(loaded, original) -> DTensor        # a loaded value in the original's split
 """
@@ -62,20 +63,23 @@ class Pieces(torch.Tensor):
         kwargs = kwargs or {}
         source = args[0] if args else None
         if func in CUTS and isinstance(source, Pieces):
-            args, kwargs = _local_cut(func, source, args, kwargs)
+            args, kwargs = local_cut(func, args, kwargs, source._ways, source._piece)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         return tree_map(lambda t: t.as_subclass(torch.Tensor) if isinstance(t, Pieces) else t, out)
 
 
-def _local_cut(func: Any, x: Pieces, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``func``'s arguments with its offsets along ``x``'s last dimension made local."""
-    ways, last = x._ways, x.dim() - 1
+def local_cut(func: Any, args: tuple, kwargs: dict, ways: int, piece: int) -> tuple[tuple, dict]:
+    """The arguments of ``func`` (a cut, `CUTS`) of ``args[0]``, a rank's share of pieces
+    ``piece`` wide each split ``ways`` ways, with its offsets along the last dimension made
+    local."""
+    x = args[0]
+    last = x.dim() - 1
 
     def local(offset: int) -> int:
-        if offset % x._piece:
+        if offset % piece:
             raise ValueError(
-                f"a fused projection's output (pieces of {x._piece} features, split over "
+                f"a fused projection's output (pieces of {piece} features, split over "
                 f"{ways} tensor-parallel ranks piece by piece) is cut at {offset}, inside a "
                 "piece: a rank holds no such offset"
             )

@@ -23,6 +23,10 @@ the meta device (any model size, no memory, no ranks) find these:
   its row inputs widened back): the model must return outputs of the shapes it returns whole,
   so a fixed head count or width fails here.
 
+The tensors are fake ones of the meta device: code that reads values where it is not traced
+(transformers' check for packed sequences, when it keeps no cache) takes its tracing path, as
+under torch.export.
+
 What they do not prove: code that first views features into (pieces, heads) and then cuts the
 pieces would pass and be wrong on ranks. The suite's any-model matrix runs each family it
 names against one process (`tests/autopar/runtime/test_any_model.py`).
@@ -33,15 +37,19 @@ Public functions:
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from autopar.runtime.fused_pieces import CUTS, Pieces
+from autopar.runtime.fused_pieces import CUTS, local_cut
 from autopar.runtime.tensor_parallel import COLUMN_NAMES, ROW_NAMES, is_projection, transposed
 
 _WAYS = 2  # the smallest split shows a code that reads by position
@@ -73,22 +81,39 @@ def checked_roles(
     in_blocks = {p: r for p, r in in_blocks.items() if is_projection(_module(model, p))}
     if not in_blocks:
         return {}, ""
-    whole = _meta_state(model)
-    try:
-        pieces, want = _fused(model, whole, in_blocks, inputs)
-    except _Unequal as e:
-        return {}, str(e)
-    except Exception as e:  # data-dependent code (an .item()) cannot run on meta
-        if not traced:
-            return {}, ""  # named only: the name rule, as it always was
-        first = str(e).splitlines()[0][:200] if str(e) else ""
-        return {}, f"its code does not run on the meta device ({type(e).__name__}: {first})"
-    if not traced and not pieces:
-        return {}, ""
-    if why := _problem(model, whole, in_blocks, pieces, inputs, want):
-        return {}, why
+    # fake tensors over meta ones: code that reads values where it is not traced (transformers'
+    # check for packed sequences, `is_tracing`) skips that read for fake tensors, as in export
+    with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        whole = {k: fake.from_tensor(v) for k, v in _meta_state(model).items()}
+        inputs = tuple(fake.from_tensor(t) for t in inputs)
+        try:
+            pieces, want = _fused(model, whole, in_blocks, inputs)
+        except _Unequal as e:
+            return {}, str(e)
+        except Exception as e:  # data-dependent code (an .item()) cannot run on meta
+            if not traced:
+                return {}, ""  # named only: the name rule, as it always was
+            first = str(e).splitlines()[0][:200] if str(e) else ""
+            return {}, f"its code does not run on the meta device ({type(e).__name__}: {first})"
+        if not traced and not pieces:
+            return {}, ""
+        if why := _problem(model, whole, in_blocks, pieces, inputs, want):
+            return {}, why
     checked = {**traced, **{p: "col" for p in pieces}}
     return {p: f"{r}/{pieces[p]}" if p in pieces else r for p, r in checked.items()}, ""
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors() -> Iterator[None]:
+    """FakeTensorMode logs a model's own failure (the finding here: a fixed head count) with
+    its traceback before raising it; the caller reports it in a line."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class _Unequal(Exception):
@@ -169,14 +194,16 @@ def _problem(
         if width % (_WAYS * pieces.get(path, 1)):
             return f"{path} has {width} features, odd"
     hooks = []
+    shares = _Shares()
     for path, role in roles.items():
         module = model.get_submodule(path)
         if role == "col":
-            hooks.append(module.register_forward_hook(_rank_slice(pieces.get(path, 1))))
+            hooks.append(module.register_forward_hook(shares.hook(pieces.get(path, 1))))
         else:
             hooks.append(module.register_forward_pre_hook(_widened, with_kwargs=True))
     try:
-        got = _shapes(functional_call(model, whole, args))
+        with shares:
+            got = _shapes(functional_call(model, whole, args))
     except Exception as e:  # the model's own code failing at the local widths is the finding
         return (
             f"its code fails with {_named(roles)} at 1/{_WAYS} of their features "
@@ -190,15 +217,31 @@ def _problem(
     return ""
 
 
-def _rank_slice(pieces: int):
-    """A forward hook: the output as one rank's share (the first 1/_WAYS of each piece)."""
+class _Shares(TorchFunctionMode):
+    """Column-parallel outputs as one rank's share at tp = 2 (the first half of each piece),
+    a fused projection's cut at the local offsets as `fused_pieces.Pieces` cuts them (the
+    check's tensors are fake, which a `Pieces` cannot wrap)."""
 
-    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
-        piece = out.shape[-1] // pieces
-        share = torch.cat([p[..., : piece // _WAYS] for p in out.split(piece, dim=-1)], dim=-1)
-        return Pieces.wrap(share, _WAYS, piece) if pieces > 1 else share
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (kept alive, piece)
 
-    return hook
+    def hook(self, pieces: int):
+        def made(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+            piece = out.shape[-1] // pieces
+            cut = out.split(piece, dim=-1)
+            share = torch.cat([p[..., : piece // _WAYS] for p in cut], dim=-1)
+            if pieces > 1:
+                self.fused[id(share)] = (share, piece)
+            return share
+
+        return made
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in CUTS and args and id(args[0]) in self.fused:
+            args, kwargs = local_cut(func, args, kwargs, _WAYS, self.fused[id(args[0])][1])
+        return func(*args, **kwargs)
 
 
 def _widened(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

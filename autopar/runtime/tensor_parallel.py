@@ -172,11 +172,11 @@ def unsplit_block(
             return None
         listed = [(path, m) for path, m in model.named_modules() if isinstance(m, nn.ModuleList)]
         if not listed:
-            return f"{type(model).__name__} (no nn.Linear in its blocks)"
+            return f"{type(model).__name__} (no linear layer in its blocks)"
         path, items = listed[0]
         kinds = [type(m).__name__ for m in items.modules() if _projects(m)]
         how = f": they project through {kinds[0]}" if kinds else ""
-        return f"{path} (no nn.Linear in its blocks{how})"
+        return f"{path} (no linear layer in its blocks{how})"
     plan = tp_plan(model, ParallelConfig(tp=2), roles=roles)
     for path, block in blocks:  # a column-parallel projection feeding a row-parallel one
         styles = {base_style(s) for key, s in plan.items() if key.startswith(path + ".")}

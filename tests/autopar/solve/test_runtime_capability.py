@@ -14,8 +14,10 @@ from torch import nn
 import autopar
 from autopar.errors import ConfigError
 from autopar.models import hf, zoo
+from autopar.runtime.capability import traced_roles
 from autopar.runtime.parts import has_parts
 from autopar.runtime.tensor_parallel import splits_every_block, tp_plan
+from autopar.tracing import trace
 
 
 def _plan(model: nn.Module, inputs: tuple, devices: int) -> autopar.Plan:
@@ -186,7 +188,10 @@ def test_a_model_whose_blocks_the_runtime_cannot_split_gets_no_tensor_parallel_p
     assert plan.config.tp == 1 and all(" tp=1 " in alt["config"] for alt in plan.alternatives)
     assert any("blocks replicated" in note for note in plan.notes)
     assert splits_every_block(hf.build("llama-tiny-hf"), 2)
-    assert splits_every_block(hf.build("gpt2-tiny-hf"), 2)
+    gpt2 = hf.build("gpt2-tiny-hf")  # use_cache=False: its mask code reads position values
+    assert splits_every_block(gpt2, 2)
+    roles, why = traced_roles(gpt2, trace(gpt2, (torch.randint(0, 128, (1, 64)),)))
+    assert roles["transformer.h.1.attn.c_attn"] == "col/3" and why == "", (roles, why)
 
 
 def test_plans_for_the_compiled_stack_keep_blocks_whole_on_each_rank():
