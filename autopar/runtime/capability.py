@@ -70,7 +70,36 @@ def traced_roles(model: nn.Module, graph: ModelGraph) -> tuple[dict[str, str], s
         for node in graph.nodes.values()
         if node.kind == "input" and node.shapes
     )
-    return checked_roles(model, tensor_parallel_roles(graph), inputs)
+    return checked_roles(model, tensor_parallel_roles(graph), inputs, _cut_outputs(graph))
+
+
+# the aten ops that cut a tensor into pieces, as the trace records them
+_CUT_OPS = frozenset(
+    f"aten.{op}" for op in ("split.Tensor", "split_with_sizes.default", "slice.Tensor",
+                            "chunk.default", "narrow.default", "unbind.int",
+                            "tensor_split.indices", "tensor_split.sections")
+)  # fmt: skip
+
+
+def _cut_outputs(graph: ModelGraph) -> frozenset[str]:
+    """Module paths of the weight matmuls whose output the trace shows cut along its last
+    dimension right where the module made it (GPT-2's c_attn split, Phi-3's qkv_proj sliced):
+    the named projections `checked_roles` must run the model to see the cuts of."""
+    last: dict[str, str] = {}  # module path -> the name of its last node, its output
+    for name, node in graph.nodes.items():
+        if node.kind == "call" and node.module_path:
+            last[node.module_path] = name
+    out = set()
+    for node in graph.nodes.values():
+        if node.op not in _CUT_OPS or not node.inputs:
+            continue
+        source = graph.nodes.get(node.inputs[0])
+        if source is None or last.get(source.module_path) != source.name or not source.shapes:
+            continue
+        whole = source.shapes[0]
+        if any(len(s) == len(whole) and s[-1] < whole[-1] for s in node.shapes):
+            out.add(source.module_path)
+    return frozenset(out)
 
 
 def _pipeline_cut(model: nn.Module, num_blocks: int) -> str:

@@ -56,12 +56,17 @@ _WAYS = 2  # the smallest split shows a code that reads by position
 
 
 def checked_roles(
-    model: nn.Module, roles: dict[str, str], inputs: tuple[torch.Tensor, ...]
+    model: nn.Module,
+    roles: dict[str, str],
+    inputs: tuple[torch.Tensor, ...],
+    cut: frozenset[str] | None = None,
 ) -> tuple[dict[str, str], str]:
     """The traced ``roles`` of block linears the Megatron names do not cover, and "col/N" for
     any column-parallel one, named or not, that is a fused projection of N pieces, when
     ``model``'s code computes on their slices (module docstring), with ""; else ({}, why).
-    Named ones that are not fused are left to the name rule."""
+    Named ones that are not fused are left to the name rule. ``cut``: the projections whose
+    outputs the trace shows cut where they are made (None: any may be); a model whose named
+    projections are not among them, with no traced roles, is not run at all (Llama's)."""
     listed = tuple(
         f"{path}."
         for path, m in model.named_modules()
@@ -79,7 +84,7 @@ def checked_roles(
                 "linear layer the runtime can split"
             )
     in_blocks = {p: r for p, r in in_blocks.items() if is_projection(_module(model, p))}
-    if not in_blocks:
+    if not in_blocks or not traced and cut is not None and not cut & set(in_blocks):
         return {}, ""
     # fake tensors over meta ones: code that reads values where it is not traced (transformers'
     # check for packed sequences, `is_tracing`) skips that read for fake tensors, as in export
