@@ -32,6 +32,8 @@ Public functions:
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -146,6 +148,18 @@ class _Names:
 _GPT_NEOX = _Names("gpt_neox", "embed_in", "final_layer_norm", "emb_dropout")
 
 
+@functools.cache
+def _cache_argument() -> str:
+    """The name transformers' mask functions give their cache: ``cache`` in recent releases
+    (where ``past_key_values`` is deprecated, to be removed in 5.40), ``past_key_values``
+    before. Asked when a Hugging Face model's parts are built, so importing autopar does not
+    import transformers."""
+    from transformers.masking_utils import create_causal_mask
+
+    names = inspect.signature(create_causal_mask).parameters
+    return "cache" if "cache" in names else "past_key_values"
+
+
 def _hf_decoder_parts(
     model: nn.Module, sliding: bool = False, names: _Names = _Names()
 ) -> ModelParts:
@@ -176,7 +190,7 @@ def _hf_decoder_parts(
     def context(m: nn.Module, h: Tensor, positions_S: Tensor) -> dict[str, Any]:
         position_ids = positions_S[None, :]
         given = {"config": config, "inputs_embeds": h, "attention_mask": None,
-                 "past_key_values": None, "position_ids": position_ids}  # fmt: skip
+                 _cache_argument(): None, "position_ids": position_ids}  # fmt: skip
         rope = m.get_submodule(f"{base}.rotary_emb")(h, position_ids=position_ids)
         masks = {"full_attention": whole(**given)}
         if per_layer:
@@ -185,7 +199,6 @@ def _hf_decoder_parts(
             "masks": masks,
             "position_embeddings": rope,
             "position_ids": position_ids,
-            "past_key_values": None,
             "use_cache": False,
         }
 
@@ -228,8 +241,8 @@ def _gpt2_parts(model: nn.Module) -> ModelParts:
             config=config,
             inputs_embeds=h,
             attention_mask=None,
-            past_key_values=None,
             position_ids=position_ids,
+            **{_cache_argument(): None},
         )
         return {"attention_mask": mask, "position_ids": position_ids, "use_cache": False}
 
