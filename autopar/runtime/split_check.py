@@ -84,7 +84,8 @@ def checked_roles(
                 "linear layer the runtime can split"
             )
     in_blocks = {p: r for p, r in in_blocks.items() if is_projection(_module(model, p))}
-    if not in_blocks or not traced and cut is not None and not cut & set(in_blocks):
+    seen_cut = cut is not None and bool(cut & set(in_blocks))  # the trace shows a fused one
+    if not in_blocks or not traced and cut is not None and not seen_cut:
         return {}, ""
     # fake tensors over meta ones: code that reads values where it is not traced (transformers'
     # check for packed sequences, `is_tracing`) skips that read for fake tensors, as in export
@@ -96,8 +97,8 @@ def checked_roles(
         except _Unequal as e:
             return {}, str(e)
         except Exception as e:  # data-dependent code (an .item()) cannot run on meta
-            if not traced:
-                return {}, ""  # named only: the name rule, as it always was
+            if not traced and not seen_cut:
+                return {}, ""  # named only, none seen cut: the name rule, as it always was
             first = str(e).splitlines()[0][:200] if str(e) else ""
             return {}, f"its code does not run on the meta device ({type(e).__name__}: {first})"
         if not traced and not pieces:
