@@ -76,14 +76,15 @@ def checked_roles(
     traced = {
         p: r for p, r in in_blocks.items() if p.rsplit(".", 1)[-1] not in COLUMN_NAMES | ROW_NAMES
     }
+    modules = {p: _module(model, p) for p in in_blocks}
     for path in traced:
-        if not is_projection(module := _module(model, path)):
-            kind = type(module).__name__
+        if not is_projection(modules[path]):
+            kind = type(modules[path]).__name__
             return {}, (
                 f"{path} ({kind}) multiplies by its weights in its own code, not through a "
                 "linear layer the runtime can split"
             )
-    in_blocks = {p: r for p, r in in_blocks.items() if is_projection(_module(model, p))}
+    in_blocks = {p: r for p, r in in_blocks.items() if is_projection(modules[p])}
     seen_cut = cut is not None and bool(cut & set(in_blocks))  # the trace shows a fused one
     if not in_blocks or not traced and cut is not None and not seen_cut:
         return {}, ""

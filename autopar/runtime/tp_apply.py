@@ -122,25 +122,22 @@ class _Colwise(ColwiseParallel):
             dim = out_dim if name == "weight" else 0  # the bias: its only dimension
             return _StridedShard(dim, split_factor=self.pieces) if self.pieces > 1 else Shard(dim)
 
+        output = partial(self._prepare_output_fn, self.output_layouts, self.use_local_output)
+        if self.pieces > 1 and self.output_layouts == (Shard(-1),) and self.use_local_output:
+            # torch's would redistribute the strided split to a plain one: hand on the local
+            # [piece 0's share | piece 1's share | ...] as it is
+            ways, piece = device_mesh.size(), module.weight.shape[out_dim] // self.pieces
+
+            def output(_: nn.Module, outputs: DTensor, mesh: DeviceMesh) -> Pieces:
+                return Pieces.wrap(outputs.to_local(), ways, piece)
+
         return distribute_module(
             module,
             device_mesh,
             _partition(split, self.src_data_rank),
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            self._output_fn(device_mesh.size(), module.weight.shape[out_dim] // self.pieces),
+            output,
         )
-
-    def _output_fn(self, ways: int, piece: int) -> Any:
-
-        def output(_: nn.Module, outputs: DTensor, mesh: DeviceMesh) -> Any:
-            if self.output_layouts != (Shard(-1),) or not self.use_local_output:
-                return self._prepare_output_fn(
-                    self.output_layouts, self.use_local_output, _, outputs, mesh
-                )
-            local = outputs.to_local()  # [piece 0's share | piece 1's share | ...]
-            return Pieces.wrap(local, ways, piece) if self.pieces > 1 else local
-
-        return output
 
 
 class _Rowwise(RowwiseParallel):
