@@ -50,7 +50,7 @@ MPT_SHAPES = {
     "mpt-30b": (48, 7168, 64),
 }
 GPT2_VOCAB = 50257
-# A GB200 NVL72 rack holds 72 GPUs; a job of more GPUs that is not a multiple of 72 (the
+# A GB200 or GB300 NVL72 rack holds 72 GPUs; a job of more GPUs that is not a multiple of 72 (the
 # Megatron-Bridge DeepSeek-V3 rows' 256) uses 64 per rack: 16 of its 18 compute trays, the
 # power-of-two slice SLURM segments hand out.
 NVL72, NVL72_JOB_GPUS = 72, 64
@@ -72,6 +72,7 @@ PROFILES = (  # hardware text -> shipped profile (first match)
     ("16x V100 (1 node)", "dgx2_v100"),  # 16 V100 in one node: a DGX-2 (NVSwitch)
     ("V100", "dgx_v100"),
     ("DGX-GB200", "gb200_nvl72"),
+    ("DGX-GB300", "gb300_nvl72"),
 )
 # source_id prefix -> the stack that ran the row (autopar/hardware/stacks.py)
 STACKS = {
@@ -137,7 +138,7 @@ def parse_row(row: dict[str, str], run_id: str) -> GridRun:
     profile = next((p for key, p in PROFILES if key in row["hardware"]), "")
     config, batch = _config(row, num_devices, notes)
     per_node = None
-    if profile == "gb200_nvl72" and num_devices > NVL72 and num_devices % NVL72:
+    if profile in ("gb200_nvl72", "gb300_nvl72") and num_devices > NVL72 and num_devices % NVL72:
         per_node = NVL72_JOB_GPUS
         notes.append(f"{num_devices} GPUs as racks of {per_node} (of the NVL72's {NVL72})")
     stack = next(s for key, s in STACKS.items() if row["source_id"].startswith(key))

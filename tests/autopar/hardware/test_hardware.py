@@ -22,6 +22,7 @@ REQUIRED = {
     "hgx_h800",
     "dgx_b200",
     "gb200_nvl72",
+    "gb300_nvl72",
     "mi300x_8x",
     "tpu_v4",
     "tpu_v5e",
