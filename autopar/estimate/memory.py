@@ -19,11 +19,18 @@ Peak memory of a stage (`StageMemory.stage_memory`):
     activations   a_l under the layer's recompute policy, per micro-batch, times the
                   micro-batches in flight n, plus the largest a_l^none - a_l^policy (one layer
                   recomputed at a time), plus `CostOptions.logit_copies` logit-sized
-                  tensors on the last stage (2: the logits and their gradient); saved
-                  activations scaled by the stack's `activation_factor`
+                  tensors on the last stage (2: the logits and their gradient) and
+                  `logit_fp32_copies` fp32 ones (a loss that upcasts); saved
+                  activations scaled by the stack's `activation_factor`; where autocast
+                  computes over fp32 parameters (fsdp == 1, mixed precision), its bf16
+                  weight copies, `autocast_weight_bytes` per parameter of the layers not
+                  recomputed whole (all of a pipeline stage's: one region over the step)
     buffers       ZeRO-3: twice the largest layer's parameters and gradients (the gathered
-                  layer and the prefetched next); else two DDP buckets
-    reserve       the allocator's share (`cost_models.memory.allocator_reserve_bytes`)
+                  layer and the prefetched next); else two DDP buckets where there is data
+                  parallelism (dp x fsdp > 1), none without
+    reserve       the allocator's share (`cost_models.memory.allocator_reserve_bytes`), at
+                  least the stage's largest tensor (the loss's logit-sized one): fragmented
+                  free bytes do not serve a request that large
 Activations per shard class (`StageMemory.activation_bytes`, `shard_divisors`): "tp" divided by
 tp * cp, "rep" and "expert" by cp (and by tp with sequence parallelism; experts are whole on
 every tp rank, each on its own tokens; "expert" by tp * cp where etp = tp); with
@@ -36,7 +43,13 @@ from autopar.config import ParallelConfig
 from autopar.estimate.as_run import routed_layer
 from autopar.estimate.options import CostOptions
 from autopar.estimate.tables import LayerTable, ModelTables
-from cost_models.memory import ModelStateBytes, PeakMemory, model_state_bytes, peak_memory
+from cost_models.memory import (
+    DEFAULT_RESERVE_MINIMUM_BYTES,
+    ModelStateBytes,
+    PeakMemory,
+    model_state_bytes,
+    peak_memory,
+)
 
 # Bytes per element of the training precision.
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -188,7 +201,9 @@ class StageMemory:
         self._activation_cache: dict[tuple, float] = {}
         self._layer_params: dict[tuple, float] = {}
         # `_stage_parts` per (config, stage signature): a deep pipeline's stages repeat
-        self._stage_cache: dict[tuple, tuple[ModelStateBytes, float, float, float, float]] = {}
+        self._stage_cache: dict[
+            tuple, tuple[ModelStateBytes, float, float, float, float, float]
+        ] = {}
 
     def params(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
         """`params_on_rank`, skipping the expert sum for a dense model (the search's hot path:
@@ -270,22 +285,33 @@ class StageMemory:
         """Peak memory of a stage holding ``layers`` with ``inflight`` micro-batches of
         activations; ``recomputed`` names the layers the recompute policy applies to (None:
         all)."""
-        state, per_mb, transient, logits, buffers = self._stage_parts(cfg, layers, recomputed)
-        activations = per_mb * max(1.0, inflight) + transient + logits * self.options.logit_copies
+        state, per_mb, transient, logits, buffers, copies = self._stage_parts(
+            cfg, layers, recomputed
+        )
+        o = self.options
+        one_fp32 = logits / PRECISION_BYTES[self.precision] * 4  # one logit-sized fp32 tensor
+        activations = per_mb * max(1.0, inflight) + transient + logits * o.logit_copies
+        activations += one_fp32 * o.logit_fp32_copies + copies
+        # the allocator must find the loss's largest tensor whole: free bytes split over
+        # partly used segments do not serve it (an H100 run asked for a 7.83 GiB fp32 logits
+        # tensor with 4.95 GiB reserved but unallocated, and ran out of memory 2 GiB below the
+        # plan's live bytes: data/measurements/h100_program_2026-11-26.json)
+        largest = one_fp32 if o.logit_fp32_copies else logits
         return peak_memory(
             state,
             activation_bytes=activations,
             communication_buffer_bytes=buffers,
             reserve_fraction=self.options.reserve_fraction,
+            reserve_minimum_bytes=max(DEFAULT_RESERVE_MINIMUM_BYTES, largest),
         )
 
     def _stage_parts(
         self, cfg: ParallelConfig, layers: list[LayerTable], recomputed: frozenset[str] | None
-    ) -> tuple[ModelStateBytes, float, float, float, float]:
+    ) -> tuple[ModelStateBytes, float, float, float, float, float]:
         """(model state, activations per micro-batch, the largest recompute transient, logit
-        bytes, communication buffers) of a stage, cached by what they read of each layer: its
-        class (a block; else the layer itself), whether it is the model's first (a tied
-        copy) and whether the policy applies to it."""
+        bytes, communication buffers, autocast's weight copies) of a stage, cached by what
+        they read of each layer: its class (a block; else the layer itself), whether it is
+        the model's first (a tied copy) and whether the policy applies to it."""
         first = self.tables.layers[0].name
         key = (cfg, tuple(
             (t.class_id if t.kind == "block" else t.name, t.name == first,
@@ -298,7 +324,8 @@ class StageMemory:
         params = self.stage_params(cfg, layers)
         state = self.model_state(cfg, layers)
         b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
-        per_mb = transient = logits = 0.0
+        pbytes = PRECISION_BYTES[self.precision]
+        per_mb = transient = logits = cast = 0.0
         for table in layers:
             policy = cfg.recompute
             if recomputed is not None and table.name not in recomputed:
@@ -308,16 +335,31 @@ class StageMemory:
             transient = max(transient, none - kept)
             split = t if table.vocab_split else 1  # the logits' vocabulary over tp
             logits += table.vocab_logits_bytes * b / (split * c) * self.act_scale
-        pbytes = PRECISION_BYTES[self.precision]
+            if policy != "full" or cfg.pp > 1:
+                cast += self._matmul_share(table) * self.params(cfg, [table])
+        copies = 0.0
+        if cfg.fsdp == 1 and self.precision != "fp32":  # autocast over fp32 parameters
+            copies = cast * self.options.autocast_weight_bytes
         if cfg.zero_stage == 3:
             largest = max((self.params(cfg, [x]) for x in layers), default=0.0)
             buffers = 2 * largest * (pbytes + self.options.grad_bytes)
-        else:
+        elif cfg.dp * cfg.fsdp > 1:
             buffers = 2 * min(self.options.ddp_bucket_bytes, params * self.options.grad_bytes)
+        else:  # no data parallelism: no gradient buckets
+            buffers = 0.0
         if len(self._stage_cache) > 100_000:  # a long search's: bound the memory it holds
             self._stage_cache.clear()
-        cached = self._stage_cache[key] = (state, per_mb, transient, logits, buffers)
+        cached = self._stage_cache[key] = (state, per_mb, transient, logits, buffers, copies)
         return cached
+
+    def _matmul_share(self, table: LayerTable) -> float:
+        """The share of ``table``'s parameters that are matmul weights (autocast casts those,
+        not an embedding's table or a norm's scale)."""
+        total = table.params_tp + table.params_rep + table.params_expert
+        if not total:
+            return 0.0
+        weights = sum(op.weight_bytes for op in table.matmuls) * self.act_scale
+        return min(1.0, weights / PRECISION_BYTES[self.precision] / total)
 
     def activation_bytes(self, cfg: ParallelConfig, table: LayerTable, policy: str) -> float:
         """One micro-batch's activations ``table`` keeps under ``policy`` on one rank: per

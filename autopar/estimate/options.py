@@ -78,6 +78,16 @@ class CostOptions:
     # the logits and their gradient; a loss that upcasts to fp32 and keeps its log-softmax
     # holds more, a fused or vocabulary-parallel one fewer.
     logit_copies: float = 2.0
+    # Logit-sized fp32 tensors beside those at the loss's peak: a loss that upcasts the logits
+    # (`.float()`, as the zoo's and transformers' do) keeps its fp32 log-softmax for backward,
+    # and its backward makes the NLL's gradient and the log-softmax's, all fp32; 3 for such a
+    # loss whatever the training precision (measured: benchmarks/gpu_program.py).
+    logit_fp32_copies: float = 0.0
+    # Bytes per parameter autocast holds in mixed precision where the parameters stay fp32 and
+    # no FSDP2 unit gathers them in bf16 (fsdp == 1): a bf16 copy of each matmul weight, made
+    # per forward and saved for its backward (layers recomputed whole save none); a pipeline's
+    # one autocast region over the step keeps one copy of all of its weights.
+    autocast_weight_bytes: float = 0.0
     # The token embedding and the LM head split over the vocabulary under tp > 1 with context
     # parallelism too (Megatron, torchtitan); False: autopar's runtime, whose context-parallel
     # loss reads whole-vocabulary logits, keeps both whole on every tp rank with cp > 1.
@@ -120,5 +130,7 @@ class CostOptions:
                 f"moe_imbalance must be a finite number >= 1 (the busiest ep rank's routed rows "
                 f"over the mean), got {self.moe_imbalance}"
             )
-        if not (math.isfinite(self.logit_copies) and self.logit_copies >= 0):
-            raise ValueError(f"logit_copies must be a finite number >= 0, got {self.logit_copies}")
+        for name in ("logit_copies", "logit_fp32_copies", "autocast_weight_bytes"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")

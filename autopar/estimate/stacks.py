@@ -19,7 +19,8 @@ Format (schema_version 1; every key of a table but ``source`` may be left out, t
     name = "torchtitan"                 # the file stem
     description = "..."
     [kernels]    matmul_efficiency, attention_efficiency, memory_traffic, cast_traffic, source
-    [memory]     activation_factor, logit_copies, reserve_fraction, vocab_parallel_with_cp,
+    [memory]     activation_factor, logit_copies, logit_fp32_copies, autocast_weight_bytes,
+                 reserve_fraction, vocab_parallel_with_cp,
                  pipeline_sends_sequence_shards, sequence_parallel_saves_gathered, source
     [overlap]    tp_comm_overlap, overlap_grad_reduce, overlap_param_gather, fsdp_prefetch,
                  fsdp_per_tensor, fsdp_list_copies, grad_bytes, comm_interference,
@@ -49,6 +50,8 @@ _TABLES = {
     "memory": (
         "activation_factor",
         "logit_copies",
+        "logit_fp32_copies",
+        "autocast_weight_bytes",
         "reserve_fraction",
         "vocab_parallel_with_cp",
         "pipeline_sends_sequence_shards",
@@ -89,7 +92,7 @@ class Stack:
             f"  kernels  matmul x{o.matmul_efficiency:g}, attention x{o.attention_efficiency:g}, "
             f"memory-bound traffic x{o.memory_traffic:g}\n"
             f"  memory   activations x{o.activation_factor:g}, {o.logit_copies:g} logit copies "
-            f"at the loss, reserve {o.reserve_fraction:.0%}\n"
+            f"+ {o.logit_fp32_copies:g} in fp32 at the loss, reserve {o.reserve_fraction:.0%}\n"
             f"  overlap  tp {o.tp_comm_overlap:g}, grad reduce {o.overlap_grad_reduce}, param "
             f"gather {o.overlap_param_gather}, fsdp prefetch {o.fsdp_prefetch}, compute lost "
             f"to hidden communication {o.comm_interference:.0%}"

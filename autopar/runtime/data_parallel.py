@@ -11,6 +11,17 @@ state, and a `DataParallel` record the trainer calls around backward.
                           with dp > 1 too on the 2-D ("dp", "fsdp") mesh: HSDP (replicate
                           over dp, shard over fsdp). TP parameters become 2-D DTensors.
 
+Mixed precision: training in bf16 (or a low-precision recipe, bf16 around its linears) gives
+every FSDP2 unit `MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`, as
+torchtitan does: the sharded parameters stay fp32 (the master weights the optimizer steps),
+the all-gather moves and the unsharded layer holds bf16 (what the plan prices), and gradients
+are reduce-scattered and accumulated in fp32. Without it FSDP2 gathers fp32 parameters --
+twice the planned all-gather bytes and gathered memory -- and autocast keeps a bf16 copy of
+every gathered weight from forward to backward beside them (measured on an H100: the plan's
+pick ran out of memory, benchmarks/gpu_program.py). Without FSDP, each block's inputs are
+cast to bf16 as that policy casts them (`_CastInputs`), and autocast computes over the fp32
+parameters.
+
 ZeRO stage -> FSDP2 settings:
     3: reshard_after_forward=True: parameters are all-gathered for forward, freed, and
        all-gathered again for backward (ZeRO-3 / FSDP FULL_SHARD).
@@ -27,7 +38,8 @@ ZeRO-1/2's -- while the peak inside forward/backward, where the full parameters 
 ZeRO-1/2's. ZeRO-1 additionally holds full gradients over the accumulation, as DeepSpeed's.
 
 Public functions:
-    apply_data_parallel(model, blocks, mesh, config, experts=None) -> DataParallel
+    apply_data_parallel(model, blocks, mesh, config, experts=None, param_dtype=None)
+        -> DataParallel
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from autopar.config import ParallelConfig
@@ -96,6 +108,26 @@ class DataParallel:
         return "no data parallelism"
 
 
+class _CastInputs:
+    """A block's floating-point inputs cast to ``dtype``, as `MixedPrecisionPolicy`'s
+    cast_forward_inputs casts an FSDP2 unit's: without FSDP the parameters stay fp32 and
+    autocast computes in bf16, but the residual stream (the embedding's fp32 output and the
+    sums onto it) would stay fp32, saving fp32 activations where an FSDP2 run -- and the
+    plan -- saves bf16 ones."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def _cast(self, x: object) -> object:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.to(self.dtype)
+        return x
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args = tuple(self._cast(a) for a in args)
+        return args, {k: self._cast(v) for k, v in kwargs.items()}
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -106,6 +138,7 @@ def apply_data_parallel(
     mesh: RuntimeMesh,
     config: ParallelConfig,
     experts: ExpertParallel | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> DataParallel:
     """Shard or replicate ``model`` over the mesh's data axes (in place).
 
@@ -116,24 +149,42 @@ def apply_data_parallel(
         config: dp, fsdp, zero_stage.
         experts: expert parallelism's record: with fsdp its expert modules become FSDP2
             units of their own first (`ExpertParallel.shard`), or are left out of FSDP.
+        param_dtype: the dtype FSDP2 gathers and computes in (module docstring: bf16 for
+            mixed precision); None keeps the parameters' own (fp32 training).
     """
     if config.fsdp > 1:
         axes = ("dp", "fsdp") if config.dp > 1 else ("fsdp",)
         data_mesh = mesh[axes]
         reshard = config.zero_stage == 3
-        ignored = experts.shard(reshard) if experts is not None else set()
+        mp = MixedPrecisionPolicy()  # FSDP2's default: the parameters' own dtype throughout
+        if param_dtype is not None:
+            mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        ignored = experts.shard(reshard, mp) if experts is not None else set()
         names = []
         for path, block in blocks:
             fully_shard(
-                block, mesh=data_mesh, reshard_after_forward=reshard, ignored_params=ignored
+                block,
+                mesh=data_mesh,
+                reshard_after_forward=reshard,
+                ignored_params=ignored,
+                mp_policy=mp,
             )
             names.append(path)
         # the root holds the rest (embeddings, final norm, head); the last unit's parameters
         # are needed again at once by backward, so it never reshards after forward
-        fully_shard(model, mesh=data_mesh, reshard_after_forward=False, ignored_params=ignored)
+        fully_shard(
+            model,
+            mesh=data_mesh,
+            reshard_after_forward=False,
+            ignored_params=ignored,
+            mp_policy=mp,
+        )
         names.append("<root>")
         kind = "hsdp" if config.dp > 1 else "fsdp"
         return DataParallel(kind, config.zero_stage, model, None, config.fsdp, names)
+    if param_dtype is not None:  # as FSDP2's cast_forward_inputs: each block takes bf16
+        for _, block in blocks:
+            block.register_forward_pre_hook(_CastInputs(param_dtype), with_kwargs=True)
     if config.dp > 1:
         return DataParallel("replicate", 0, model, mesh.group("dp"), config.dp)
     return DataParallel("none", 0, model)

@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from autopar.runtime.collectives import TokenExchange, all_reduce_flat
 from autopar.runtime.hf_experts import is_hf_experts, shard_hf_experts
@@ -127,7 +127,9 @@ class ExpertParallel:
     def expert_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         return [p for n, p in model.named_parameters() if n in self.expert_names]
 
-    def shard(self, reshard_after_forward: bool) -> set[nn.Parameter]:
+    def shard(
+        self, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy | None = None
+    ) -> set[nn.Parameter]:
         """fsdp > 1: each block's expert modules one FSDP2 unit over the expert data group
         (module docstring). Returns the parameters the surrounding units must ignore: every
         expert's where no other rank holds the same experts (`sync_gradients` divides them)."""
@@ -135,7 +137,10 @@ class ExpertParallel:
             return {p for unit in self.modules for m in unit for p in m.parameters()}
         for unit in self.modules:  # a list of modules is one FSDP2 unit (one gather)
             fully_shard(
-                list(unit), mesh=self.groups.data_mesh, reshard_after_forward=reshard_after_forward
+                list(unit),
+                mesh=self.groups.data_mesh,
+                reshard_after_forward=reshard_after_forward,
+                mp_policy=mp_policy or MixedPrecisionPolicy(),
             )
             for module in unit:  # an expert no token reached: zeros, so the scatters match
                 module.set_reduce_scatter_unused_params(True)

@@ -6,8 +6,11 @@ In: `TrainOptions.metrics_path` / `tensorboard_dir`, the plan's `Prediction`, ea
 continues the file):
 
     {"step", "loss", "grad_norm", "lr", "step_time_s", "predicted_step_time_s",
-     "tokens_per_s", "mfu", "predicted_mfu", "peak_memory_bytes", "predicted_peak_memory_bytes",
-     "time"}
+     "tokens_per_s", "mfu", "predicted_mfu", "peak_memory_bytes", "peak_reserved_bytes",
+     "predicted_peak_memory_bytes", "time"}
+
+peak_memory_bytes is the most the rank's tensors held (CUDA: max_memory_allocated; CPU: the
+peak resident set), peak_reserved_bytes the most CUDA's caching allocator held (null on CPU).
 
 MFU measured = the plan's MFU x predicted / measured step time: the model's FLOPs per step
 are the plan's, so MFU scales with the inverse of the step time. Fields the plan does not
@@ -66,6 +69,7 @@ class Metrics:
             "mfu": mfu,
             "predicted_mfu": pred.mfu,
             "peak_memory_bytes": result.memory_bytes.get("peak"),
+            "peak_reserved_bytes": result.memory_bytes.get("peak_reserved"),  # CUDA only
             "predicted_peak_memory_bytes": max(peaks) if peaks else None,
             "time": time.time(),
         }

@@ -110,6 +110,7 @@ def parallelize_model(
     tp: dict[str, str] | None = None,
     pipeline: PipelineSpec | None = None,
     compile_blocks: bool = False,
+    param_dtype: torch.dtype | None = None,
 ) -> ParallelModel:
     """Apply the plan to a full, seeded ``model`` (identical on every rank), in place.
 
@@ -120,7 +121,9 @@ def parallelize_model(
     `tp_plan(chunk)`, whose sequence-parallel ends are the chunk's first and last block (the
     hidden states between stages are whole sequences) -- recompute and data parallelism.
     ``compile_blocks``: compile each block with torch.compile (module docstring); refused
-    (ValueError) with tp, cp or ep > 1, which compiled blocks do not run here."""
+    (ValueError) with tp, cp or ep > 1, which compiled blocks do not run here.
+    ``param_dtype``: what FSDP2 units gather and compute in (bf16 for mixed precision:
+    `data_parallel.apply_data_parallel`); None keeps the parameters' dtype."""
     if compile_blocks and max(config.tp, config.cp, config.ep) > 1:
         raise ValueError(
             f"torch.compile of the blocks runs with data, sharded and pipeline parallelism "
@@ -130,7 +133,7 @@ def parallelize_model(
     groups = _expert_groups(mesh, config)
     if config.pp > 1:
         return _parallelize_pipeline(
-            model, mesh, config, placements, tp, pipeline, groups, compile_blocks
+            model, mesh, config, placements, tp, pipeline, groups, compile_blocks, param_dtype
         )
     whole = model
     if config.cp > 1:  # one module running embed -> blocks -> head at a shard's positions,
@@ -141,7 +144,9 @@ def parallelize_model(
     # the context-parallel loss reads whole-vocabulary logits: no vocabulary split with cp
     vocab = config.cp == 1
     plan = tp if tp is not None else tp_plan(model, config, placements, vocab_parallel=vocab)
-    part = _parallelize_part(model, blocks, mesh, config, plan, groups, whole, compile_blocks)
+    part = _parallelize_part(
+        model, blocks, mesh, config, plan, groups, whole, compile_blocks, param_dtype
+    )
     names = [p for p, _ in blocks]
     dp = part.data_parallel
     return ParallelModel(
@@ -176,6 +181,7 @@ def _parallelize_part(
     expert_groups: ExpertGroups | None = None,
     whole: nn.Module | None = None,
     compile_blocks: bool = False,
+    param_dtype: torch.dtype | None = None,
 ) -> _Part:
     """TP/SP, context and expert parallelism, recompute, data parallelism of a whole model or
     of one pipeline chunk (torchtitan's order), in place. ``whole``: the model ``model`` was
@@ -204,7 +210,7 @@ def _parallelize_part(
     if compile_blocks:  # after recompute (the checkpoint is compiled), before FSDP's hooks
         for _, block in blocks:
             block.compile(dynamic=False)
-    data_parallel = apply_data_parallel(model, blocks, mesh, config, experts)
+    data_parallel = apply_data_parallel(model, blocks, mesh, config, experts, param_dtype)
     if experts is not None:  # experts are synced by expert_parallel, not averaged over dp
         data_parallel.skip = experts.expert_names
     return _Part(data_parallel, context, experts, split)
@@ -219,6 +225,7 @@ def _parallelize_pipeline(
     spec: PipelineSpec | None,
     expert_groups: ExpertGroups | None = None,
     compile_blocks: bool = False,
+    param_dtype: torch.dtype | None = None,
 ) -> ParallelModel:
     """pp > 1: this rank's chunks, each parallelised by `_parallelize_part`, and the schedule."""
     if spec is None:
@@ -247,7 +254,7 @@ def _parallelize_pipeline(
         # the whole model for context parallelism: a Hugging Face model's attention
         # implementation is set on its config, which a chunk does not hold
         part = _parallelize_part(
-            chunk, named, mesh, config, plan, expert_groups, model, compile_blocks
+            chunk, named, mesh, config, plan, expert_groups, model, compile_blocks, param_dtype
         )
         data_parallels.append(part.data_parallel)
         contexts.extend([part.context] if part.context is not None else [])

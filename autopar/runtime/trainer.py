@@ -187,6 +187,9 @@ def memory_of(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict
                     out["optimizer"] += _local(value).numel() * value.element_size()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["peak"] = float(torch.cuda.max_memory_allocated())
+        # what the caching allocator held at most: the figure an OOM is decided on, and the
+        # one the plan's peak (live bytes plus its allocator reserve) stands for
+        out["peak_reserved"] = float(torch.cuda.max_memory_reserved())
     else:  # Linux reports the peak resident set in KiB
         out["peak"] = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return out
@@ -252,7 +255,9 @@ def train(
     if config.pp > 1:  # a model cut from its trace: how it is called, one micro-batch
         example = tuple(t[:mbs].to(device) for t in task.batch(0, 0, mbs)[0])
         spec = PipelineSpec(num_micro, task.loss, stage_layers, schedule, (task.forward, example))
-    pm = parallelize_model(model, mesh, config, placements, tp, spec, options.compile)
+    # mixed precision: FSDP2 units gather and compute in bf16 over fp32 master shards
+    param_dtype = None if options.precision == "fp32" else torch.bfloat16
+    pm = parallelize_model(model, mesh, config, placements, tp, spec, options.compile, param_dtype)
     model = pm.model  # pp > 1: this rank's chunks (the rest of the model is dropped)
     optimizer = _make_optimizer(model, options)
     # CHECKPOINT (autopar.runtime.checkpoint): resume from the newest complete checkpoint
@@ -316,6 +321,8 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
+        if device.type == "cuda":  # the step's kernels done: the time is the step's own
+            torch.cuda.synchronize(device)
         step_time = time.perf_counter() - t0
         memory = memory_of(model, optimizer)  # before zero_grad: gradients still held
         optimizer.zero_grad(set_to_none=True)
@@ -362,6 +369,9 @@ def _accumulate(
                 with _autocast(device, options.precision):
                     out = task.forward(pm.model, x)
                 loss = task.loss(out, y) / num_micro
+            # the outputs (the logits) are not needed by backward: freed before it, they are
+            # not held beside the loss's fp32 copies at its peak (`CostOptions.logit_copies`)
+            del out
             pm.data_parallel.before_backward(is_last_microbatch=i == num_micro - 1)
             loss.backward()
         loss_sum += _local(loss.detach()).double().cpu()
@@ -381,7 +391,8 @@ def _global_norm_and_loss(
     share is n times larger."""
     pp = mesh.size("pp")
     fewer = fewer or {}
-    total = torch.zeros(2, dtype=torch.float64)
+    # on the mesh's device: NCCL reduces CUDA tensors only, and the gradients are there
+    total = torch.zeros(2, dtype=torch.float64, device=mesh.mesh.device_type)
     for p in params:
         if p.grad is not None:
             local = _local(p.grad).detach().double()
