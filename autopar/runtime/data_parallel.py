@@ -17,10 +17,10 @@ torchtitan does: the sharded parameters stay fp32 (the master weights the optimi
 the all-gather moves and the unsharded layer holds bf16 (what the plan prices), and gradients
 are reduce-scattered and accumulated in fp32. Without it FSDP2 gathers fp32 parameters --
 twice the planned all-gather bytes and gathered memory -- and autocast keeps a bf16 copy of
-every gathered weight from forward to backward beside them (measured on an H100: the plan's
-pick ran out of memory, benchmarks/gpu_program.py). Without FSDP, each block's inputs are
-cast to bf16 as that policy casts them (`_CastInputs`), and autocast computes over the fp32
-parameters.
+every gathered weight from forward to backward beside them (found reading this module after
+a one-GPU plan ran out of memory on an H100, benchmarks/gpu_program.py; FSDP itself has not
+run on a GPU here). Without FSDP, each block's inputs are cast to bf16 as that policy casts
+them (`_CastInputs`), and autocast computes over the fp32 parameters.
 
 ZeRO stage -> FSDP2 settings:
     3: reshard_after_forward=True: parameters are all-gathered for forward, freed, and
