@@ -89,7 +89,7 @@ def _comm_of_steps(case: Case, steps: int) -> tuple[Counter[Key], dict[str, floa
             task_of(case),
             case.config,
             case.global_batch_size,
-            options=TrainOptions(steps=steps, log=False),
+            options=TrainOptions(steps=steps, log=False, precision=case.precision),
             tp=tp_of(case),
         )
     return mode.sized, results[-1].memory_bytes
@@ -142,8 +142,11 @@ def measure(cases: list[Case]) -> list[dict[str, Any]]:
             {
                 "comm": dict(step),
                 "memory": memory,
-                # pp > 1: a chunk's saved bytes need the schedule; not measured here
-                "activations": saved_activation_bytes(case) if case.config.pp == 1 else None,
+                # pp > 1: a chunk's saved bytes need the schedule; bf16: the trainer's
+                # autocast; neither measured here
+                "activations": saved_activation_bytes(case)
+                if case.config.pp == 1 and case.precision == "fp32"
+                else None,
             }
         )
     return out

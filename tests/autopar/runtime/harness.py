@@ -48,12 +48,15 @@ class Case:
     data: str | None = None  # the factory's data hook ("module:fn"); None: token ids
     loss: str | None = None  # the factory's loss ("module:fn"); None: next-token
     roles: dict | None = None  # `Plan.tensor_parallel_roles`: linears split by the trace
+    # the training precision: "bf16" runs autocast over fp32 parameters, FSDP2 in bf16
+    precision: str = "fp32"
 
     @property
     def label(self) -> str:
         extra = " +placements" if self.placements else ""
         extra += " uneven" if self.stage_layers else ""
         extra += f" {self.schedule}" if self.schedule else ""
+        extra += f" {self.precision}" if self.precision != "fp32" else ""
         return f"{self.model} {self.config.as_text()}{extra}"
 
 

@@ -11,7 +11,10 @@ the trace pairs them; BERT's MLM transform whole, priced split before), TP2 + SP
 GPT-2 and TP2 on Phi-3 (their fused projections split piece by piece), and expert tensor
 parallelism (etp = tp = 2) on the zoo MoE, Mixtral with SP and Mixtral under EP2 x TP2 + SP
 (activations 0.98-1.03 of the plan once the experts' hidden-wide rows were priced whole, 1.25
-before), one training step on
+before), and FSDP (ZeRO-3) in bf16 (its all-gathers bf16 as priced: they moved fp32, twice the
+plan, before FSDP2 got a bf16 MixedPrecisionPolicy; the state bytes checked as one total,
+the runtime's fp32 parameters being the plan's bf16 ones and fp32 master copy; activations
+not measured under autocast), one training step on
 gloo ranks issues exactly the collectives `Plan.communication` predicts (kind, calls, bytes per
 call; the loss-parallel reductions by count, their bytes being an upper bound; expert
 parallelism's all-to-alls by count on every rank and by bytes summed over the ranks, since
@@ -85,6 +88,9 @@ CASES_2 += [
 # expert tensor parallelism (etp = tp): the experts' width split over tp, Megatron's f/g around
 # the expert call (the zoo MoE's dense combine), or with SP its input, routing weights and
 # indices gathered and its output reduce-scattered (Mixtral's stacks)
+# bf16: FSDP2 gathers bf16 parameters and reduce-scatters fp32 gradients, as the plan prices
+# them (it gathered fp32 before, twice the planned all-gather bytes)
+CASES_2 += [Case("llama-tiny", C(fsdp=2, zero_stage=3), precision="bf16")]
 CASES_2 += [
     Case("moe-tiny", C(tp=2, etp=2)),
     Case("mixtral-tiny-hf", C(tp=2, etp=2, sequence_parallel=True), seq_len=32),
@@ -135,7 +141,7 @@ def plan_of(case: Case) -> autopar.Plan:
         case.config,
         (ids,),
         global_batch_size=case.global_batch_size,
-        precision="fp32",
+        precision=case.precision,
     )
 
 
@@ -218,7 +224,13 @@ def check(cases: list[Case], world_size: int) -> list[str]:
             if r >= per_stage:  # a later stage: the last one holds a tied embedding's copy
                 held = rank[i]["memory"]["parameters"]
                 rows.append(f"  rank {r} parameters {held:.0f} B vs plan {mem['parameters']} B")
-            for key in ("parameters", "gradients", "optimizer"):
+            keys = ("parameters", "gradients", "optimizer")
+            if case.precision != "fp32":  # fp32 parameters under autocast: the plan's bf16
+                # parameters and fp32 master copy are the runtime's fp32 parameters
+                held = sum(rank[i]["memory"][k] for k in keys)
+                assert held == sum(mem[k] for k in keys), f"{case.label}: state {held} B"
+                continue
+            for key in keys:
                 assert rank[i]["memory"][key] == mem[key], (
                     f"{case.label}: {key} {rank[i]['memory'][key]} B != plan {mem[key]} B"
                 )
