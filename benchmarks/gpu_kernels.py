@@ -123,23 +123,20 @@ def matmul_shapes(quick: bool) -> list[tuple[str, int, int, int]]:
     return out
 
 
+def _row(kernel: str, shape: str, x: float, seconds: float, peak: float, **extra) -> dict:
+    """One timed kernel: x its size (FLOPs or bytes), its rate and its share of ``peak``."""
+    rate = x / seconds
+    return {"kernel": kernel, "shape": shape, **extra, "x": x, "seconds": seconds,
+            "rate": rate, "efficiency": rate / peak}  # fmt: skip
+
+
 def matmul_rows(args: argparse.Namespace, peak: float) -> list[dict]:
     rows = []
     for name, m, n, k in matmul_shapes(args.quick):
         a = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
         b = torch.randn(k, n, device=DEVICE, dtype=torch.bfloat16)
         seconds = timed(lambda a=a, b=b: torch.mm(a, b), args.warmup, args.repeats)
-        flops = 2.0 * m * n * k
-        rows.append(
-            {
-                "kernel": "matmul",
-                "shape": name,
-                "x": flops,
-                "seconds": seconds,
-                "rate": flops / seconds,
-                "efficiency": flops / seconds / peak,
-            }
-        )
+        rows.append(_row("matmul", name, 2.0 * m * n * k, seconds, peak))
         del a, b
     return rows
 
@@ -166,17 +163,7 @@ def fp8_rows(args: argparse.Namespace, peak: float) -> list[dict]:
             except RuntimeError as exc:  # a device or build without this recipe
                 rows.append({"kernel": f"fp8-{recipe}", "shape": name, "error": str(exc)[:200]})
                 break
-            flops = 2.0 * m * n * k
-            rows.append(
-                {
-                    "kernel": f"fp8-{recipe}",
-                    "shape": name,
-                    "x": flops,
-                    "seconds": seconds,
-                    "rate": flops / seconds,
-                    "efficiency": flops / seconds / peak,
-                }
-            )
+            rows.append(_row(f"fp8-{recipe}", name, 2.0 * m * n * k, seconds, peak))
             del a, b
     return rows
 
@@ -231,17 +218,7 @@ def attention_rows(args: argparse.Namespace, peak: float) -> list[dict]:
                 ("fwd", fwd_flops, t_fwd),
                 ("bwd", 2.5 * fwd_flops, t_bwd),
             ):
-                rows.append(
-                    {
-                        "kernel": f"attention-{label}-{part}",
-                        "shape": shape,
-                        "seq": seq,
-                        "x": flops,
-                        "seconds": seconds,
-                        "rate": flops / seconds,
-                        "efficiency": flops / seconds / peak,
-                    }
-                )
+                rows.append(_row(f"attention-{label}-{part}", shape, flops, seconds, peak, seq=seq))
             del q, k, v, grad
     return rows
 
@@ -255,17 +232,7 @@ def hbm_rows(args: argparse.Namespace, peak: float) -> list[dict]:
         src = torch.empty(size, dtype=torch.uint8, device=DEVICE)
         dst = torch.empty_like(src)
         seconds = timed(lambda s=src, d=dst: d.copy_(s), args.warmup, args.repeats)
-        moved = 2.0 * size
-        rows.append(
-            {
-                "kernel": "hbm",
-                "shape": f"copy {size / 2**20:.0f} MiB",
-                "x": moved,
-                "seconds": seconds,
-                "rate": moved / seconds,
-                "efficiency": moved / seconds / peak,
-            }
-        )
+        rows.append(_row("hbm", f"copy {size / 2**20:.0f} MiB", 2.0 * size, seconds, peak))
         del src, dst
     return rows
 
