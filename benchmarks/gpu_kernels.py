@@ -66,19 +66,10 @@ def timed(fn: Callable[[], object], warmup: int, repeats: int) -> float:
 def fit_curve(points: list[tuple[float, float]]) -> tuple[float, float] | None:
     """(max, half_size) of eff = max * x / (x + half) by least squares on 1/eff = a + b / x."""
     pts = [(x, e) for x, e in points if e > 0]
-    if len(pts) < 2:
+    if len({x for x, _ in pts}) < 2:
         return None
-    us = [1 / x for x, _ in pts]
-    vs = [1 / e for _, e in pts]
-    mu, mv = statistics.fmean(us), statistics.fmean(vs)
-    var = sum((u - mu) ** 2 for u in us)
-    if var == 0:
-        return None
-    b = sum((u - mu) * (v - mv) for u, v in zip(us, vs, strict=True)) / var
-    a = mv - b * mu
-    if a <= 0:
-        return None
-    return 1 / a, b / a
+    b, a = statistics.linear_regression([1 / x for x, _ in pts], [1 / e for _, e in pts])
+    return (1 / a, b / a) if a > 0 else None
 
 
 def usable_memory() -> dict[str, float]:

@@ -161,9 +161,10 @@ def table(out: Path, cases: list[str]) -> list[dict]:
         peak_pred = lines[0]["predicted_peak_memory_bytes"] if lines else None
         alloc = max((x["peak_memory_bytes"] or 0 for x in lines), default=None)
         resv = max((x.get("peak_reserved_bytes") or 0 for x in lines), default=None)
+        config = _config_text(case)
         row = dict(
             case=name,
-            config=_config_text(case),
+            config=config,
             predicted_s=predicted,
             measured_s=measured,
             status=status,
@@ -179,7 +180,7 @@ def table(out: Path, cases: list[str]) -> list[dict]:
 
         err = f"{measured / predicted - 1:+7.1%}" if measured and predicted else "      -"
         print(
-            f"{name:8} {_config_text(case):44} {fmt(predicted)} {fmt(measured)} {err}  "
+            f"{name:8} {config:44} {fmt(predicted)} {fmt(measured)} {err}  "
             f"{fmt(peak_pred, GiB, '8.1f')} {fmt(alloc, GiB, '6.1f')} {fmt(resv, GiB, '6.1f')}"
             f"  {status}"
         )

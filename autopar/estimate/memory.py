@@ -326,6 +326,8 @@ class StageMemory:
         b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
         pbytes = PRECISION_BYTES[self.precision]
         per_mb = transient = logits = cast = 0.0
+        # autocast over fp32 parameters: without FSDP2's bf16 gathers, in mixed precision
+        casts = cfg.fsdp == 1 and self.precision != "fp32" and self.options.autocast_weight_bytes
         for table in layers:
             policy = cfg.recompute
             if recomputed is not None and table.name not in recomputed:
@@ -335,11 +337,9 @@ class StageMemory:
             transient = max(transient, none - kept)
             split = t if table.vocab_split else 1  # the logits' vocabulary over tp
             logits += table.vocab_logits_bytes * b / (split * c) * self.act_scale
-            if policy != "full" or cfg.pp > 1:
+            if casts and (policy != "full" or cfg.pp > 1):
                 cast += self._matmul_share(table) * self.params(cfg, [table])
-        copies = 0.0
-        if cfg.fsdp == 1 and self.precision != "fp32":  # autocast over fp32 parameters
-            copies = cast * self.options.autocast_weight_bytes
+        copies = cast * self.options.autocast_weight_bytes
         if cfg.zero_stage == 3:
             largest = max((self.params(cfg, [x]) for x in layers), default=0.0)
             buffers = 2 * largest * (pbytes + self.options.grad_bytes)

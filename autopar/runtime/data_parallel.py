@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
 from autopar.config import ParallelConfig
 from autopar.runtime.collectives import all_reduce_flat
@@ -109,23 +110,20 @@ class DataParallel:
 
 
 class _CastInputs:
-    """A block's floating-point inputs cast to ``dtype``, as `MixedPrecisionPolicy`'s
-    cast_forward_inputs casts an FSDP2 unit's: without FSDP the parameters stay fp32 and
-    autocast computes in bf16, but the residual stream (the embedding's fp32 output and the
-    sums onto it) would stay fp32, saving fp32 activations where an FSDP2 run -- and the
-    plan -- saves bf16 ones."""
+    """A block's floating-point inputs, nested ones too, cast to ``dtype``, as
+    `MixedPrecisionPolicy`'s cast_forward_inputs casts an FSDP2 unit's: without FSDP the
+    parameters stay fp32 and autocast computes in bf16, but the residual stream (the
+    embedding's fp32 output and the sums onto it) would stay fp32, saving fp32 activations
+    where an FSDP2 run -- and the plan -- saves bf16 ones."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
 
-    def _cast(self, x: object) -> object:
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.to(self.dtype)
-        return x
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.dtype) if t.is_floating_point() else t
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        args = tuple(self._cast(a) for a in args)
-        return args, {k: self._cast(v) for k, v in kwargs.items()}
+        return tree_map_only(torch.Tensor, self._cast, (args, kwargs))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,7 @@ Public functions:
     apply_expert_parallel(model, groups, num_data_ranks=None, required=True) -> ExpertParallel
     ExpertParallel.expert_parameters(model) -> list of parameters (this rank's experts)
     ExpertParallel.is_expert(name) -> bool
-    ExpertParallel.shard(reshard_after_forward) -> parameters FSDP must ignore  # fsdp > 1
+    ExpertParallel.shard(reshard, mp_policy) -> parameters FSDP must ignore  # fsdp > 1
     ExpertParallel.sync_gradients(model)          # after backward: experts' data average
     build_expert_groups(world, tokens, inner, ep, ranks=None, device_type) -> ExpertGroups
 """
@@ -128,7 +128,7 @@ class ExpertParallel:
         return [p for n, p in model.named_parameters() if n in self.expert_names]
 
     def shard(
-        self, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy | None = None
+        self, reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy
     ) -> set[nn.Parameter]:
         """fsdp > 1: each block's expert modules one FSDP2 unit over the expert data group
         (module docstring). Returns the parameters the surrounding units must ignore: every
@@ -140,7 +140,7 @@ class ExpertParallel:
                 list(unit),
                 mesh=self.groups.data_mesh,
                 reshard_after_forward=reshard_after_forward,
-                mp_policy=mp_policy or MixedPrecisionPolicy(),
+                mp_policy=mp_policy,
             )
             for module in unit:  # an expert no token reached: zeros, so the scatters match
                 module.set_reduce_scatter_unused_params(True)
