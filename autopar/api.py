@@ -45,6 +45,7 @@ from autopar.runtime.capability import (
     precision_candidates,
     runtime_limits,
     runtime_problems,
+    token_multiple,
     traced_roles,
 )
 from autopar.solve import PlanOptions, solve
@@ -133,7 +134,7 @@ def parallelize(
     roles: tuple[dict[str, str], str] = ({}, "")
     if own_runtime(options.cost.stack):  # only what autopar's runtime can run
         roles = traced_roles(model, graph)
-        limits, bounded = runtime_limits(model, limits, options.cost.stack, roles)
+        limits, bounded = runtime_limits(model, limits, options.cost.stack, roles, precision)
     notes += bounded
     solution = solve(estimator, graph, cluster, limits, options)
     plan = plan_from_estimate(solution.best, graph, cluster, precision, optimizer, estimator)
@@ -157,18 +158,22 @@ def _parallelize_auto(
     """``precision="auto"``: the fastest plan over BF16 and the recipes the device and the
     stack run (`runtime.capability.precision_candidates`), with a note of what it bought."""
     names, why_not = precision_candidates(cluster.profile, options.cost.stack)
-    plans = {
-        name: parallelize(
-            model, cluster, global_batch_size=global_batch_size, precision=name,
-            optimizer=optimizer, options=options, graph=graph, model_factory=source[0],
-            loss_fn=source[1],
-        )
-        for name in names
-    }  # fmt: skip
+    plans, refused = {}, []
+    for name in names:
+        try:
+            plans[name] = parallelize(
+                model, cluster, global_batch_size=global_batch_size, precision=name,
+                optimizer=optimizer, options=options, graph=graph, model_factory=source[0],
+                loss_fn=source[1],
+            )  # fmt: skip
+        except ConfigError as error:  # a recipe the runtime cannot train this model in
+            if name == "bf16":
+                raise
+            refused.append(f"{name} not planned: {error}")
     best = min(plans.values(), key=lambda p: p.step_time_s)
     bf16 = plans["bf16"].step_time_s
-    if why_not:
-        said = f"precision auto: bf16, {why_not}"
+    if why_not or len(plans) == 1:
+        said = f"precision auto: bf16, {why_not or 'no recipe could be planned'}"
     else:
         others = ", ".join(
             f"{name} {bf16 / p.step_time_s:.2f}x" for name, p in plans.items() if name != "bf16"
@@ -177,7 +182,7 @@ def _parallelize_auto(
             f"precision auto: {best.precision}, {bf16 / best.step_time_s:.2f}x the speed of bf16 "
             f"({best.step_time_s:.3f} s against {bf16:.3f} s a step; {others})"
         )
-    return replace(best, notes=(*notes, said, *best.notes))
+    return replace(best, notes=(*notes, said, *refused, *best.notes))
 
 
 def evaluate(
@@ -234,12 +239,14 @@ def evaluate(
         graph = trace(model, example_inputs)
     limits = space_limits(model, graph, cluster, global_batch_size)
     options = stack_options(stack, options)
+    if own_runtime(options.stack):  # MXFP8's blocks split the sequence (runtime.capability)
+        limits = replace(limits, token_multiple=token_multiple(precision))
     problems = config.problems(cluster) + shape_problems(config, limits)
     roles: tuple[dict[str, str], str] = ({}, "")
     if own_runtime(options.stack):  # another stack's program is that framework's to run
         roles = traced_roles(model, graph)
         problems += runtime_problems(
-            model, config, limits.num_blocks, options.stack, roles, limits.seq_len
+            model, config, limits.num_blocks, options.stack, roles, limits.seq_len, precision
         )
     if problems:
         raise ConfigError(

@@ -46,7 +46,9 @@ class Recipe:
     # FSDP can gather the converted weights already cast (torchao's
     # enable_fsdp_float8_all_gather; tensorwise scales only): 1 byte per element, not 2
     fp8_all_gather: bool
-    torchao_recipe: str | None  # Float8LinearConfig.from_recipe_name(...), or None: not run
+    # torchao's name for it, or None: autopar's runtime does not run it. FP8 recipes:
+    # Float8LinearConfig.from_recipe_name(...); MXFP8: an MXFP8TrainingRecipe value
+    torchao_recipe: str | None
     source: str
 
 
@@ -101,7 +103,7 @@ RECIPES: dict[str, Recipe] = {
             cast_backward=(1.9, 1.1),
             edge_blocks_in_bf16=0,
             fp8_all_gather=False,
-            torchao_recipe=None,
+            torchao_recipe="mxfp8_rceil",
             source="as fp8-tensorwise, with a 1/32 scale per element written beside each cast",
         ),
         Recipe(

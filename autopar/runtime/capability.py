@@ -30,6 +30,11 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
     torch.compile       the "autopar-compile" stack compiles each block: with data, sharded
                         and pipeline parallelism and recompute only, tp = cp = ep = 1 (a
                         compiled DTensor block fails in backward under torch 2.13)
+    MXFP8               torchao's MXFP8 linear scales blocks of 32 tokens in the weight
+                        gradient's GEMM: each rank's share of a sequence (seq / cp) a
+                        multiple of 32 (`token_multiple`), and no expert parallelism (a
+                        dispatched expert gets any number of tokens); tp = 1 (its weight
+                        under a DTensor style runs BF16 GEMMs: measured, the losses equal)
 
 Invariant: the search offers no config the generated program would refuse or run otherwise
 than priced, for these axes; `evaluate` refuses the same configs with the same reasons. Both
@@ -45,7 +50,8 @@ import torch
 from torch import nn
 
 from autopar.config import ParallelConfig
-from autopar.config.precision import supported_recipes
+from autopar.config.precision import recipe_of, supported_recipes
+from autopar.errors import ConfigError
 from autopar.estimate.stacks import load_stack, stack_names
 from autopar.estimate.tables import tensor_parallel_roles
 from autopar.hardware.profile import HardwareProfile
@@ -125,16 +131,68 @@ def _pipeline_cut(model: nn.Module, num_blocks: int) -> str:
 COMPILED_STACK = "autopar-compile"
 
 
+# torchao's MXFP8 block: 32 elements share one e8m0 scale, along every GEMM operand's
+# contracted dimension, the tokens included (the weight gradient contracts over them)
+MX_BLOCK = 32
+
+
+def token_multiple(precision: str) -> int:
+    """What each rank's share of a sequence must be a multiple of for ``precision``'s GEMMs
+    in autopar's runtime: `MX_BLOCK` for MXFP8, else 1."""
+    recipe = recipe_of(precision)
+    return MX_BLOCK if recipe is not None and recipe.gemm_dtype == "mxfp8" else 1
+
+
+def recipe_problem(precision: str, seq_len: int) -> str:
+    """Why autopar's runtime trains no config of a model with sequences of ``seq_len`` tokens
+    in ``precision``, or "" when some may."""
+    multiple = token_multiple(precision)
+    if seq_len and seq_len % multiple:
+        return (
+            f"precision {precision!r} needs sequences of a multiple of {multiple} tokens "
+            f"(torchao's MXFP8 scale blocks run along them in the weight gradient's GEMM); "
+            f"this one has {seq_len}"
+        )
+    return ""
+
+
+def _no_mxfp8_ep() -> str:
+    return (
+        "torchao's MXFP8 linear needs the tokens of each GEMM in multiples of 32, and a "
+        "dispatched expert gets any number of them"
+    )
+
+
+def _no_mxfp8_tp() -> str:
+    return (
+        "torchao's MXFP8 weight inside a tensor-parallel DTensor runs its GEMMs in BF16, not "
+        "as priced"
+    )
+
+
 def runtime_limits(
     model: nn.Module,
     limits: SpaceLimits,
     stack: str = "autopar",
     roles: tuple[dict[str, str], str] = ({}, ""),
+    precision: str = "bf16",
 ) -> tuple[SpaceLimits, list[str]]:
-    """``limits`` bounded by what the runtime can do for ``model`` when ``stack`` runs it,
-    and why (module docstring). ``roles``: `traced_roles`."""
+    """``limits`` bounded by what the runtime can do for ``model`` when ``stack`` runs it in
+    ``precision``, and why (module docstring). ``roles``: `traced_roles`.
+
+    Raises:
+        ConfigError: the runtime trains no config of this model in ``precision``.
+    """
     notes = []
     name = type(model).__name__
+    if why := recipe_problem(precision, limits.seq_len):
+        raise ConfigError(f"{why}: plan another precision, or export the plan")
+    if (multiple := token_multiple(precision)) > 1:
+        limits = replace(limits, token_multiple=multiple, max_tp=1)
+        notes.append(f"no tensor-parallel plans in {precision}: {_no_mxfp8_tp()}")
+        if limits.num_experts:
+            limits = replace(limits, num_experts=0)
+            notes.append(f"no expert-parallel plans in {precision}: {_no_mxfp8_ep()}")
     if stack == COMPILED_STACK and (limits.max_tp != 1 or limits.max_cp > 1 or limits.num_experts):
         limits = replace(limits, max_tp=1, max_cp=1, num_experts=0)
         notes.append(f"no tensor-, context- or expert-parallel plans: {_no_compiled_split()}")
@@ -181,12 +239,20 @@ def runtime_problems(
     stack: str = "autopar",
     roles: tuple[dict[str, str], str] = ({}, ""),
     seq_len: int = 0,
+    precision: str = "bf16",
 ) -> list[str]:
     """Every way autopar's runtime would refuse ``config`` for ``model`` (whose trace found
-    ``num_blocks`` repeated layers, of ``seq_len`` tokens) when ``stack`` runs it, or run it
-    otherwise than priced; empty when it runs. ``roles``: `traced_roles`."""
+    ``num_blocks`` repeated layers, of ``seq_len`` tokens) when ``stack`` runs it in
+    ``precision``, or run it otherwise than priced; empty when it runs. ``roles``:
+    `traced_roles`. (The sequence's split into MXFP8's blocks is `shape_problems`'.)"""
     out = []
     name = type(model).__name__
+    if why := recipe_problem(precision, seq_len):
+        out.append(why)
+    if config.ep > 1 and token_multiple(precision) > 1:
+        out.append(f"ep={config.ep} in {precision}: {_no_mxfp8_ep()}")
+    if config.tp > 1 and token_multiple(precision) > 1:
+        out.append(f"tp={config.tp} in {precision}: {_no_mxfp8_tp()}")
     if stack == COMPILED_STACK and max(config.tp, config.cp, config.ep) > 1:
         out.append(
             f"tp={config.tp} cp={config.cp} ep={config.ep} on the {stack} stack: "

@@ -1,24 +1,32 @@
-"""Low-precision linears: a plan's FP8 recipe applied with torchao's float8 training.
+"""Low-precision linears: a plan's FP8 or MXFP8 recipe applied with torchao's training
+conversions.
 
 In: the model (full, before any parallel style), its blocks, the plan's precision and config,
 the device. Out: a `LowPrecision` record naming the recipe and the converted modules (the
-blocks' ``nn.Linear`` layers the recipe covers: every block for the FP8 recipes; attention's
-products, norms, the embedding and the head stay BF16, as the estimate priced them).
+blocks' ``nn.Linear`` layers the recipe covers: every block for the FP8 and MXFP8 recipes;
+attention's products, norms, the embedding and the head stay BF16, as the estimate priced them).
 
-torchao's ``convert_to_float8_training`` swaps each covered ``nn.Linear`` for a
-``Float8Linear`` (its GEMMs through ``torch._scaled_mm``); with ZeRO-3 and per-tensor scales
-the weights are gathered already cast (``enable_fsdp_float8_all_gather``), as the estimate
-prices. Written by hand: only which modules (autopar's blocks, the recipe's edge blocks) and
-the device check; the conversion is torchao's.
+FP8 (tensorwise, rowwise): torchao's ``convert_to_float8_training`` swaps each covered
+``nn.Linear`` for a ``Float8Linear`` (its GEMMs through ``torch._scaled_mm``); with ZeRO-3 and
+per-tensor scales the weights are gathered already cast (``enable_fsdp_float8_all_gather``), as
+the estimate prices. MXFP8: torchao's ``quantize_`` with an ``MXFP8TrainingOpConfig`` wraps each
+covered linear's weight so that its three GEMMs quantize both operands to e4m3 with one e8m0
+scale per 32 elements; FSDP gathers those weights in BF16 (the recipe's ``fp8_all_gather`` is
+off). Written by hand: only which modules (autopar's blocks, the recipe's edge blocks) and the
+device check; the conversions are torchao's.
 
-Devices: CUDA needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper,
-Blackwell); an older GPU is refused naming it and the recipe. On the CPU, torch emulates
-``_scaled_mm`` (slowly): the generated program runs there for tests, saying so. Recipes that
-torchao does not train here (MXFP8, NVFP4) are refused: plan them for another stack and export.
-Under tensor parallelism the converted linears take the plain DTensor styles: each rank casts
-its own shard (a tensorwise scale's amax reduced over the tp ranks by DTensor), and the
-tensor-parallel collectives move BF16, as the estimate prices them. torchao's Float8 TP styles,
-which cast before the sequence-parallel all-gather, are not used.
+Devices: CUDA needs the recipe's tensor cores: FP8 compute capability 8.9 or newer (Ada,
+Hopper, Blackwell), MXFP8 10.0 or newer (Blackwell); an older GPU is refused naming it and the
+recipe. On the CPU, torch emulates the FP8 GEMMs and torchao's emulated MXFP8 recipe quantizes
+and dequantizes around BF16 GEMMs (slowly): the generated program runs there for tests, saying
+so. NVFP4 (torchao trains it with Triton kernels only, on Blackwell) is refused: plan it for
+another stack and export.
+Under tensor parallelism the FP8 linears take the plain DTensor styles: each rank casts its own
+shard (a tensorwise scale's amax reduced over the tp ranks by DTensor), and the tensor-parallel
+collectives move BF16, as the estimate prices them. torchao's Float8 TP styles, which cast
+before the sequence-parallel all-gather, are not used. MXFP8 is refused with tensor or expert
+parallelism (`runtime.capability`: torchao's MXFP8 weight inside a DTensor runs BF16 GEMMs,
+and an expert's routed tokens are not in blocks of 32).
 """
 
 from __future__ import annotations
@@ -32,8 +40,13 @@ from autopar.config import ParallelConfig
 from autopar.config.precision import RECIPES, Recipe, recipe_of
 from autopar.models.quiet import import_torchao
 
-# torch._scaled_mm takes FP8 operands whose dimensions are multiples of 16
-_FP8_ALIGN = 16
+# the multiple a converted linear's dimensions must be: torch._scaled_mm takes FP8 operands
+# whose dimensions are multiples of 16; MXFP8 scales blocks of 32 elements along each
+_ALIGN = {"fp8": 16, "mxfp8": 32}
+# the CUDA compute capability whose tensor cores run each GEMM dtype, and their generation
+_CUDA_CAPABILITY = {"fp8": ((8, 9), "Ada, Hopper, Blackwell"), "mxfp8": ((10, 0), "Blackwell")}
+# torchao's MXFP8 recipe that quantizes in plain PyTorch and runs BF16 GEMMs: the CPU's
+_MXFP8_EMULATED = "mxfp8_emulated_rceil"
 
 
 @dataclass(frozen=True)
@@ -46,12 +59,13 @@ class LowPrecision:
     def describe(self) -> str:
         gather = ", FSDP gathers FP8 weights" if self.fsdp_float8_all_gather else ""
         where = " (emulated on the CPU)" if self.emulated else ""
-        return f"{self.recipe}: {len(self.modules)} linears in FP8{gather}{where}"
+        dtype = RECIPES[self.recipe].gemm_dtype.upper()
+        return f"{self.recipe}: {len(self.modules)} linears in {dtype}{gather}{where}"
 
 
 def runnable(recipe: Recipe) -> bool:
-    """Whether this runtime trains ``recipe`` (torchao's float8 recipes)."""
-    return recipe.torchao_recipe is not None
+    """Whether this runtime trains ``recipe`` (torchao's float8 and MXFP8 recipes)."""
+    return recipe.torchao_recipe is not None and recipe.gemm_dtype in _CUDA_CAPABILITY
 
 
 # what a generated program's --precision takes: the dtypes it trains in and torchao's recipes
@@ -65,31 +79,42 @@ def check_device(recipe: Recipe, device: torch.device) -> None:
         RuntimeError: naming the device and the recipe.
     """
     if not runnable(recipe):
+        runs = ", ".join(n for n, r in RECIPES.items() if runnable(r))
         raise RuntimeError(
             f"precision {recipe.name!r} is priced but not run by autopar's runtime (torchao "
-            f"trains fp8-tensorwise and fp8-rowwise here): export the plan to a framework "
-            f"that runs it (autopar export --to megatron), or plan with precision fp8"
+            f"trains {runs} here): export the plan to a framework that runs it (autopar "
+            f"export --to megatron), or plan with precision fp8"
         )
     if device.type == "cuda":
+        (need, generation) = _CUDA_CAPABILITY[recipe.gemm_dtype]
         major, minor = torch.cuda.get_device_capability(device)
-        if (major, minor) < (8, 9):
+        if (major, minor) < need:
             name = torch.cuda.get_device_name(device)
+            kind = recipe.gemm_dtype.upper()
             raise RuntimeError(
-                f"precision {recipe.name!r} needs FP8 tensor cores (compute capability 8.9 or "
-                f"newer: Ada, Hopper, Blackwell); {name} has {major}.{minor}: train in bf16"
+                f"precision {recipe.name!r} needs {kind} tensor cores (compute capability "
+                f"{need[0]}.{need[1]} or newer: {generation}); {name} has {major}.{minor}: "
+                "train in bf16"
             )
 
 
 def covered_linears(blocks: list[tuple[str, nn.Module]], recipe: Recipe) -> list[str]:
     """The paths of the linears ``recipe`` converts: every ``nn.Linear`` of the blocks it
-    covers (all but `edge_blocks_in_bf16` at each end) whose dimensions FP8 GEMMs take."""
+    covers (all but `edge_blocks_in_bf16` at each end) whose dimensions its GEMMs take; for
+    MXFP8 only those without a bias (torchao's MXFP8 weight drops ``F.linear``'s bias)."""
     keep = recipe.edge_blocks_in_bf16
     inner = blocks[keep : len(blocks) - keep] if len(blocks) > 2 * keep else []
+    align = _ALIGN.get(recipe.gemm_dtype, 16)
     out = []
     for path, block in inner:
         for name, module in block.named_modules():
-            if isinstance(module, nn.Linear) and _aligned(module):
-                out.append(f"{path}.{name}" if name else path)
+            if not isinstance(module, nn.Linear):
+                continue
+            if module.in_features % align or module.out_features % align:
+                continue
+            if recipe.gemm_dtype == "mxfp8" and module.bias is not None:
+                continue
+            out.append(f"{path}.{name}" if name else path)
     return out
 
 
@@ -115,19 +140,46 @@ def apply_low_precision(
             f"precision {recipe.name!r} converts the linears with torchao, which is not "
             "installed: pip install 'autopar[fp8]' (or torchao), keeping the installed torch"
         )
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    gather = recipe.fp8_all_gather and config.zero_stage == 3 and config.fsdp > 1
-    ao_config = Float8LinearConfig.from_recipe_name(recipe.torchao_recipe)
-    if gather:
-        ao_config = replace(ao_config, enable_fsdp_float8_all_gather=True)
+    if recipe.gemm_dtype == "mxfp8" and max(config.tp, config.ep) > 1:
+        raise RuntimeError(
+            f"precision {recipe.name!r} with tp={config.tp} ep={config.ep}: torchao's MXFP8 "
+            "weight under a tensor-parallel DTensor runs BF16 GEMMs, and a dispatched "
+            "expert's tokens are not in its blocks of 32; train it with tp = ep = 1"
+        )
     paths = covered_linears(blocks, recipe)
     wanted = set(paths)
-    convert_to_float8_training(
-        model, config=ao_config, module_filter_fn=lambda _module, fqn: fqn in wanted
-    )
+    gather = recipe.fp8_all_gather and config.zero_stage == 3 and config.fsdp > 1
+    if recipe.gemm_dtype == "mxfp8":
+        _convert_mxfp8(model, recipe, wanted, device)
+    else:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        ao_config = Float8LinearConfig.from_recipe_name(recipe.torchao_recipe)
+        if gather:
+            ao_config = replace(ao_config, enable_fsdp_float8_all_gather=True)
+        convert_to_float8_training(
+            model, config=ao_config, module_filter_fn=lambda _module, fqn: fqn in wanted
+        )
     return LowPrecision(recipe.name, tuple(paths), gather, device.type == "cpu")
 
 
-def _aligned(linear: nn.Linear) -> bool:
-    return linear.in_features % _FP8_ALIGN == 0 and linear.out_features % _FP8_ALIGN == 0
+def _convert_mxfp8(model: nn.Module, recipe: Recipe, wanted: set[str], device: torch.device):
+    """Wrap the weights of ``wanted``'s linears with torchao's MXFP8 training tensor (its
+    emulated recipe off CUDA)."""
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+    from torchao.quantization import quantize_
+
+    name = recipe.torchao_recipe if device.type == "cuda" else _MXFP8_EMULATED
+    ao_config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(name))
+    quantize_(model, ao_config, filter_fn=lambda _module, fqn: fqn in wanted)
+    for path in wanted:  # torchao's GEMM takes both operands in one dtype
+        model.get_submodule(path).register_forward_pre_hook(_input_as_weight)
+
+
+def _input_as_weight(module: nn.Module, args: tuple) -> tuple:
+    """An MXFP8 linear's input in its weight's dtype: autocast leaves the input BF16 while a
+    weight FSDP does not gather in BF16 stays FP32, and torchao's MXFP8 GEMM refuses the mix
+    (the weight is quantized from FP32 either way)."""
+    x, *rest = args
+    dtype = module.weight.dtype
+    return (x.to(dtype), *rest) if x.dtype != dtype else None

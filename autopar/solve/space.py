@@ -57,6 +57,10 @@ class SpaceLimits:
     # the experts' intermediate width where the runtime can split it over tp (etp = tp;
     # `runtime.capability.expert_width`), else 0: etp = 1 only
     expert_width: int = 0
+    # each rank's share of a sequence (seq_len / cp, and / tp with sequence parallelism) is a
+    # multiple of this: MXFP8's 32-element scale blocks run along the tokens in the weight
+    # gradient's GEMM (`runtime.capability.token_multiple`); 1: no such rule
+    token_multiple: int = 1
 
 
 def shape_problems(cfg: ParallelConfig, lim: SpaceLimits) -> list[str]:
@@ -100,6 +104,13 @@ def shape_problems(cfg: ParallelConfig, lim: SpaceLimits) -> list[str]:
             f"cp={cfg.cp} needs the sequence in 2 x cp = {2 * cfg.cp} equal chunks, "
             f"but seq_len={lim.seq_len} does not divide"
         )
+    split = cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)
+    if lim.token_multiple > 1 and not _tokens_split(lim, split):
+        tp = f" / tp={cfg.tp}" if cfg.sequence_parallel else ""
+        out.append(
+            f"each rank's share of the sequence (seq_len {lim.seq_len} / cp={cfg.cp}{tp}) "
+            f"must be a whole multiple of {lim.token_multiple} tokens (MXFP8's scale blocks)"
+        )
     return out
 
 
@@ -140,6 +151,7 @@ def degree_choices(lim: SpaceLimits) -> Iterator[tuple[int, int, int, int, int, 
                     or cp > lim.max_cp
                     or lim.seq_len < lim.min_seq_for_cp
                     or lim.seq_len % (2 * cp)
+                    or not _tokens_split(lim, cp)
                 ):
                     continue
                 data = world // (tp * pp * cp)
@@ -148,6 +160,12 @@ def degree_choices(lim: SpaceLimits) -> Iterator[tuple[int, int, int, int, int, 
                     alone = pp > 1 and lim.pipeline_alone
                     for ep in [1] if alone else _expert_degrees(lim, dp, fsdp, cp):
                         yield dp, fsdp, cp, tp, pp, ep
+
+
+def _tokens_split(lim: SpaceLimits, ways: int) -> bool:
+    """Whether the sequence splits ``ways`` ways into shares of a multiple of
+    ``lim.token_multiple`` tokens."""
+    return lim.seq_len % ways == 0 and (lim.seq_len // ways) % lim.token_multiple == 0
 
 
 def empty_space_reason(lim: SpaceLimits) -> str:
@@ -224,7 +242,7 @@ def inner_choices(
     constraints hold."""
     dp, fsdp, cp, tp, pp, ep = degrees
     zeros = (0,) if fsdp == 1 else (1, 2, 3)
-    sp_ok = tp > 1 and not lim.no_sequence_parallel and lim.seq_len % tp == 0
+    sp_ok = tp > 1 and not lim.no_sequence_parallel and _tokens_split(lim, cp * tp)
     sps = (True, False) if sp_ok else (False,)
     # expert tensor parallelism: each expert whole on every tp rank, or split over them
     split = tp > 1 and lim.num_experts and lim.expert_width and lim.expert_width % tp == 0

@@ -99,3 +99,41 @@ def test_the_ilp_reprices_fp8_tensor_parallel_configs_in_fp8():
     assert any(" tp=2 " in c["config"] for c in repriced)
     for c in repriced:
         assert c["step_time_s"] / c["analytic_step_time_s"] - 1 < 0.02, c
+
+
+def test_mxfp8_is_planned_only_as_the_runtime_trains_it(wide):
+    """torchao's MXFP8 linear takes each GEMM's tokens in blocks of 32 and runs BF16 GEMMs
+    inside a tensor-parallel DTensor (`runtime.capability`): on B200 the search offers no tp
+    (nor ep), evaluate refuses tp = 2 and a sequence share under 32 tokens, an odd sequence
+    length is refused, and auto plans without MXFP8 there, saying why."""
+    from autopar.runtime.capability import runtime_limits
+    from autopar.solve.limits import space_limits
+
+    model, graph = wide
+    cluster = autopar.Cluster.from_profile("dgx_b200", num_nodes=2)
+    limits, notes = runtime_limits(
+        model, space_limits(model, graph, cluster, 64), precision="mxfp8"
+    )
+    assert limits.max_tp == 1 and limits.token_multiple == 32
+    assert any(n.startswith("no tensor-parallel plans in mxfp8: torchao's") for n in notes)
+    plan = _plan(wide, "dgx_b200", "mxfp8")
+    assert plan.precision == "mxfp8" and plan.config.tp == 1
+    common = dict(global_batch_size=64, precision="mxfp8", graph=graph)
+    with pytest.raises(ConfigError, match="tp=2 in mxfp8: torchao's MXFP8 weight"):
+        autopar.evaluate(model, cluster, autopar.ParallelConfig(tp=2, fsdp=8), **common)
+
+    def tiny(seq_len: int):
+        m = zoo.build("llama-tiny", device="meta", seq_len=seq_len)
+        return m, autopar.trace(m, zoo.example_inputs("llama-tiny", m))
+
+    m, g = tiny(64)
+    one = autopar.Cluster.from_profile("dgx_b200", num_devices=4)
+    cp4 = autopar.ParallelConfig(cp=4)
+    with pytest.raises(ConfigError, match=r"share of the sequence \(seq_len 64 / cp=4\)"):
+        autopar.evaluate(m, one, cp4, global_batch_size=4, precision="mxfp8", graph=g)
+    m, g = tiny(48)
+    with pytest.raises(ConfigError, match="'mxfp8' needs sequences of a multiple of 32"):
+        autopar.parallelize(m, one, global_batch_size=4, precision="mxfp8", graph=g)
+    auto = autopar.parallelize(m, one, global_batch_size=4, precision="auto", graph=g)
+    assert auto.precision != "mxfp8"
+    assert any(n.startswith("mxfp8 not planned: precision 'mxfp8' needs") for n in auto.notes)
