@@ -25,8 +25,9 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from autopar.hardware.profile import profile_from_text
 from autopar.profiler import runtime_overhead
@@ -77,17 +78,18 @@ def fit_measurements(
     peaks = {}
     for dtype in ("fp32", "bf16"):
         sizes, rates = _points(compute, t0, "flops", ops=("matmul",), dtype=dtype)
-        peaks[dtype] = fit_efficiency_curve(sizes, rates)
+        peaks[dtype] = _named_fit(f"{dtype} matmul", fit_efficiency_curve, sizes, rates)
     sizes, rates = [], []
     for dtype, fit in peaks.items():
         x, r = _points(compute, t0, "flops", ops=("matmul",), dtype=dtype)
         sizes += x
         rates += [v / fit.peak for v in r]
-    matmul = fit_efficiency_curve(sizes, rates, peak=1.0)
+    matmul = _named_fit("matmul", fit_efficiency_curve, sizes, rates, peak=1.0)
     attention_dtype = next(m.dtype for m in compute if m.op == "attention")
     x, r = _points(compute, t0, "flops", ops=("attention",), dtype=attention_dtype)
-    attention = fit_efficiency_curve(x, r, peak=peaks[attention_dtype].peak)
-    memory = _memory_fit(compute, t0)
+    peak = peaks[attention_dtype].peak
+    attention = _named_fit("attention", fit_efficiency_curve, x, r, peak=peak)
+    memory = _named_fit("memory", _memory_fit, compute, t0)
     level_fits = tuple(
         fit_level(
             [
@@ -102,6 +104,14 @@ def fit_measurements(
         for lv in levels
     )
     return Fits(t0, peaks, matmul, attention, attention_dtype, memory, level_fits)
+
+
+def _named_fit(curve: str, fit: Callable[..., CurveFit], *args: Any, **kwargs: Any) -> CurveFit:
+    """``fit(*args, **kwargs)``, its refusal naming the ``curve`` it was fitting."""
+    try:
+        return fit(*args, **kwargs)
+    except ValueError as error:
+        raise ValueError(f"the {curve} curve: {error}") from error
 
 
 def _points(
