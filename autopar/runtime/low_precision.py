@@ -157,6 +157,9 @@ def apply_low_precision(
         ao_config = Float8LinearConfig.from_recipe_name(recipe.torchao_recipe)
         if gather:
             ao_config = replace(ao_config, enable_fsdp_float8_all_gather=True)
+        if config.ep > 1:  # a dispatched expert's tokens, the weight gradient's inner
+            # dimension, come in any number; torch._scaled_mm takes multiples of 16 on a GPU
+            ao_config = replace(ao_config, pad_inner_dim=True)
         convert_to_float8_training(
             model, config=ao_config, module_filter_fn=lambda _module, fqn: fqn in wanted
         )

@@ -11,8 +11,8 @@ program.
   most 1e-4 and 3.4e-3 relative; TP2 with SP 1.4e-4 and 1.9e-3). MXFP8 (torchao's emulated
   recipe) under FSDP2 ZeRO-3 and the pipeline, 64-token sequences (measured 2026-11-26: losses
   within 6.4e-5, norms within 7.6e-4 of BF16).
-- A plan priced in FP8 for an H100 writes a train.py whose default precision is the recipe;
-  run on 2 CPU ranks it converts the linears and trains.
+- A plan priced in FP8 for an H100 (MXFP8 for a B200) writes a train.py whose default
+  precision is the recipe; run on 2 CPU ranks it converts the linears and trains.
 """
 
 from __future__ import annotations
@@ -74,6 +74,19 @@ def test_fp8_gathers_only_under_zero3_with_tensorwise_scales(precision, config, 
     model = _model()
     record = apply_low_precision(model, find_blocks(model), precision, config, CPU)
     assert record.fsdp_float8_all_gather is gather
+
+
+def test_fp8_pads_the_inner_dimension_only_where_experts_are_dispatched():
+    """An expert under ep > 1 gets any number of tokens, the inner dimension of its weight
+    gradient's GEMM, which torch._scaled_mm takes in multiples of 16 on a GPU."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    for ep, pad in ((1, False), (2, True)):
+        model = zoo.build("moe-tiny", seed=0)
+        config = autopar.ParallelConfig(dp=2, ep=ep)
+        apply_low_precision(model, find_blocks(model), "fp8", config, CPU)
+        pads = {m.config.pad_inner_dim for m in model.modules() if isinstance(m, Float8Linear)}
+        assert pads == {pad}
 
 
 def test_plain_dtypes_convert_nothing_and_the_unrunnable_are_refused():
@@ -156,17 +169,25 @@ def test_fp8_under_fsdp2_pp_and_tp_trains_within_a_stated_bound_of_bf16():
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_generated_fp8_program_converts_and_trains(tmp_path):
+@pytest.mark.parametrize(
+    ("precision", "profile", "said"),
+    [
+        ("fp8", "dgx_h100", "fp8-tensorwise: 14 linears in FP8, FSDP gathers FP8 weights"),
+        ("mxfp8", "dgx_b200", "mxfp8: 8 linears in MXFP8 (emulated on the CPU)"),
+    ],
+)
+def test_a_generated_low_precision_program_converts_and_trains(tmp_path, precision, profile, said):
     model = zoo.build("llama-tiny", device="meta")
-    cluster = autopar.Cluster.from_profile("dgx_h100", num_devices=2)
+    cluster = autopar.Cluster.from_profile(profile, num_devices=2)
     plan = autopar.evaluate(
         model, cluster, ZERO3, zoo.example_inputs("llama-tiny", model), global_batch_size=4,
-        precision="fp8", model_factory=("autopar.models.zoo:build", {"name": "llama-tiny"}),
+        precision=precision, model_factory=("autopar.models.zoo:build", {"name": "llama-tiny"}),
     )  # fmt: skip
-    assert plan.precision == "fp8-tensorwise"
+    recipe = said.split(":")[0]
+    assert plan.precision == recipe
     plan.save(tmp_path)
     text = (tmp_path / "train.py").read_text()
-    assert "default='fp8-tensorwise'" in text
+    assert f"default={recipe!r}" in text
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone"]
     done = subprocess.run(
@@ -174,5 +195,5 @@ def test_a_generated_fp8_program_converts_and_trains(tmp_path):
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "fp8-tensorwise: 14 linears in FP8, FSDP gathers FP8 weights" in done.stdout
+    assert said in done.stdout
     assert "step 2/2" in done.stdout
