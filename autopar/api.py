@@ -82,7 +82,10 @@ def parallelize(
         global_batch_size: sequences per step; default about 4M tokens (stated in the plan).
         precision, optimizer: as for `evaluate`; precision "auto" plans BF16 and every
             recipe the device (and the stack's runtime) runs, returns the fastest and notes
-            what it bought, or why BF16 is the only choice.
+            what it bought, or why BF16 is the only choice (and which recipe it could not plan
+            for this model, and why). For autopar's own runtime an MXFP8 plan has tp = ep = 1
+            and each rank's share of a sequence a multiple of 32 tokens
+            (`autopar.runtime.capability`).
         options: PlanOptions (cost-model options, micro-batch sizes, progress callback).
         graph: a ModelGraph already traced from this model and inputs.
         model_factory: how the generated program builds the model: "module:function", or
@@ -103,6 +106,8 @@ def parallelize(
     Raises:
         InfeasibleError: nothing fits; says how much memory the most frugal config needs and the
             smallest number of nodes that would hold it.
+        ConfigError: autopar's runtime trains no config of this model in ``precision`` (MXFP8
+            with a sequence that is no multiple of 32 tokens).
     """
     options = options or PlanOptions()
     if stack is not None:
