@@ -58,7 +58,7 @@ from autopar.hardware.profile import HardwareProfile
 from autopar.runtime.expert_parallel import is_moe_block
 from autopar.runtime.expert_tensor_parallel import expert_split_problem
 from autopar.runtime.hf_experts import is_hf_experts
-from autopar.runtime.low_precision import runnable
+from autopar.runtime.low_precision import MX_BLOCK, MXFP8_NO_EP, MXFP8_NO_TP, runnable
 from autopar.runtime.parts import has_parts, sliding_window
 from autopar.runtime.split_check import checked_roles
 from autopar.runtime.tensor_parallel import find_blocks, tp_plan, unsplit_block
@@ -131,11 +131,6 @@ def _pipeline_cut(model: nn.Module, num_blocks: int) -> str:
 COMPILED_STACK = "autopar-compile"
 
 
-# torchao's MXFP8 block: 32 elements share one e8m0 scale, along every GEMM operand's
-# contracted dimension, the tokens included (the weight gradient contracts over them)
-MX_BLOCK = 32
-
-
 def token_multiple(precision: str) -> int:
     """What each rank's share of a sequence must be a multiple of for ``precision``'s GEMMs
     in autopar's runtime: `MX_BLOCK` for MXFP8, else 1."""
@@ -154,20 +149,6 @@ def recipe_problem(precision: str, seq_len: int) -> str:
             f"this one has {seq_len}"
         )
     return ""
-
-
-def _no_mxfp8_ep() -> str:
-    return (
-        "torchao's MXFP8 linear needs the tokens of each GEMM in multiples of 32, and a "
-        "dispatched expert gets any number of them"
-    )
-
-
-def _no_mxfp8_tp() -> str:
-    return (
-        "torchao's MXFP8 weight inside a tensor-parallel DTensor runs its GEMMs in BF16, not "
-        "as priced"
-    )
 
 
 def runtime_limits(
@@ -189,10 +170,10 @@ def runtime_limits(
         raise ConfigError(f"{why}: plan another precision, or export the plan")
     if (multiple := token_multiple(precision)) > 1:
         limits = replace(limits, token_multiple=multiple, max_tp=1)
-        notes.append(f"no tensor-parallel plans in {precision}: {_no_mxfp8_tp()}")
+        notes.append(f"no tensor-parallel plans in {precision}: {MXFP8_NO_TP}")
         if limits.num_experts:
             limits = replace(limits, num_experts=0)
-            notes.append(f"no expert-parallel plans in {precision}: {_no_mxfp8_ep()}")
+            notes.append(f"no expert-parallel plans in {precision}: {MXFP8_NO_EP}")
     if stack == COMPILED_STACK and (limits.max_tp != 1 or limits.max_cp > 1 or limits.num_experts):
         limits = replace(limits, max_tp=1, max_cp=1, num_experts=0)
         notes.append(f"no tensor-, context- or expert-parallel plans: {_no_compiled_split()}")
@@ -250,9 +231,9 @@ def runtime_problems(
     if why := recipe_problem(precision, seq_len):
         out.append(why)
     if config.ep > 1 and token_multiple(precision) > 1:
-        out.append(f"ep={config.ep} in {precision}: {_no_mxfp8_ep()}")
+        out.append(f"ep={config.ep} in {precision}: {MXFP8_NO_EP}")
     if config.tp > 1 and token_multiple(precision) > 1:
-        out.append(f"tp={config.tp} in {precision}: {_no_mxfp8_tp()}")
+        out.append(f"tp={config.tp} in {precision}: {MXFP8_NO_TP}")
     if stack == COMPILED_STACK and max(config.tp, config.cp, config.ep) > 1:
         out.append(
             f"tp={config.tp} cp={config.cp} ep={config.ep} on the {stack} stack: "

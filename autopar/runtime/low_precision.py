@@ -40,9 +40,20 @@ from autopar.config import ParallelConfig
 from autopar.config.precision import RECIPES, Recipe, recipe_of
 from autopar.models.quiet import import_torchao
 
+# torchao's MXFP8 block: 32 elements share one e8m0 scale along each GEMM operand's contracted
+# dimension, the tokens included (the weight gradient contracts over them)
+MX_BLOCK = 32
+# why this runtime trains MXFP8 only at tp = ep = 1 (`runtime.capability` plans it there)
+MXFP8_NO_TP = (
+    "torchao's MXFP8 weight inside a tensor-parallel DTensor runs its GEMMs in BF16, not as priced"
+)
+MXFP8_NO_EP = (
+    f"torchao's MXFP8 linear needs the tokens of each GEMM in multiples of {MX_BLOCK}, and a "
+    "dispatched expert gets any number of them"
+)
 # the multiple a converted linear's dimensions must be: torch._scaled_mm takes FP8 operands
 # whose dimensions are multiples of 16; MXFP8 scales blocks of 32 elements along each
-_ALIGN = {"fp8": 16, "mxfp8": 32}
+_ALIGN = {"fp8": 16, "mxfp8": MX_BLOCK}
 # the CUDA compute capability whose tensor cores run each GEMM dtype, and their generation
 _CUDA_CAPABILITY = {"fp8": ((8, 9), "Ada, Hopper, Blackwell"), "mxfp8": ((10, 0), "Blackwell")}
 # torchao's MXFP8 recipe that quantizes in plain PyTorch and runs BF16 GEMMs: the CPU's
@@ -141,10 +152,10 @@ def apply_low_precision(
             "installed: pip install 'autopar[fp8]' (or torchao), keeping the installed torch"
         )
     if recipe.gemm_dtype == "mxfp8" and max(config.tp, config.ep) > 1:
+        why = MXFP8_NO_TP if config.tp > 1 else MXFP8_NO_EP
         raise RuntimeError(
-            f"precision {recipe.name!r} with tp={config.tp} ep={config.ep}: torchao's MXFP8 "
-            "weight under a tensor-parallel DTensor runs BF16 GEMMs, and a dispatched "
-            "expert's tokens are not in its blocks of 32; train it with tp = ep = 1"
+            f"precision {recipe.name!r} with tp={config.tp} ep={config.ep}: {why}; train it "
+            "with tp = ep = 1"
         )
     paths = covered_linears(blocks, recipe)
     wanted = set(paths)
@@ -180,9 +191,9 @@ def _convert_mxfp8(model: nn.Module, recipe: Recipe, wanted: set[str], device: t
 
 
 def _input_as_weight(module: nn.Module, args: tuple) -> tuple:
-    """An MXFP8 linear's input in its weight's dtype: autocast leaves the input BF16 while a
-    weight FSDP does not gather in BF16 stays FP32, and torchao's MXFP8 GEMM refuses the mix
-    (the weight is quantized from FP32 either way)."""
+    """An MXFP8 linear's input in its weight's dtype: without FSDP's BF16 gathers the weight
+    stays FP32 while autocast makes the input BF16, and torchao's emulated MXFP8 GEMM refuses
+    the mix (both operands are quantized to e4m3 either way)."""
     x, *rest = args
     dtype = module.weight.dtype
     return (x.to(dtype), *rest) if x.dtype != dtype else None
