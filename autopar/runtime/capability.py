@@ -58,7 +58,14 @@ from autopar.hardware.profile import HardwareProfile
 from autopar.runtime.expert_parallel import is_moe_block
 from autopar.runtime.expert_tensor_parallel import expert_split_problem
 from autopar.runtime.hf_experts import is_hf_experts
-from autopar.runtime.low_precision import MX_BLOCK, MXFP8_NO_EP, MXFP8_NO_TP, runnable
+from autopar.runtime.low_precision import (
+    MX_BLOCK,
+    MXFP8_NO_EP,
+    MXFP8_NO_TP,
+    block_linears,
+    covered_linears,
+    runnable,
+)
 from autopar.runtime.parts import has_parts, sliding_window
 from autopar.runtime.split_check import checked_roles
 from autopar.runtime.tensor_parallel import find_blocks, tp_plan, unsplit_block
@@ -151,6 +158,28 @@ def recipe_problem(precision: str, seq_len: int) -> str:
     return ""
 
 
+def recipe_coverage(model: nn.Module, precision: str) -> str:
+    """What the plan should say when autopar's runtime converts fewer of the blocks' linears
+    to ``precision``'s recipe than the estimate prices in it (transformers' Conv1D, those
+    with a dimension its GEMMs do not take, or, for MXFP8, a bias), else ""."""
+    recipe = recipe_of(precision)
+    if recipe is None or not runnable(recipe):
+        return ""
+    blocks = find_blocks(model)
+    every = block_linears(blocks, recipe)
+    kept = len(every) - len(covered_linears(blocks, recipe))
+    if not kept:
+        return ""
+    why = {"mxfp8": "a bias or a dimension not a multiple of 32"}.get(
+        recipe.gemm_dtype, "a dimension not a multiple of 16"
+    )
+    return (
+        f"{precision}: autopar's runtime keeps {kept} of the blocks' {len(every)} linear layers "
+        f"in BF16 (transformers' Conv1D, {why}) while the estimate prices all of them in the "
+        "recipe: the step may run slower than planned"
+    )
+
+
 def runtime_limits(
     model: nn.Module,
     limits: SpaceLimits,
@@ -168,6 +197,8 @@ def runtime_limits(
     name = type(model).__name__
     if why := recipe_problem(precision, limits.seq_len):
         raise ConfigError(f"{why}: plan another precision, or export the plan")
+    if coverage := recipe_coverage(model, precision):
+        notes.append(coverage)
     if (multiple := token_multiple(precision)) > 1:
         limits = replace(limits, token_multiple=multiple, max_tp=1)
         notes.append(f"no tensor-parallel plans in {precision}: {MXFP8_NO_TP}")

@@ -109,24 +109,32 @@ def check_device(recipe: Recipe, device: torch.device) -> None:
             )
 
 
-def covered_linears(blocks: list[tuple[str, nn.Module]], recipe: Recipe) -> list[str]:
-    """The paths of the linears ``recipe`` converts: every ``nn.Linear`` of the blocks it
-    covers (all but `edge_blocks_in_bf16` at each end) whose dimensions its GEMMs take; for
-    MXFP8 only those without a bias (torchao's MXFP8 weight drops ``F.linear``'s bias)."""
+def block_linears(blocks: list[tuple[str, nn.Module]], recipe: Recipe) -> dict[str, nn.Module]:
+    """Every linear layer of the blocks ``recipe`` covers (all but `edge_blocks_in_bf16` at
+    each end), by path: what the estimate prices in the recipe. ``nn.Linear``, and
+    transformers' ``Conv1D`` (GPT-2's), which torchao does not convert."""
     keep = recipe.edge_blocks_in_bf16
     inner = blocks[keep : len(blocks) - keep] if len(blocks) > 2 * keep else []
+    return {
+        f"{path}.{name}" if name else path: module
+        for path, block in inner
+        for name, module in block.named_modules()
+        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+    }
+
+
+def covered_linears(blocks: list[tuple[str, nn.Module]], recipe: Recipe) -> list[str]:
+    """The paths of the linears ``recipe`` converts: the `block_linears` that are
+    ``nn.Linear`` with dimensions its GEMMs take; for MXFP8 only those without a bias
+    (torchao's MXFP8 weight drops ``F.linear``'s bias)."""
     align = _ALIGN.get(recipe.gemm_dtype, 16)
-    out = []
-    for path, block in inner:
-        for name, module in block.named_modules():
-            if not isinstance(module, nn.Linear):
-                continue
-            if module.in_features % align or module.out_features % align:
-                continue
-            if recipe.gemm_dtype == "mxfp8" and module.bias is not None:
-                continue
-            out.append(f"{path}.{name}" if name else path)
-    return out
+    return [
+        path
+        for path, linear in block_linears(blocks, recipe).items()
+        if isinstance(linear, nn.Linear)
+        and not (linear.in_features % align or linear.out_features % align)
+        and not (recipe.gemm_dtype == "mxfp8" and linear.bias is not None)
+    ]
 
 
 def apply_low_precision(

@@ -119,6 +119,21 @@ def test_mxfp8_wraps_the_bias_free_linears_whose_blocks_of_32_divide():
     assert len(covered_linears(find_blocks(small), RECIPES["mxfp8"])) == 4 * 2
 
 
+def test_a_plan_says_which_linears_the_runtime_keeps_in_bf16():
+    """The estimate prices every linear of the covered blocks in the recipe; where the runtime
+    converts fewer, the plan's note says how many it keeps in BF16."""
+    from autopar.models import hf
+    from autopar.runtime.capability import recipe_coverage
+
+    meta = zoo.build("llama-tiny", device="meta")
+    assert "keeps 6 of the blocks' 14 linear layers in BF16" in recipe_coverage(meta, "mxfp8")
+    assert recipe_coverage(meta, "fp8") == ""  # 176 divides by 16
+    wide = zoo.build("llama-8b", device="meta", num_layers=2)
+    assert recipe_coverage(wide, "mxfp8") == recipe_coverage(wide, "bf16") == ""
+    gpt2 = hf.build("gpt2-tiny-hf")  # Conv1D projections: torchao converts none
+    assert "keeps 8 of the blocks' 8 linear layers" in recipe_coverage(gpt2, "fp8")
+
+
 def test_nvfp4_would_keep_its_edge_blocks():
     blocks = find_blocks(zoo.build("llama-tiny", seed=0, num_layers=4))
     paths = covered_linears(blocks, RECIPES["nvfp4"])

@@ -128,6 +128,8 @@ def test_mxfp8_is_planned_only_as_the_runtime_trains_it(wide):
 
     m, g = tiny(64)
     one = autopar.Cluster.from_profile("dgx_b200", num_devices=4)
+    small = autopar.parallelize(m, one, global_batch_size=4, precision="mxfp8", graph=g)
+    assert any("keeps 6 of the blocks' 14 linear layers in BF16" in n for n in small.notes)
     cp4 = autopar.ParallelConfig(cp=4)
     with pytest.raises(ConfigError, match=r"share of the sequence \(seq_len 64 / cp=4\)"):
         autopar.evaluate(m, one, cp4, global_batch_size=4, precision="mxfp8", graph=g)
