@@ -13,6 +13,7 @@ runs do not collide.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import os
 import pickle
@@ -93,6 +94,7 @@ def tp_of(case: Case) -> dict[str, str] | None:
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Any, args: tuple, out_dir: str) -> None:
+    faulthandler.enable()  # a rank that crashes (SIGSEGV) prints where, into the test's stderr
     os.environ.update(rank_environment(rank, world_size, port))
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -111,20 +113,23 @@ def _entry(rank: int, world_size: int, port: int, fn: Any, args: tuple, out_dir:
 # Ranks fork from a server process (one per pytest worker) that imported torch and the
 # runtime once: a spawned rank spends about 3.5 s of CPU importing them, and the suite starts
 # a few hundred ranks on 2 cores. The server runs no torch op, so no thread pool is forked.
+# AUTOPAR_TEST_START_METHOD=spawn starts every rank afresh instead.
 _PRELOAD = ["torch", "torch.distributed", "autopar.runtime.trainer", "harness"]
+_START_METHOD = os.environ.get("AUTOPAR_TEST_START_METHOD", "forkserver")
 
 
 def run_ranks(world_size: int, fn: Any, *args: Any) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` gloo ranks (forked from a server that has imported
     torch and autopar's runtime); their return values by rank."""
-    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+    if _START_METHOD == "forkserver":
+        multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
             _entry,
             args=(world_size, free_port(), fn, args, tmp),
             nprocs=world_size,
             join=True,
-            start_method="forkserver",
+            start_method=_START_METHOD,
         )
         return [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
 
