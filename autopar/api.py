@@ -244,11 +244,12 @@ def evaluate(
         graph = trace(model, example_inputs)
     limits = space_limits(model, graph, cluster, global_batch_size)
     options = stack_options(stack, options)
-    if own_runtime(options.stack):  # MXFP8's blocks split the sequence (runtime.capability)
+    own = own_runtime(options.stack)  # another stack's program is that framework's to run
+    if own:  # MXFP8's blocks split the sequence (runtime.capability)
         limits = replace(limits, token_multiple=token_multiple(precision))
     problems = config.problems(cluster) + shape_problems(config, limits)
     roles: tuple[dict[str, str], str] = ({}, "")
-    if own_runtime(options.stack):  # another stack's program is that framework's to run
+    if own:
         roles = traced_roles(model, graph)
         problems += runtime_problems(
             model, config, limits.num_blocks, options.stack, roles, limits.seq_len, precision

@@ -22,11 +22,14 @@ Invariant: every precision name the planner, a plan or a generated program accep
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from autopar.errors import ConfigError
 
 DTYPES = ("bf16", "fp16", "fp32")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,12 @@ class Recipe:
     # Float8LinearConfig.from_recipe_name(...); MXFP8: an MXFP8TrainingRecipe value
     torchao_recipe: str | None
     source: str
+
+    def covered(self, blocks: Sequence[T]) -> list[T]:
+        """The ``blocks`` (in order) this recipe converts: all but `edge_blocks_in_bf16` at
+        each end."""
+        keep = self.edge_blocks_in_bf16
+        return list(blocks[keep : len(blocks) - keep]) if len(blocks) > 2 * keep else []
 
 
 # Per GEMM Y = X W: forward scales X and W (read 2 B, amax) and casts them (read 2 B,

@@ -420,11 +420,8 @@ def converted_layers(tables: ModelTables, recipe: Recipe | None) -> dict[str, fl
     the fraction of its parameter bytes in the converted linears (their weights)."""
     if recipe is None:
         return {}
-    blocks = [t for t in tables.layers if t.kind == "block"]
-    keep = recipe.edge_blocks_in_bf16
-    inner = blocks[keep : len(blocks) - keep] if len(blocks) > 2 * keep else []
     out = {}
-    for t in inner:
+    for t in recipe.covered([t for t in tables.layers if t.kind == "block"]):
         params = (t.params_tp + t.params_rep + t.params_expert) * tables.traced_float_bytes
         linear = sum(op.weight_bytes for op in t.matmuls)
         out[t.name] = min(1.0, linear / params) if params else 0.0

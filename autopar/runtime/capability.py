@@ -261,9 +261,10 @@ def runtime_problems(
     name = type(model).__name__
     if why := recipe_problem(precision, seq_len):
         out.append(why)
-    if config.ep > 1 and token_multiple(precision) > 1:
+    mxfp8 = token_multiple(precision) > 1  # tp = ep = 1
+    if mxfp8 and config.ep > 1:
         out.append(f"ep={config.ep} in {precision}: {MXFP8_NO_EP}")
-    if config.tp > 1 and token_multiple(precision) > 1:
+    if mxfp8 and config.tp > 1:
         out.append(f"tp={config.tp} in {precision}: {MXFP8_NO_TP}")
     if stack == COMPILED_STACK and max(config.tp, config.cp, config.ep) > 1:
         out.append(

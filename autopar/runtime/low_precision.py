@@ -113,11 +113,9 @@ def block_linears(blocks: list[tuple[str, nn.Module]], recipe: Recipe) -> dict[s
     """Every linear layer of the blocks ``recipe`` covers (all but `edge_blocks_in_bf16` at
     each end), by path: what the estimate prices in the recipe. ``nn.Linear``, and
     transformers' ``Conv1D`` (GPT-2's), which torchao does not convert."""
-    keep = recipe.edge_blocks_in_bf16
-    inner = blocks[keep : len(blocks) - keep] if len(blocks) > 2 * keep else []
     return {
         f"{path}.{name}" if name else path: module
-        for path, block in inner
+        for path, block in recipe.covered(blocks)
         for name, module in block.named_modules()
         if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
     }

@@ -116,13 +116,13 @@ def _entry(rank: int, world_size: int, port: int, fn: Any, args: tuple, out_dir:
 # AUTOPAR_TEST_START_METHOD=spawn starts every rank afresh instead.
 _PRELOAD = ["torch", "torch.distributed", "autopar.runtime.trainer", "harness"]
 _START_METHOD = os.environ.get("AUTOPAR_TEST_START_METHOD", "forkserver")
+if _START_METHOD == "forkserver":  # read when the server starts, by the first run_ranks
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
 
 
 def run_ranks(world_size: int, fn: Any, *args: Any) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` gloo ranks (forked from a server that has imported
     torch and autopar's runtime); their return values by rank."""
-    if _START_METHOD == "forkserver":
-        multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
             _entry,
