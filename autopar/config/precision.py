@@ -30,6 +30,14 @@ from autopar.errors import ConfigError
 
 DTYPES = ("bf16", "fp16", "fp32")
 T = TypeVar("T")
+# torchao's MXFP8 block: 32 elements share one e8m0 scale along each GEMM operand's contracted
+# dimension, the tokens included (the weight gradient contracts over them)
+MX_BLOCK = 32
+# the multiple a linear's dimensions must be for torchao to convert it: torch._scaled_mm takes
+# FP8 operands whose dimensions are multiples of 16; MXFP8 scales blocks of 32 along each
+_TORCHAO_ALIGN = {"fp8": 16, "mxfp8": MX_BLOCK}
+# a linear layer as a recipe's coverage sees it: (in_features, out_features, has a bias)
+Linear = tuple[int, int, bool]
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,18 @@ class Recipe:
         each end."""
         keep = self.edge_blocks_in_bf16
         return list(blocks[keep : len(blocks) - keep]) if len(blocks) > 2 * keep else []
+
+    def torchao_converts(self, linear: Linear | None) -> bool:
+        """Whether torchao's conversion (autopar's runtime, torchtitan) runs a covered block's
+        ``linear`` in this recipe: an ``nn.Linear`` (None: another module, such as transformers'
+        Conv1D) whose dimensions its GEMMs take; for MXFP8 without a bias (torchao's MXFP8
+        weight drops ``F.linear``'s bias). TransformerEngine's modules run every linear."""
+        if linear is None:
+            return False
+        in_features, out_features, biased = linear
+        align = _TORCHAO_ALIGN.get(self.gemm_dtype, 16)
+        aligned = not (in_features % align or out_features % align)
+        return aligned and not (self.gemm_dtype == "mxfp8" and biased)
 
 
 # Per GEMM Y = X W: forward scales X and W (read 2 B, amax) and casts them (read 2 B,

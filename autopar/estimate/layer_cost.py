@@ -32,7 +32,9 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
         output reduce-scattered forward, the output's gradient all-gathered and the input's
         and weights' gradients reduce-scattered backward. Counted in the TP times.
     low precision (a recipe of `autopar.config.precision`, on the blocks it converts): each
-        linear's three GEMMs run at the recipe's rate (its `gemm_dtype` peak on the matmul
+        linear the stack runs in it (`in_recipe`: every one, or under the stack's
+        `torchao_linears` those torchao converts; the rest stay in the base precision) runs
+        its three GEMMs at the recipe's rate (its `gemm_dtype` peak on the matmul
         curve, FLOPs over `gemm_efficiency`); its scaling, casts and transposes are one
         memory-bound op forward and one backward of `cast_forward` / `cast_backward` x the
         linear's activation and weight bytes, times the stack's `cast_traffic`.
@@ -65,7 +67,7 @@ from dataclasses import dataclass
 from autopar.config import SPLIT_BACKWARD, ParallelConfig
 from autopar.config.precision import Recipe
 from autopar.estimate.memory import shard_divisors, token_ways
-from autopar.estimate.tables import LayerTable
+from autopar.estimate.tables import LayerTable, MatmulOp
 from cost_models.compute import DeviceSpec, op_time_s
 
 CommFn = Callable[[str, float, str], float]  # (collective, bytes, axis) -> seconds
@@ -113,6 +115,7 @@ def layer_time(
     memory_traffic: float = 1.0,
     recipe: Recipe | None = None,
     cast_traffic: float = 1.0,
+    torchao_linears: bool = False,
 ) -> LayerTime:
     """One micro-batch of ``cfg.micro_batch_size`` samples through ``table``'s layer;
     ``overheads``: the profile's `runtime_overhead_s`, ``model_overheads`` its
@@ -120,7 +123,8 @@ def layer_time(
     ``memory_traffic``: the stack's bytes of memory-bound ops per traced byte
     (`CostOptions.memory_traffic`); ``recipe``: the low-precision recipe its linears run in
     (`autopar.config.precision`), their GEMMs at its rate plus its casts' traffic, times
-    ``cast_traffic`` (`CostOptions.cast_traffic`)."""
+    ``cast_traffic`` (`CostOptions.cast_traffic`); ``torchao_linears``: only the linears
+    torchao converts run in it (`CostOptions.torchao_linears`, `in_recipe`)."""
     b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
     # experts: split over ep, whole on every tp rank (each runs its tokens' experts) unless
     # etp = tp
@@ -133,7 +137,7 @@ def layer_time(
         acts = op.activation_bytes * b * act_scale / d
         weights = op.weight_bytes * act_scale / weight_div[op.shard]
         io = acts + weights
-        low = recipe is not None and op.weight_bytes > 0  # a linear layer, not a bmm
+        low = in_recipe(op, recipe, torchao_linears)
         gemm, scale = (recipe.gemm_dtype, 1 / recipe.gemm_efficiency) if low else (dtype, 1.0)
         groups = max(1, op.groups // cfg.ep)  # this rank's experts' GEMMs
         fwd += _gemms_time(device, op.flops * b / d * scale, io, gemm, groups)
@@ -170,6 +174,15 @@ def layer_time(
     if cfg.recompute != "none" and table.kind == "block":
         recompute += recompute_overhead_s(overheads, cfg.recompute)
     return LayerTime(fwd, bwd, wgrad, recompute, tp_f + etp_f, tp_f + etp_b, cp_f, cp_b, ep, ep)
+
+
+def in_recipe(op: MatmulOp, recipe: Recipe | None, torchao_linears: bool) -> bool:
+    """Whether ``op`` runs in ``recipe`` on a block the recipe covers: a linear layer (a
+    weight, not a product of activations), and with ``torchao_linears`` one torchao converts
+    (`Recipe.torchao_converts`)."""
+    if recipe is None or op.weight_bytes <= 0:
+        return False
+    return not torchao_linears or recipe.torchao_converts(op.linear)
 
 
 def _gemms_time(device: DeviceSpec, flops: float, io: float, dtype: str, groups: int) -> float:

@@ -71,6 +71,11 @@ class CostOptions:
     # fused amax-cast(-transpose) kernel per operand (TransformerEngine's, or torch.compile's
     # of torchao's); eager torchao runs the amax and the cast as separate kernels.
     cast_traffic: float = 1.0
+    # Which of a recipe's blocks' linears run in it: True, those torchao converts (an
+    # nn.Linear whose dimensions its GEMMs take, bias-free for MXFP8: autopar's runtime,
+    # torchtitan), the rest priced in the base precision; False, every linear
+    # (TransformerEngine's modules).
+    torchao_linears: bool = False
     # Saved activations as a multiple of what the trace's tensors saved for backward say
     # (a compiler that recomputes cheap pointwise ops in the backward saves fewer).
     activation_factor: float = 1.0

@@ -26,7 +26,9 @@ Format (schema_version 1; every key of a table but ``source`` may be left out, t
                  fsdp_per_tensor, fsdp_list_copies, grad_bytes, comm_interference,
                  fp8_all_gather, param_hook_s, fsdp_over_cp, source
     [precision]  recipes (the low-precision recipes the stack trains, `config.precision`
-                 names), source; optional: without it, every recipe
+                 names; without it, every recipe), torchao_linears (the recipe runs only
+                 the linears torchao converts), source; optional: without it, every recipe
+                 on every linear
 
 Invariant: a stack that loads gives a valid CostOptions; errors name the file and the field.
 """
@@ -192,24 +194,33 @@ def _parse(data: dict[str, Any], origin: str, stem: str) -> Stack:
         options = replace(CostOptions(), stack=stem, **values)
     except ValueError as e:
         raise fail("(values)", str(e)) from None
-    recipes = _recipes(data.get("precision"), fail)
-    if recipes is not None:
+    recipes, torchao = _precision(data.get("precision"), fail)
+    if "precision" in data:
         sources["precision"] = data["precision"]["source"]
+        options = replace(options, torchao_linears=torchao)
     return Stack(stem, data["description"], options, sources, recipes)
 
 
-def _recipes(section: Any, fail: Any) -> tuple[str, ...] | None:
-    """The [precision] table's recipes, checked against `config.precision.RECIPES`."""
+def _precision(section: Any, fail: Any) -> tuple[tuple[str, ...] | None, bool]:
+    """The [precision] table's recipes (checked against `config.precision.RECIPES`; None:
+    every one) and its torchao_linears (False when not given)."""
     from autopar.config.precision import RECIPES
 
     if section is None:
-        return None
+        return None, False
     if not isinstance(section, dict) or not isinstance(section.get("source"), str):
         raise fail("precision.source", "must name where the recipes come from")
-    unknown = set(section) - {"recipes", "source"}
+    unknown = set(section) - {"recipes", "torchao_linears", "source"}
     if unknown:
-        raise fail(f"precision.{sorted(unknown)[0]}", "unknown; known: recipes, source")
-    recipes = section.get("recipes")
+        raise fail(
+            f"precision.{sorted(unknown)[0]}", "unknown; known: recipes, torchao_linears, source"
+        )
+    torchao = section.get("torchao_linears", False)
+    if not isinstance(torchao, bool):
+        raise fail("precision.torchao_linears", f"must be a bool, got {torchao!r}")
+    if "recipes" not in section:
+        return None, torchao
+    recipes = section["recipes"]
     if not isinstance(recipes, list) or any(r not in RECIPES for r in recipes):
         raise fail("precision.recipes", f"must be a list of {', '.join(RECIPES)}; got {recipes!r}")
-    return tuple(recipes)
+    return tuple(recipes), torchao

@@ -42,7 +42,7 @@ from autopar.config import ParallelConfig
 from autopar.config.precision import Recipe, base_precision, check_recipe, recipe_of
 from autopar.errors import ConfigError
 from autopar.estimate.as_run import whole_vocabulary
-from autopar.estimate.layer_cost import LayerTime, layer_time
+from autopar.estimate.layer_cost import LayerTime, in_recipe, layer_time
 from autopar.estimate.memory import (
     OPTIMIZER_BYTES,
     PRECISION_BYTES,
@@ -152,7 +152,7 @@ class Estimator:
             precision=precision, optimizer=optimizer, options=self.options, act_scale=self.act_scale
         )
         self.memory = StageMemory(tables, **common)
-        self.converted = converted_layers(tables, self.recipe)
+        self.converted = converted_layers(tables, self.recipe, self.options.torchao_linears)
         self.timer = StageTimer(tables, cluster, self.memory, **common)
         if self.recipe and self.recipe.fp8_all_gather and self.options.fp8_all_gather:
             self.timer.gather_scale = {
@@ -375,6 +375,7 @@ class Estimator:
                     memory_traffic=self.memory_traffic,
                     recipe=recipe,
                     cast_traffic=self.options.cast_traffic,
+                    torchao_linears=self.options.torchao_linears,
                 )
             out[table.name] = by_class[key]
         return out
@@ -415,15 +416,18 @@ class Estimator:
         return split_chunks(self._layers(cfg), cfg, balanced)
 
 
-def converted_layers(tables: ModelTables, recipe: Recipe | None) -> dict[str, float]:
+def converted_layers(
+    tables: ModelTables, recipe: Recipe | None, torchao_linears: bool = False
+) -> dict[str, float]:
     """The blocks ``recipe`` runs in low precision (all but its BF16 edge blocks), each with
-    the fraction of its parameter bytes in the converted linears (their weights)."""
+    the fraction of its parameter bytes in the linears that run in it (their weights;
+    `layer_cost.in_recipe`)."""
     if recipe is None:
         return {}
     out = {}
     for t in recipe.covered([t for t in tables.layers if t.kind == "block"]):
         params = (t.params_tp + t.params_rep + t.params_expert) * tables.traced_float_bytes
-        linear = sum(op.weight_bytes for op in t.matmuls)
+        linear = sum(op.weight_bytes for op in t.matmuls if in_recipe(op, recipe, torchao_linears))
         out[t.name] = min(1.0, linear / params) if params else 0.0
     return out
 

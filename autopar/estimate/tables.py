@@ -45,6 +45,9 @@ class MatmulOp:
     # the GEMMs the op runs, one per expert of a stacked expert layer (a grouped or batched
     # matmul over every expert of a graph that routes), else 1: each priced at its own size
     groups: int = 1
+    # the nn.Linear that runs it (`ModelGraph.linears`), None for any other module: whether
+    # torchao converts it under a recipe (`Recipe.torchao_converts`)
+    linear: tuple[int, int, bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -246,6 +249,7 @@ def _layer_table(
                     weight_bytes=weight,
                     shard=(kind := _compute_shard(node, router, kept)),
                     groups=_expert_groups(layer, kind),
+                    linear=graph.linears.get(node.module_path),
                 )
             )
             if out == "rep" and "tp" in classes:

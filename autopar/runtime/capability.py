@@ -159,9 +159,9 @@ def recipe_problem(precision: str, seq_len: int) -> str:
 
 
 def recipe_coverage(model: nn.Module, precision: str) -> str:
-    """What the plan should say when autopar's runtime converts fewer of the blocks' linears
-    to ``precision``'s recipe than the estimate prices in it (transformers' Conv1D, those
-    with a dimension its GEMMs do not take, or, for MXFP8, a bias), else ""."""
+    """What the plan should say when autopar's runtime keeps some of the blocks' linears out of
+    ``precision``'s recipe (transformers' Conv1D, those with a dimension its GEMMs do not
+    take, or, for MXFP8, a bias; the estimate prices them in BF16 too), else ""."""
     recipe = recipe_of(precision)
     if recipe is None or not runnable(recipe):
         return ""
@@ -175,8 +175,7 @@ def recipe_coverage(model: nn.Module, precision: str) -> str:
     )
     return (
         f"{precision}: autopar's runtime keeps {kept} of the blocks' {len(every)} linear layers "
-        f"in BF16 (transformers' Conv1D, {why}) while the estimate prices all of them in the "
-        "recipe: the step may run slower than planned"
+        f"in BF16 (transformers' Conv1D, {why}), and prices them so: FP8 buys less here"
     )
 
 

@@ -37,12 +37,9 @@ import torch
 from torch import nn
 
 from autopar.config import ParallelConfig
-from autopar.config.precision import RECIPES, Recipe, recipe_of
+from autopar.config.precision import MX_BLOCK, RECIPES, Linear, Recipe, recipe_of
 from autopar.models.quiet import import_torchao
 
-# torchao's MXFP8 block: 32 elements share one e8m0 scale along each GEMM operand's contracted
-# dimension, the tokens included (the weight gradient contracts over them)
-MX_BLOCK = 32
 # why this runtime trains MXFP8 only at tp = ep = 1 (`runtime.capability` plans it there)
 MXFP8_NO_TP = (
     "torchao's MXFP8 weight inside a tensor-parallel DTensor runs its GEMMs in BF16, not as priced"
@@ -51,9 +48,6 @@ MXFP8_NO_EP = (
     f"torchao's MXFP8 linear needs the tokens of each GEMM in multiples of {MX_BLOCK}, and a "
     "dispatched expert gets any number of them"
 )
-# the multiple a converted linear's dimensions must be: torch._scaled_mm takes FP8 operands
-# whose dimensions are multiples of 16; MXFP8 scales blocks of 32 elements along each
-_ALIGN = {"fp8": 16, "mxfp8": MX_BLOCK}
 # the CUDA compute capability whose tensor cores run each GEMM dtype, and their generation
 _CUDA_CAPABILITY = {"fp8": ((8, 9), "Ada, Hopper, Blackwell"), "mxfp8": ((10, 0), "Blackwell")}
 # torchao's MXFP8 recipe that quantizes in plain PyTorch and runs BF16 GEMMs: the CPU's
@@ -122,17 +116,21 @@ def block_linears(blocks: list[tuple[str, nn.Module]], recipe: Recipe) -> dict[s
 
 
 def covered_linears(blocks: list[tuple[str, nn.Module]], recipe: Recipe) -> list[str]:
-    """The paths of the linears ``recipe`` converts: the `block_linears` that are
-    ``nn.Linear`` with dimensions its GEMMs take; for MXFP8 only those without a bias
-    (torchao's MXFP8 weight drops ``F.linear``'s bias)."""
-    align = _ALIGN.get(recipe.gemm_dtype, 16)
+    """The paths of the linears ``recipe`` converts: the `block_linears` torchao takes
+    (`Recipe.torchao_converts`, the rule the estimate prices them by)."""
     return [
         path
-        for path, linear in block_linears(blocks, recipe).items()
-        if isinstance(linear, nn.Linear)
-        and not (linear.in_features % align or linear.out_features % align)
-        and not (recipe.gemm_dtype == "mxfp8" and linear.bias is not None)
+        for path, module in block_linears(blocks, recipe).items()
+        if recipe.torchao_converts(linear_of(module))
     ]
+
+
+def linear_of(module: nn.Module) -> Linear | None:
+    """``module`` as a recipe's coverage sees it (`config.precision.Linear`), None for a module
+    that is not an ``nn.Linear``."""
+    if not isinstance(module, nn.Linear):
+        return None
+    return (module.in_features, module.out_features, module.bias is not None)
 
 
 def apply_low_precision(

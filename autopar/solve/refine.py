@@ -354,6 +354,7 @@ def _repriced(
             # an FP8 recipe's GEMMs and casts on the layers it converts, as the search priced
             recipe=estimator.recipe if table.name in estimator.converted else None,
             cast_traffic=estimator.options.cast_traffic,
+            torchao_linears=estimator.options.torchao_linears,
         )
 
     one = replace(cfg, tp=1, sequence_parallel=False, dp=cfg.dp * cfg.tp)

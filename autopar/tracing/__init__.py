@@ -63,6 +63,11 @@ def trace(model: nn.Module, example_inputs: Any) -> ModelGraph:
         parameters=params,
         ops_without_sharding_rule=_ops_without_rule(program),
         graph_module=program.graph_module,
+        linears={
+            path: (m.in_features, m.out_features, m.bias is not None)
+            for path, m in model.named_modules()
+            if isinstance(m, nn.Linear)
+        },
     )
 
 

@@ -119,6 +119,10 @@ class ModelGraph:
     ops_without_sharding_rule: tuple[tuple[str, str], ...]
     graph_module: Any = field(default=None, repr=False, compare=False)
     model_module: str = ""  # the model class's module ("transformers.models.llama...")
+    # every nn.Linear of the model (subclasses too) by module path: (in_features,
+    # out_features, has a bias), what a low-precision recipe's coverage asks
+    # (`Recipe.torchao_converts`); transformers' Conv1D and the like are not in it
+    linears: Mapping[str, tuple[int, int, bool]] = field(default_factory=dict)
 
     @property
     def num_params(self) -> int:

@@ -3,6 +3,9 @@ wrong if the mechanism were miswired.
 
 - Only the blocks' linear GEMMs change rate: attention, the head and the embedding are priced
   as in BF16; the converted GEMMs' time is the BF16 time at the FP8 peak, plus the casts.
+- Under a stack that converts with torchao (`torchao_linears`: autopar's runtime,
+  torchtitan) the recipe prices exactly the linears the runtime converts, the rest in BF16;
+  TransformerEngine's stacks price every linear of the covered blocks.
 - NVFP4 keeps its edge blocks in BF16; FSDP's FP8 all-gather halves the converted weights'
   gathered bytes and leaves the gradient reduce-scatter alone.
 - A device without the recipe's tensor cores, and an unknown precision, are refused by name.
@@ -18,7 +21,8 @@ import autopar
 from autopar.config.precision import RECIPES, base_precision, canonical, recipe_of
 from autopar.errors import ConfigError
 from autopar.estimate import CostOptions, Estimator, build_tables
-from autopar.models import zoo
+from autopar.estimate.layer_cost import in_recipe
+from autopar.models import hf, zoo
 from cost_models.compute import op_time_s
 
 
@@ -90,6 +94,47 @@ def test_casts_cost_memory_traffic(tables):
     block = next(t.name for t in tables.layers if t.kind == "block")
     assert eager[block].compute_forward_s > fused[block].compute_forward_s
     assert eager[block].compute_backward_s > fused[block].compute_backward_s
+
+
+@pytest.mark.parametrize(
+    ("source", "name", "precision", "converted", "linears"),
+    [
+        (zoo, "llama-tiny", "fp8", 14, 14),  # every dimension a multiple of 16
+        (zoo, "llama-tiny", "mxfp8", 8, 14),  # the 176-wide MLP is not a multiple of 32
+        (hf, "gpt2-tiny-hf", "fp8", 0, 8),  # transformers' Conv1D: torchao converts none
+        (hf, "qwen2-moe-tiny-hf", "mxfp8", None, None),  # biased q/k/v, experts
+    ],
+)
+def test_under_torchao_the_recipe_prices_the_linears_the_runtime_converts(
+    source, name, precision, converted, linears
+):
+    from autopar.runtime.low_precision import block_linears, covered_linears
+    from autopar.runtime.tensor_parallel import find_blocks
+
+    model = source.build(name, device="meta")
+    graph = autopar.trace(model, source.example_inputs(name, model))
+    tabs = build_tables(graph)
+    recipe = recipe_of(precision)
+    runtime = covered_linears(find_blocks(model), recipe)
+    if converted is not None:
+        assert (len(runtime), len(block_linears(find_blocks(model), recipe))) == (
+            converted,
+            linears,
+        )
+    blocks = recipe.covered([t for t in tabs.layers if t.kind == "block"])
+    priced = [op for t in blocks for op in t.matmuls if in_recipe(op, recipe, True)]
+    assert len(priced) == len(runtime)
+    every = [op for t in blocks for op in t.matmuls if in_recipe(op, recipe, False)]
+    assert len(every) >= len(priced)
+    # a block with no converted linear prices exactly as in BF16, unless every linear runs
+    profile = "dgx_b200" if precision == "mxfp8" else "dgx_h100"
+    torchao = CostOptions(torchao_linears=True)
+    _, low = _times(tabs, profile, precision, torchao)
+    _, base = _times(tabs, profile, "bf16", torchao)
+    _, all_linears = _times(tabs, profile, precision, CostOptions(torchao_linears=False))
+    block = blocks[0].name
+    assert (low[block] == base[block]) == (not priced)
+    assert all_linears[block] != base[block]
 
 
 def test_nvfp4_keeps_the_edge_blocks_in_bf16(tables):

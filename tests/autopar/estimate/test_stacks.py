@@ -58,7 +58,10 @@ def test_every_shipped_stack_loads_with_its_sources():
         stack = load_stack(name)
         assert stack.name == stack.options.stack == name
         assert set(stack.sources) - {"precision"} == {"kernels", "memory", "overlap"}
-        assert ("precision" in stack.sources) == (stack.recipes is not None), name
+        assert stack.recipes is None or "precision" in stack.sources, name
+        # the stacks that train a recipe with torchao run only the linears it converts
+        torchao = name.startswith(("autopar", "torchtitan"))
+        assert stack.options.torchao_linears == torchao, name
         assert all(len(text) > 10 for text in stack.sources.values()), name
 
 
@@ -88,6 +91,13 @@ def test_a_stack_file_of_ones_own(tmp_path):
                 'grad_bytes = 2\nsource = "test"\n[precision]\nrecipes = ["fp9"]\nsource = "x"',
             ),
             "precision.recipes: must be a list of fp8-",
+        ),
+        (
+            (
+                'grad_bytes = 2\nsource = "test"',
+                'grad_bytes = 2\nsource = "test"\n[precision]\ntorchao_linears = 1\nsource = "x"',
+            ),
+            "precision.torchao_linears: must be a bool, got 1",
         ),
     ],
 )
