@@ -54,13 +54,17 @@ GPT2_VOCAB = 50257
 # Megatron-Bridge DeepSeek-V3 rows' 256) uses 64 per rack: 16 of its 18 compute trays, the
 # power-of-two slice SLURM segments hand out.
 NVL72, NVL72_JOB_GPUS = 72, 64
-# The DeepSeek-V3 rows leave recompute and the optimizer blank; Megatron-Bridge's DeepSeek-V3
-# performance scripts recompute modules autopar's policies do not name, so the rows' peak is
-# not checked; their step time is, priced as stated.
+# The DeepSeek-V3 rows leave recompute and the optimizer blank. Megatron-Bridge's DeepSeek-V3
+# recipe recomputes modules autopar's policies do not name and keeps Adam's moments in BF16
+# (src/megatron/bridge/recipes/deepseek/deepseek_v3.py, scripts/performance/configs/deepseek):
+# both only lower the peak, so the priced peak bounds it from above: a row priced under its
+# capacity is checked, one priced over it is listed as not checked. Its step time is priced
+# as stated.
 MBRIDGE_DSV3_RECOMPUTE = (
-    "recompute unstated: Megatron-Bridge's DeepSeek-V3 performance scripts recompute the MLA "
-    "up-projections and the MLP (scripts/performance, recompute_modules), which no autopar "
-    "policy names; priced as the row states it, without recompute"
+    "recompute unstated: Megatron-Bridge's DeepSeek-V3 performance configs recompute the MLA "
+    "up-projections (recompute_modules mla_up_proj; on H100 also the MLP) and keep Adam's "
+    "moments in BF16 (use_precision_aware_optimizer), which autopar does not price; priced "
+    "without them, an upper bound of the peak"
 )
 
 PROFILES = (  # hardware text -> shipped profile (first match)
@@ -95,7 +99,7 @@ class GridRun:
     profile: str = ""
     num_devices: int = 0
     devices_per_node: int | None = None  # fewer than the profile's (an NVL72 rack's 64)
-    memory_unstated: str = ""  # why the stated config does not set the peak (not checked)
+    memory_unstated: str = ""  # what the stated config leaves out that lowers the peak
     config: autopar.ParallelConfig | None = None
     global_batch: int = 0
     precision: str = "bf16"
@@ -186,6 +190,11 @@ def _option_changes(row: dict[str, str], notes: list[str]) -> tuple[tuple[str, o
     changes: list[tuple[str, object]] = []
     if "PURE" in row["precision"]:
         changes.append(("grad_bytes", 2))
+    elif _deepseek_v3(row) and row["source_id"].startswith("mbridge"):
+        # Megatron-Bridge's DeepSeek-V3 recipe: ddp grad_reduce_in_fp32=False, main grads in
+        # BF16 (src/megatron/bridge/recipes/deepseek/deepseek_v3.py)
+        changes.append(("grad_bytes", 2))
+        notes.append("gradients reduced in BF16 (the DeepSeek-V3 recipe)")
     if "async" in (row["precision"] + row["notes"]).lower() and _int(row["tp"]) > 1:
         changes.append(("tp_comm_overlap", ASYNC_TP_OVERLAP))
         notes.append(f"async TP: {ASYNC_TP_OVERLAP:.0%} of the TP collectives hidden")
@@ -298,6 +307,12 @@ def _config(
         # the data-parallel ranks (megatron/core/optimizer/distrib_optimizer.py)
         sharded, zero = True, 1
         notes.append("distributed optimizer (ZeRO-1 over dp): the README's overlap flags")
+    elif row["source_id"].startswith("mbridge") and not zero_text:
+        # every Megatron-Bridge recipe builds its optimizer with
+        # distributed_fused_adam_with_cosine_annealing (src/megatron/bridge/recipes/utils/
+        # optimizer_utils.py: use_distributed_optimizer=True), ZeRO-1 over the dp ranks
+        sharded, zero = True, 1
+        notes.append("distributed optimizer (ZeRO-1 over dp): Megatron-Bridge's recipes")
     fsdp, dp = (data, 1) if sharded and zero else (1, data)
     mbs = _int(row["mbs"]) or 1
     batch = _int(row["gbs"])
