@@ -33,8 +33,10 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
     MXFP8               torchao's MXFP8 linear scales blocks of 32 tokens in the weight
                         gradient's GEMM: each rank's share of a sequence (seq / cp) a
                         multiple of 32 (`token_multiple`), and no expert parallelism (a
-                        dispatched expert gets any number of tokens); tp = 1 (its weight
-                        under a DTensor style runs BF16 GEMMs: measured, the losses equal)
+                        dispatched expert gets any number of tokens); under tp its linears
+                        run on their shards (`low_precision.run_mxfp8_locally`): only plain
+                        column/row splits, each shard's width a multiple of 32
+                        (`mxfp8_tp_width`) -> else tp = 1
 
 Invariant: the search offers no config the generated program would refuse or run otherwise
 than priced, for these axes; `evaluate` refuses the same configs with the same reasons. Both
@@ -44,13 +46,14 @@ torchtitan) is exported to that framework, which runs what it runs.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
 from torch import nn
 
 from autopar.config import ParallelConfig
-from autopar.config.precision import recipe_of, supported_recipes
+from autopar.config.precision import RECIPES, recipe_of, supported_recipes
 from autopar.errors import ConfigError
 from autopar.estimate.stacks import load_stack, stack_names
 from autopar.estimate.tables import tensor_parallel_roles
@@ -61,7 +64,6 @@ from autopar.runtime.hf_experts import is_hf_experts
 from autopar.runtime.low_precision import (
     MX_BLOCK,
     MXFP8_NO_EP,
-    MXFP8_NO_TP,
     block_linears,
     covered_linears,
     runnable,
@@ -145,6 +147,35 @@ def token_multiple(precision: str) -> int:
     return MX_BLOCK if recipe is not None and recipe.gemm_dtype == "mxfp8" else 1
 
 
+def mxfp8_tp_width(model: nn.Module, roles: dict[str, str]) -> tuple[int, str]:
+    """(the greatest common divisor of the widths tensor parallelism splits in ``model``'s
+    MXFP8 linears, why tp > 1 cannot run them or ""): each tp shard's width must be a multiple
+    of `MX_BLOCK`; a fused projection's strided split does not run on its shards."""
+    from math import gcd
+
+    blocks = find_blocks(model)
+    plans = [tp_plan(model, ParallelConfig(tp=2), roles=roles)]
+    with contextlib.suppress(ValueError):  # a model sequence parallelism cannot split
+        plans.append(tp_plan(model, ParallelConfig(tp=2, sequence_parallel=True), roles=roles))
+    width = 0
+    for path in covered_linears(blocks, RECIPES["mxfp8"]):
+        linear = model.get_submodule(path)
+        for plan in plans:
+            style = plan.get(path)
+            if style is None:
+                continue
+            if style in ("colwise", "colwise_gather"):
+                width = gcd(width, linear.out_features)
+            elif style in ("rowwise", "rowwise_to_seq"):
+                width = gcd(width, linear.in_features)
+            else:
+                return 0, (
+                    f"{path} would take the {style!r} style, and only plain column/row splits "
+                    "run torchao's MXFP8 GEMMs on their shards"
+                )
+    return width, ""
+
+
 def recipe_problem(precision: str, seq_len: int) -> str:
     """Why autopar's runtime trains no config of a model with sequences of ``seq_len`` tokens
     in ``precision``, or "" when some may."""
@@ -199,8 +230,11 @@ def runtime_limits(
     if coverage := recipe_coverage(model, precision):
         notes.append(coverage)
     if (multiple := token_multiple(precision)) > 1:
-        limits = replace(limits, token_multiple=multiple, max_tp=1)
-        notes.append(f"no tensor-parallel plans in {precision}: {MXFP8_NO_TP}")
+        width, why = mxfp8_tp_width(model, roles[0])
+        limits = replace(limits, token_multiple=multiple, tp_width=width)
+        if why:
+            limits = replace(limits, max_tp=1)
+            notes.append(f"no tensor-parallel plans in {precision}: {why}")
         if limits.num_experts:
             limits = replace(limits, num_experts=0)
             notes.append(f"no expert-parallel plans in {precision}: {MXFP8_NO_EP}")
@@ -260,11 +294,18 @@ def runtime_problems(
     name = type(model).__name__
     if why := recipe_problem(precision, seq_len):
         out.append(why)
-    mxfp8 = token_multiple(precision) > 1  # tp = ep = 1
+    mxfp8 = token_multiple(precision) > 1  # ep = 1; tp on plain splits of 32-wide shards
     if mxfp8 and config.ep > 1:
         out.append(f"ep={config.ep} in {precision}: {MXFP8_NO_EP}")
     if mxfp8 and config.tp > 1:
-        out.append(f"tp={config.tp} in {precision}: {MXFP8_NO_TP}")
+        width, why = mxfp8_tp_width(model, roles[0])
+        if why:
+            out.append(f"tp={config.tp} in {precision}: {why}")
+        elif width % (config.tp * MX_BLOCK):
+            out.append(
+                f"tp={config.tp} in {precision} splits the MXFP8 linears' widths (greatest "
+                f"common divisor {width}) into shards that are not a multiple of {MX_BLOCK}"
+            )
     if stack == COMPILED_STACK and max(config.tp, config.cp, config.ep) > 1:
         out.append(
             f"tp={config.tp} cp={config.cp} ep={config.ep} on the {stack} stack: "

@@ -24,26 +24,27 @@ another stack and export.
 Under tensor parallelism the FP8 linears take the plain DTensor styles: each rank casts its own
 shard (a tensorwise scale's amax reduced over the tp ranks by DTensor), and the tensor-parallel
 collectives move BF16, as the estimate prices them. torchao's Float8 TP styles, which cast
-before the sequence-parallel all-gather, are not used. MXFP8 is refused with tensor or expert
-parallelism (`runtime.capability`: torchao's MXFP8 weight inside a DTensor runs BF16 GEMMs,
-and an expert's routed tokens are not in blocks of 32).
+before the sequence-parallel all-gather, are not used. Under tensor parallelism an MXFP8 linear
+runs its GEMMs on the rank's shards (`run_mxfp8_locally`: through DTensor torchao's weight
+would run BF16 GEMMs); MXFP8 is refused with expert parallelism (an expert's routed tokens are
+not in blocks of 32; `runtime.capability`).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 from autopar.config import ParallelConfig
 from autopar.config.precision import MX_BLOCK, RECIPES, Linear, Recipe, recipe_of
 from autopar.models.quiet import import_torchao
 
-# why this runtime trains MXFP8 only at tp = ep = 1 (`runtime.capability` plans it there)
-MXFP8_NO_TP = (
-    "torchao's MXFP8 weight inside a tensor-parallel DTensor runs its GEMMs in BF16, not as priced"
-)
+# why this runtime trains MXFP8 only at ep = 1 (`runtime.capability` plans it there)
 MXFP8_NO_EP = (
     f"torchao's MXFP8 linear needs the tokens of each GEMM in multiples of {MX_BLOCK}, and a "
     "dispatched expert gets any number of them"
@@ -155,11 +156,9 @@ def apply_low_precision(
             f"precision {recipe.name!r} converts the linears with torchao, which is not "
             "installed: pip install 'autopar[fp8]' (or torchao), keeping the installed torch"
         )
-    if recipe.gemm_dtype == "mxfp8" and max(config.tp, config.ep) > 1:
-        why = MXFP8_NO_TP if config.tp > 1 else MXFP8_NO_EP
+    if recipe.gemm_dtype == "mxfp8" and config.ep > 1:
         raise RuntimeError(
-            f"precision {recipe.name!r} with tp={config.tp} ep={config.ep}: {why}; train it "
-            "with tp = ep = 1"
+            f"precision {recipe.name!r} with ep={config.ep}: {MXFP8_NO_EP}; train it with ep = 1"
         )
     paths = covered_linears(blocks, recipe)
     wanted = set(paths)
@@ -192,6 +191,50 @@ def _convert_mxfp8(model: nn.Module, recipe: Recipe, wanted: set[str], device: t
     quantize_(model, ao_config, filter_fn=lambda _module, fqn: fqn in wanted)
     for path in wanted:  # torchao's GEMM takes both operands in one dtype
         model.get_submodule(path).register_forward_pre_hook(_input_as_weight)
+
+
+def run_mxfp8_locally(module: nn.Module) -> bool:
+    """Give an MXFP8 linear that tensor parallelism split (its weight a DTensor over the tp
+    mesh, sharded on the output or the input features, holding torchao's MXFP8 weight as its
+    local shard) a forward on the local shards; True when it did.
+
+    Through DTensor the linear would run BF16 GEMMs: DTensor dispatches the local matmul
+    below torchao's weight, which takes over only ``F.linear`` itself. So the rank's shard
+    runs ``F.linear`` as torchao's, and the result is handed back as the DTensor the style
+    expects: sharded on the features for a column split, a partial sum for a row split (the
+    style's output step reduces it). A column split's input gradient is a partial sum over the
+    tp ranks, and is declared so. What the styles communicate is unchanged; the GEMMs see every
+    token, the features of their shard (`runtime.capability` plans MXFP8 under tp only where
+    each shard's width is a multiple of `MX_BLOCK`).
+
+    Raises:
+        RuntimeError: the weight is split otherwise (a fused projection's strided shards).
+    """
+    if not isinstance(module, nn.Linear) or not isinstance(module.weight, DTensor):
+        return False
+    weight = module.weight
+    wrappers = sys.modules.get("torchao.prototype.moe_training.tensor")  # loaded by conversion
+    if wrappers is None or not isinstance(
+        weight.to_local(), wrappers.MXFP8TrainingWeightWrapperTensor
+    ):
+        return False
+    (placement,) = weight.placements
+    if type(placement) is not Shard or placement.dim not in (0, 1):
+        raise RuntimeError(
+            f"an MXFP8 linear's weight split as {placement} over tp: only column (Shard(0)) "
+            "and row (Shard(1)) splits run its GEMMs on the local shards"
+        )
+    mesh, column = weight.device_mesh, placement.dim == 0
+    out_placement = Shard(-1) if column else Partial()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        w = module.weight
+        local = x.to_local(grad_placements=[Partial()] if column else None)
+        out = F.linear(local, w.to_local())  # `_input_as_weight` cast the input
+        return DTensor.from_local(out, mesh, [out_placement], run_check=False)
+
+    module.forward = forward
+    return True
 
 
 def _input_as_weight(module: nn.Module, args: tuple) -> tuple:

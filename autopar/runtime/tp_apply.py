@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.placement_types import _StridedShard  # no public name (2.13)
 
 from autopar.runtime.fused_pieces import Pieces
+from autopar.runtime.low_precision import run_mxfp8_locally
 from autopar.runtime.tensor_parallel import STYLES, transposed
 
 
@@ -276,6 +277,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str,
     parallelize_module(model, tp_mesh, {path: _style(s) for path, s in plan.items()})
     for (owner, name), (user, user_name) in tied:
         setattr(model.get_submodule(user), user_name, getattr(model.get_submodule(owner), name))
+    for path in plan:  # MXFP8 linears compute on their shards (`run_mxfp8_locally`)
+        run_mxfp8_locally(model.get_submodule(path))
     return model
 
 

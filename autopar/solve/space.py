@@ -57,10 +57,14 @@ class SpaceLimits:
     # the experts' intermediate width where the runtime can split it over tp (etp = tp;
     # `runtime.capability.expert_width`), else 0: etp = 1 only
     expert_width: int = 0
-    # each rank's share of a sequence (seq_len / cp, and / tp with sequence parallelism) is a
-    # multiple of this: MXFP8's 32-element scale blocks run along the tokens in the weight
-    # gradient's GEMM (`runtime.capability.token_multiple`); 1: no such rule
+    # each rank's share of a sequence (seq_len / cp: sequence parallelism gathers it before
+    # the linears) is a multiple of this: MXFP8's 32-element scale blocks run along the
+    # tokens in the weight gradient's GEMM (`runtime.capability.token_multiple`); 1: no rule
     token_multiple: int = 1
+    # tp splits this width (the MXFP8 linears' greatest common one,
+    # `runtime.capability.mxfp8_tp_width`) into shares of a multiple of token_multiple; 0: no
+    # such rule
+    tp_width: int = 0
 
 
 def shape_problems(cfg: ParallelConfig, lim: SpaceLimits) -> list[str]:
@@ -104,12 +108,15 @@ def shape_problems(cfg: ParallelConfig, lim: SpaceLimits) -> list[str]:
             f"cp={cfg.cp} needs the sequence in 2 x cp = {2 * cfg.cp} equal chunks, "
             f"but seq_len={lim.seq_len} does not divide"
         )
-    split = cfg.cp * (cfg.tp if cfg.sequence_parallel else 1)
-    if lim.token_multiple > 1 and not _tokens_split(lim, split):
-        tp = f" / tp={cfg.tp}" if cfg.sequence_parallel else ""
+    if lim.token_multiple > 1 and not _tokens_split(lim, cfg.cp):
         out.append(
-            f"each rank's share of the sequence (seq_len {lim.seq_len} / cp={cfg.cp}{tp}) "
+            f"each rank's share of the sequence (seq_len {lim.seq_len} / cp={cfg.cp}) "
             f"must be a whole multiple of {lim.token_multiple} tokens (MXFP8's scale blocks)"
+        )
+    if not _width_split(lim, cfg.tp):
+        out.append(
+            f"tp={cfg.tp} splits the MXFP8 linears' widths (greatest common divisor "
+            f"{lim.tp_width}) into shares that are not a multiple of {lim.token_multiple}"
         )
     return out
 
@@ -138,7 +145,7 @@ def degree_choices(lim: SpaceLimits) -> Iterator[tuple[int, int, int, int, int, 
     for tp in divisors(lim.devices_per_node):
         if world % tp or (lim.num_heads and lim.num_heads % tp) or (lim.max_tp and tp > lim.max_tp):
             continue
-        if lim.num_kv_heads and lim.num_kv_heads % tp:
+        if (lim.num_kv_heads and lim.num_kv_heads % tp) or not _width_split(lim, tp):
             continue
         for pp in divisors(world // tp):
             if pp > max(1, lim.num_blocks) or (lim.max_pp and pp > lim.max_pp):
@@ -160,6 +167,12 @@ def degree_choices(lim: SpaceLimits) -> Iterator[tuple[int, int, int, int, int, 
                     alone = pp > 1 and lim.pipeline_alone
                     for ep in [1] if alone else _expert_degrees(lim, dp, fsdp, cp):
                         yield dp, fsdp, cp, tp, pp, ep
+
+
+def _width_split(lim: SpaceLimits, tp: int) -> bool:
+    """Whether ``tp`` splits ``lim.tp_width`` into shares of a multiple of
+    ``lim.token_multiple`` (true where there is no such width)."""
+    return not lim.tp_width or lim.tp_width % (tp * lim.token_multiple) == 0
 
 
 def _tokens_split(lim: SpaceLimits, ways: int) -> bool:
@@ -242,7 +255,7 @@ def inner_choices(
     constraints hold."""
     dp, fsdp, cp, tp, pp, ep = degrees
     zeros = (0,) if fsdp == 1 else (1, 2, 3)
-    sp_ok = tp > 1 and not lim.no_sequence_parallel and _tokens_split(lim, cp * tp)
+    sp_ok = tp > 1 and not lim.no_sequence_parallel and lim.seq_len % (cp * tp) == 0
     sps = (True, False) if sp_ok else (False,)
     # expert tensor parallelism: each expert whole on every tp rank, or split over them
     split = tp > 1 and lim.num_experts and lim.expert_width and lim.expert_width % tp == 0

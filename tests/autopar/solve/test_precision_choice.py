@@ -102,10 +102,11 @@ def test_the_ilp_reprices_fp8_tensor_parallel_configs_in_fp8():
 
 
 def test_mxfp8_is_planned_only_as_the_runtime_trains_it(wide):
-    """torchao's MXFP8 linear takes each GEMM's tokens in blocks of 32 and runs BF16 GEMMs
-    inside a tensor-parallel DTensor (`runtime.capability`): on B200 the search offers no tp
-    (nor ep), evaluate refuses tp = 2 and a sequence share under 32 tokens, an odd sequence
-    length is refused, and auto plans without MXFP8 there, saying why."""
+    """torchao's MXFP8 linear takes each GEMM's tokens and each tp shard's width in blocks of
+    32 (`runtime.capability`): on B200 the search offers no ep and only the tp degrees whose
+    shards keep whole blocks, evaluate refuses a finer tp and a sequence share under 32
+    tokens, an odd sequence length is refused, and auto plans without MXFP8 there, saying
+    why."""
     from autopar.runtime.capability import runtime_limits
     from autopar.solve.limits import space_limits
 
@@ -114,13 +115,15 @@ def test_mxfp8_is_planned_only_as_the_runtime_trains_it(wide):
     limits, notes = runtime_limits(
         model, space_limits(model, graph, cluster, 64), precision="mxfp8"
     )
-    assert limits.max_tp == 1 and limits.token_multiple == 32
-    assert any(n.startswith("no tensor-parallel plans in mxfp8: torchao's") for n in notes)
+    # llama-8b's narrowest split linears, k and v, are 1024 wide: every tp up to 32 keeps blocks
+    assert (limits.max_tp, limits.tp_width, limits.token_multiple) == (0, 1024, 32)
+    assert not any("tensor-parallel" in n for n in notes)
     plan = _plan(wide, "dgx_b200", "mxfp8")
-    assert plan.precision == "mxfp8" and plan.config.tp == 1
+    assert plan.precision == "mxfp8"
     common = dict(global_batch_size=64, precision="mxfp8", graph=graph)
-    with pytest.raises(ConfigError, match="tp=2 in mxfp8: torchao's MXFP8 weight"):
-        autopar.evaluate(model, cluster, autopar.ParallelConfig(tp=2, fsdp=8), **common)
+    tp2 = autopar.ParallelConfig(tp=2, fsdp=8, zero_stage=3, sequence_parallel=True)
+    tp2 = autopar.evaluate(model, cluster, tp2, **common)
+    assert tp2.precision == "mxfp8" and tp2.config.tp == 2
 
     def tiny(seq_len: int):
         m = zoo.build("llama-tiny", device="meta", seq_len=seq_len)
@@ -133,6 +136,11 @@ def test_mxfp8_is_planned_only_as_the_runtime_trains_it(wide):
     cp4 = autopar.ParallelConfig(cp=4)
     with pytest.raises(ConfigError, match=r"share of the sequence \(seq_len 64 / cp=4\)"):
         autopar.evaluate(m, one, cp4, global_batch_size=4, precision="mxfp8", graph=g)
+    # llama-tiny's k and v projections are 32 wide: tp = 2 would leave shards of 16
+    tp2 = autopar.ParallelConfig(tp=2, dp=2, sequence_parallel=True)
+    with pytest.raises(ConfigError, match="greatest common divisor 32"):
+        autopar.evaluate(m, one, tp2, global_batch_size=4, precision="mxfp8", graph=g)
+    assert small.config.tp == 1
     m, g = tiny(48)
     with pytest.raises(ConfigError, match="'mxfp8' needs sequences of a multiple of 32"):
         autopar.parallelize(m, one, global_batch_size=4, precision="mxfp8", graph=g)
