@@ -41,6 +41,7 @@ from autopar.plan.build import (
 from autopar.plan.files import directory_lock, ensure_directory, write_atomic
 from autopar.plan.rebuild import rebuild_model, replanned_note, resized_cluster, sample_inputs
 from autopar.runtime.capability import (
+    mxfp8_tp_width,
     own_runtime,
     precision_candidates,
     runtime_limits,
@@ -245,12 +246,13 @@ def evaluate(
     limits = space_limits(model, graph, cluster, global_batch_size)
     options = stack_options(stack, options)
     own = own_runtime(options.stack)  # another stack's program is that framework's to run
-    if own:  # MXFP8's blocks split the sequence (runtime.capability)
-        limits = replace(limits, token_multiple=token_multiple(precision))
+    roles: tuple[dict[str, str], str] = traced_roles(model, graph) if own else ({}, "")
+    if own and (multiple := token_multiple(precision)) > 1:
+        # MXFP8's blocks split the sequence and the tp shards' widths (runtime.capability)
+        width, _ = mxfp8_tp_width(model, roles[0])
+        limits = replace(limits, token_multiple=multiple, tp_width=width)
     problems = config.problems(cluster) + shape_problems(config, limits)
-    roles: tuple[dict[str, str], str] = ({}, "")
     if own:
-        roles = traced_roles(model, graph)
         problems += runtime_problems(
             model, config, limits.num_blocks, options.stack, roles, limits.seq_len, precision
         )

@@ -289,23 +289,17 @@ def runtime_problems(
     """Every way autopar's runtime would refuse ``config`` for ``model`` (whose trace found
     ``num_blocks`` repeated layers, of ``seq_len`` tokens) when ``stack`` runs it in
     ``precision``, or run it otherwise than priced; empty when it runs. ``roles``:
-    `traced_roles`. (The sequence's split into MXFP8's blocks is `shape_problems`'.)"""
+    `traced_roles`. (The sequence's and the tp shards' split into MXFP8's blocks are
+    `shape_problems`'.)"""
     out = []
     name = type(model).__name__
     if why := recipe_problem(precision, seq_len):
         out.append(why)
-    mxfp8 = token_multiple(precision) > 1  # ep = 1; tp on plain splits of 32-wide shards
+    mxfp8 = token_multiple(precision) > 1  # ep = 1; tp on plain splits (widths: shape_problems)
     if mxfp8 and config.ep > 1:
         out.append(f"ep={config.ep} in {precision}: {MXFP8_NO_EP}")
-    if mxfp8 and config.tp > 1:
-        width, why = mxfp8_tp_width(model, roles[0])
-        if why:
-            out.append(f"tp={config.tp} in {precision}: {why}")
-        elif width % (config.tp * MX_BLOCK):
-            out.append(
-                f"tp={config.tp} in {precision} splits the MXFP8 linears' widths (greatest "
-                f"common divisor {width}) into shards that are not a multiple of {MX_BLOCK}"
-            )
+    if mxfp8 and config.tp > 1 and (why := mxfp8_tp_width(model, roles[0])[1]):
+        out.append(f"tp={config.tp} in {precision}: {why}")
     if stack == COMPILED_STACK and max(config.tp, config.cp, config.ep) > 1:
         out.append(
             f"tp={config.tp} cp={config.cp} ep={config.ep} on the {stack} stack: "
