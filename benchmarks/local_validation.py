@@ -4,6 +4,7 @@
     python3 benchmarks/local_validation.py --quick         # plain DP/FSDP/TP/PP + the plan
     python3 benchmarks/local_validation.py --all --world-sizes 2 --json out.json
     python3 benchmarks/local_validation.py --world-sizes 4 --config "dp=2 pp=2 | mbs=1 1f1b"
+    python3 benchmarks/local_validation.py --profile fresh     # profile this machine first
 
 In: a Llama-style zoo model (`llama-tiny` with `OVERRIDES`: 4 blocks, hidden 256, GQA 8/4
 heads, sequence 128, vocabulary 2048; fp32, AdamW), a global batch of 8 sequences, the
@@ -27,6 +28,12 @@ Per world size:
      and measured (target >= 0.8), and the planner's choice measured against the measured
      best (target: within 10%).
 
+Profile: ``--profile fresh`` first measures this machine with ``autopar profile`` (2 ranks,
+about 90 s) and prices against that; the shipped ``local_cpu`` was measured on a machine of this
+kind on another day, and a shared machine drifts (on 2026-11-26 this one measured 41% less
+memory bandwidth and 2.5x the per-layer host time of the shipped profile, and every config ran
+20-48% slower than the shipped profile prices).
+
 Threads: every rank computes with one intra-op thread (`--threads`), as `autopar profile`
 measured the per-rank rates of hardware_profiles/local_cpu.toml; on this 2-core machine 4
 ranks share the cores, which the profile's compute_slots tells the cost model.
@@ -44,7 +51,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -434,7 +441,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=Settings.repeats)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--launcher", choices=("pool", "torchrun"), default="pool")
-    p.add_argument("--profile", default=PROFILE)
+    p.add_argument(
+        "--profile",
+        default=PROFILE,
+        help="profile name or .toml path, or 'fresh': measure this machine first (~90 s)",
+    )
     p.add_argument("--json", help="write the rows and figures here")
     p.add_argument(
         "--max-load",
@@ -466,10 +477,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     os.environ["OMP_NUM_THREADS"] = str(settings.threads)
     print(f"load average before: {_load()}; {settings}", flush=True)
+    if settings.profile == "fresh":
+        _wait_for_quiet(settings)
+        settings = replace(settings, profile=_fresh_profile(settings.world_sizes))
     t0 = time.perf_counter()
     run(settings, args.json)
     print(f"total {time.perf_counter() - t0:.0f} s; load average after: {_load()}")
     return 0
+
+
+def _fresh_profile(world_sizes: tuple[int, ...]) -> str:
+    """A profile of this machine as it is now (`autopar profile`, 2 ranks of one thread, as
+    the shipped local_cpu was measured), written to a temporary file; its path."""
+    import subprocess
+
+    path = Path(tempfile.mkdtemp(prefix="autopar-profile-")) / "local_cpu_now.toml"
+    devices = max(8, *world_sizes)
+    command = [sys.executable, "-m", "autopar", "profile", "--out", str(path), "--nproc", "2",
+               "--node-devices", str(devices)]  # fmt: skip
+    print(f"profiling this machine: {' '.join(command[1:])}", flush=True)
+    t0 = time.perf_counter()
+    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    print(f"profiled in {time.perf_counter() - t0:.0f} s: {path}", flush=True)
+    return str(path)
 
 
 if __name__ == "__main__":
