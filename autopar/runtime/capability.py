@@ -32,8 +32,9 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
                         compiled DTensor block fails in backward under torch 2.13)
     MXFP8               torchao's MXFP8 linear scales blocks of 32 tokens in the weight
                         gradient's GEMM: each rank's share of a sequence (seq / cp) a
-                        multiple of 32 (`token_multiple`), and no expert parallelism (a
-                        dispatched expert gets any number of tokens); under tp its linears
+                        multiple of 32 (`token_multiple`; a dispatched expert's rows are
+                        padded to whole blocks, `low_precision._mx_input`), etp = 1; under
+                        tp its linears
                         run on their shards (`low_precision.run_mxfp8_locally`): only plain
                         column/row splits, each shard's width a multiple of 32
                         (`mxfp8_tp_width`) -> else tp = 1
@@ -63,7 +64,7 @@ from autopar.runtime.expert_tensor_parallel import expert_split_problem
 from autopar.runtime.hf_experts import is_hf_experts
 from autopar.runtime.low_precision import (
     MX_BLOCK,
-    MXFP8_NO_EP,
+    MXFP8_NO_ETP,
     block_linears,
     covered_linears,
     runnable,
@@ -235,9 +236,6 @@ def runtime_limits(
         if why:
             limits = replace(limits, max_tp=1)
             notes.append(f"no tensor-parallel plans in {precision}: {why}")
-        if limits.num_experts:
-            limits = replace(limits, num_experts=0)
-            notes.append(f"no expert-parallel plans in {precision}: {MXFP8_NO_EP}")
     if stack == COMPILED_STACK and (limits.max_tp != 1 or limits.max_cp > 1 or limits.num_experts):
         limits = replace(limits, max_tp=1, max_cp=1, num_experts=0)
         notes.append(f"no tensor-, context- or expert-parallel plans: {_no_compiled_split()}")
@@ -259,6 +257,9 @@ def runtime_limits(
         limits = replace(limits, expert_width=width)
         if why:
             notes.append(f"no expert tensor-parallel plans (etp = 1): {why}")
+        elif width and token_multiple(precision) > 1:
+            limits = replace(limits, expert_width=0)
+            notes.append(f"no expert tensor-parallel plans in {precision}: {MXFP8_NO_ETP}")
     if not has_parts(model) and limits.max_cp > 1:
         limits = replace(limits, max_cp=1)
         notes.append(f"no context-parallel plans: {_no_cp(name)}")
@@ -295,9 +296,9 @@ def runtime_problems(
     name = type(model).__name__
     if why := recipe_problem(precision, seq_len):
         out.append(why)
-    mxfp8 = token_multiple(precision) > 1  # ep = 1; tp on plain splits (widths: shape_problems)
-    if mxfp8 and config.ep > 1:
-        out.append(f"ep={config.ep} in {precision}: {MXFP8_NO_EP}")
+    mxfp8 = token_multiple(precision) > 1  # etp = 1; tp on plain splits (widths: shape_problems)
+    if mxfp8 and config.etp > 1:
+        out.append(f"etp={config.etp} in {precision}: {MXFP8_NO_ETP}")
     if mxfp8 and config.tp > 1 and (why := mxfp8_tp_width(model, roles[0])[1]):
         out.append(f"tp={config.tp} in {precision}: {why}")
     if stack == COMPILED_STACK and max(config.tp, config.cp, config.ep) > 1:

@@ -26,8 +26,9 @@ shard (a tensorwise scale's amax reduced over the tp ranks by DTensor), and the 
 collectives move BF16, as the estimate prices them. torchao's Float8 TP styles, which cast
 before the sequence-parallel all-gather, are not used. Under tensor parallelism an MXFP8 linear
 runs its GEMMs on the rank's shards (`run_mxfp8_locally`: through DTensor torchao's weight
-would run BF16 GEMMs); MXFP8 is refused with expert parallelism (an expert's routed tokens are
-not in blocks of 32; `runtime.capability`).
+would run BF16 GEMMs). A dispatched expert's rows, any number of them, are padded with zeros
+to whole blocks of 32 around its MXFP8 GEMMs (`_mx_input`); expert tensor parallelism (etp > 1)
+is refused in MXFP8 (`runtime.capability`).
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ from autopar.config import ParallelConfig
 from autopar.config.precision import MX_BLOCK, RECIPES, Linear, Recipe, recipe_of
 from autopar.models.quiet import import_torchao
 
-# why this runtime trains MXFP8 only at ep = 1 (`runtime.capability` plans it there)
-MXFP8_NO_EP = (
-    f"torchao's MXFP8 linear needs the tokens of each GEMM in multiples of {MX_BLOCK}, and a "
-    "dispatched expert gets any number of them"
+# why this runtime trains MXFP8 only at etp = 1 (`runtime.capability` plans it there)
+MXFP8_NO_ETP = (
+    "expert tensor parallelism slices the experts' weights after torchao wrapped them for "
+    "MXFP8, which autopar's runtime does not run"
 )
 # the CUDA compute capability whose tensor cores run each GEMM dtype, and their generation
 _CUDA_CAPABILITY = {"fp8": ((8, 9), "Ada, Hopper, Blackwell"), "mxfp8": ((10, 0), "Blackwell")}
@@ -156,9 +157,10 @@ def apply_low_precision(
             f"precision {recipe.name!r} converts the linears with torchao, which is not "
             "installed: pip install 'autopar[fp8]' (or torchao), keeping the installed torch"
         )
-    if recipe.gemm_dtype == "mxfp8" and config.ep > 1:
+    if recipe.gemm_dtype == "mxfp8" and config.etp > 1:
         raise RuntimeError(
-            f"precision {recipe.name!r} with ep={config.ep}: {MXFP8_NO_EP}; train it with ep = 1"
+            f"precision {recipe.name!r} with etp={config.etp}: {MXFP8_NO_ETP}; train it with "
+            "etp = 1"
         )
     paths = covered_linears(blocks, recipe)
     wanted = set(paths)
@@ -189,8 +191,10 @@ def _convert_mxfp8(model: nn.Module, recipe: Recipe, wanted: set[str], device: t
     name = recipe.torchao_recipe if device.type == "cuda" else _MXFP8_EMULATED
     ao_config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(name))
     quantize_(model, ao_config, filter_fn=lambda _module, fqn: fqn in wanted)
-    for path in wanted:  # torchao's GEMM takes both operands in one dtype
-        model.get_submodule(path).register_forward_pre_hook(_input_as_weight)
+    for path in wanted:
+        linear = model.get_submodule(path)
+        linear.register_forward_pre_hook(_mx_input)
+        linear.register_forward_hook(_mx_output)
 
 
 def run_mxfp8_locally(module: nn.Module) -> bool:
@@ -230,17 +234,39 @@ def run_mxfp8_locally(module: nn.Module) -> bool:
     def forward(x: torch.Tensor) -> torch.Tensor:
         w = module.weight
         local = x.to_local(grad_placements=[Partial()] if column else None)
-        out = F.linear(local, w.to_local())  # `_input_as_weight` cast the input
+        out = F.linear(local, w.to_local())  # `_mx_input` cast the input
         return DTensor.from_local(out, mesh, [out_placement], run_check=False)
 
     module.forward = forward
     return True
 
 
-def _input_as_weight(module: nn.Module, args: tuple) -> tuple:
-    """An MXFP8 linear's input in its weight's dtype: without FSDP's BF16 gathers the weight
-    stays FP32 while autocast makes the input BF16, and torchao's emulated MXFP8 GEMM refuses
-    the mix (both operands are quantized to e4m3 either way)."""
+def _mx_input(module: nn.Module, args: tuple) -> tuple | None:
+    """An MXFP8 linear's input in its weight's dtype, its rows padded with zeros to a whole
+    number of `MX_BLOCK` (`_mx_output` drops them).
+
+    The dtype: without FSDP's BF16 gathers the weight stays FP32 while autocast makes the
+    input BF16, and torchao's emulated MXFP8 GEMM refuses the mix (both operands are quantized
+    to e4m3 either way). The rows: the weight gradient's GEMM scales blocks of 32 along the
+    tokens, and torchao refuses any other count; a dispatched expert gets any number. Zero rows
+    leave every product and every block's scale as they were. Under tensor parallelism (a
+    DTensor weight) nothing is padded: the styles split the sequence, which the planner keeps
+    in whole blocks (`runtime.capability`)."""
     x, *rest = args
     dtype = module.weight.dtype
-    return (x.to(dtype), *rest) if x.dtype != dtype else None
+    module._mx_rows = None
+    pad = 0 if isinstance(module.weight, DTensor) else -x.shape[:-1].numel() % MX_BLOCK
+    if pad:
+        module._mx_rows = x.shape[:-1]
+        x = F.pad(x.reshape(-1, x.shape[-1]), (0, 0, 0, pad))
+    if x.dtype != dtype:
+        x = x.to(dtype)
+    return (x, *rest) if pad or x is not args[0] else None
+
+
+def _mx_output(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
+    """The output of the rows `_mx_input` gave, without its padding, in the input's shape."""
+    rows = module._mx_rows
+    if rows is None:
+        return None
+    return out[: rows.numel()].reshape(*rows, out.shape[-1])

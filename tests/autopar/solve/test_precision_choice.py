@@ -103,9 +103,9 @@ def test_the_ilp_reprices_fp8_tensor_parallel_configs_in_fp8():
 
 def test_mxfp8_is_planned_only_as_the_runtime_trains_it(wide):
     """torchao's MXFP8 linear takes each GEMM's tokens and each tp shard's width in blocks of
-    32 (`runtime.capability`): on B200 the search offers no ep and only the tp degrees whose
-    shards keep whole blocks, evaluate refuses a finer tp and a sequence share under 32
-    tokens, an odd sequence length is refused, and auto plans without MXFP8 there, saying
+    32 (`runtime.capability`): on B200 the search offers only the tp degrees whose shards
+    keep whole blocks and no etp, evaluate refuses a finer tp, etp and a sequence share under
+    32 tokens, an odd sequence length is refused, and auto plans without MXFP8 there, saying
     why."""
     from autopar.runtime.capability import runtime_limits
     from autopar.solve.limits import space_limits
@@ -136,6 +136,15 @@ def test_mxfp8_is_planned_only_as_the_runtime_trains_it(wide):
     cp4 = autopar.ParallelConfig(cp=4)
     with pytest.raises(ConfigError, match=r"share of the sequence \(seq_len 64 / cp=4\)"):
         autopar.evaluate(m, one, cp4, global_batch_size=4, precision="mxfp8", graph=g)
+    # experts: dispatched with their rows padded to blocks of 32, but never split (etp = 1)
+    moe = zoo.build("moe-tiny", device="meta", seq_len=64)
+    moe_graph = autopar.trace(moe, zoo.example_inputs("moe-tiny", moe))
+    limits, notes = runtime_limits(moe, space_limits(moe, moe_graph, one, 4), precision="mxfp8")
+    assert limits.num_experts == 4 and limits.expert_width == 0
+    assert any(n.startswith("no expert tensor-parallel plans in mxfp8") for n in notes)
+    etp = autopar.ParallelConfig(tp=2, ep=2, etp=2)
+    with pytest.raises(ConfigError, match="etp=2 in mxfp8: expert tensor parallelism"):
+        autopar.evaluate(moe, one, etp, global_batch_size=4, precision="mxfp8", graph=moe_graph)
     # llama-tiny's k and v projections are 32 wide: tp = 2 would leave shards of 16
     tp2 = autopar.ParallelConfig(tp=2, dp=2, sequence_parallel=True)
     with pytest.raises(ConfigError, match="greatest common divisor 32"):
