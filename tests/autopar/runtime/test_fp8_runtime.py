@@ -230,44 +230,41 @@ def test_fp8_under_fsdp2_pp_and_tp_trains_within_a_stated_bound_of_bf16():
 WIDE = {"hidden": 128, "ffn_hidden": 256}
 
 
+# split -> (the split config, the same model's unsplit one, llama-tiny's overrides, bounds on
+# every step's loss and gradient norm against the unsplit MXFP8 run)
+MXFP8_SPLITS = {
+    # TP2 with SP: each split linear's GEMMs on the rank's shards (`run_mxfp8_locally`)
+    "tp": (TP_SP, autopar.ParallelConfig(dp=2, micro_batch_size=2), WIDE, 1e-3, 1e-2),
+    # EP2: each expert's dispatched rows, any number, padded to blocks of 32 (`_mx_input`);
+    # unsplit, every expert runs on every token (the unrouted ones weighted 0)
+    "ep": (
+        autopar.ParallelConfig(dp=2, ep=2), autopar.ParallelConfig(dp=2), {"name": "moe-tiny"},
+        1e-4, 1e-3,
+    ),
+}  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_mxfp8_under_tp_runs_its_gemms_on_the_shards():
-    """TP2 (with SP) in MXFP8 trains as the same model in MXFP8 without TP (data parallel)
-    does, and unlike TP2 in BF16: through the DTensor styles alone torchao's weight ran BF16
-    GEMMs (the losses equalled BF16's). Measured 2026-11-26: the first step's loss within
-    5e-8 of the data-parallel MXFP8 run's, 3.8e-5 from BF16's; three steps within 1e-4."""
+@pytest.mark.parametrize("split", list(MXFP8_SPLITS))
+def test_mxfp8_split_over_tp_or_ep_trains_as_unsplit(split):
+    """TP2 (with SP) and EP2 in MXFP8 train as the same model in MXFP8 unsplit (data parallel)
+    does, and unlike the split in BF16. Through the DTensor styles alone torchao's weight ran
+    BF16 GEMMs (the losses equalled BF16's); a dispatched expert's rows were refused.
+    Measured 2026-11-26, the first step's loss: TP 5e-8 from the unsplit MXFP8 run's, EP
+    equal; both 3.8e-5 from BF16's."""
+    config, unsplit, overrides, loss_bound, norm_bound = MXFP8_SPLITS[split]
     runs = (
-        ("dp mxfp8", autopar.ParallelConfig(dp=2, micro_batch_size=2), "mxfp8", 64, WIDE),
-        ("tp mxfp8", TP_SP, "mxfp8", 64, WIDE),
-        ("tp bf16", TP_SP, "bf16", 64, WIDE),
+        ("split mxfp8", config, "mxfp8", 64, overrides),
+        ("unsplit mxfp8", unsplit, "mxfp8", 64, overrides),
+        ("split bf16", config, "bf16", 64, overrides),
     )
     got = run_ranks(2, _train_precisions, runs)[0]
-    (tp, _), (dp, _), (bf16, _) = (got[k][0] for k in ("tp mxfp8", "dp mxfp8", "tp bf16"))
+    low, same, bf16 = (got[k] for k in ("split mxfp8", "unsplit mxfp8", "split bf16"))
     # the first step, before any update: the same quantized GEMMs, summed in another order
-    assert abs(tp / dp - 1) < 1e-6 and abs(tp / bf16 - 1) > 1e-5
-    for (tp, tp_norm), (dp, dp_norm) in zip(got["tp mxfp8"], got["dp mxfp8"], strict=True):
-        assert abs(tp / dp - 1) < 1e-3 and abs(tp_norm / dp_norm - 1) < 1e-2
-
-
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_mxfp8_under_expert_parallelism_pads_the_dispatched_rows():
-    """moe-tiny with EP2 in MXFP8: each expert's dispatched rows (any number) padded to blocks
-    of 32. It trains as the same model in MXFP8 without EP (every expert on every token, the
-    unrouted ones weighted 0) does, and unlike EP2 in BF16."""
-    moe = {"name": "moe-tiny"}
-    runs = (
-        ("ep mxfp8", autopar.ParallelConfig(dp=2, ep=2), "mxfp8", 64, moe),
-        ("dp mxfp8", autopar.ParallelConfig(dp=2), "mxfp8", 64, moe),
-        ("ep bf16", autopar.ParallelConfig(dp=2, ep=2), "bf16", 64, moe),
-    )
-    got = run_ranks(2, _train_precisions, runs)[0]
-    (ep, _), (dp, _), (bf16, _) = (got[k][0] for k in ("ep mxfp8", "dp mxfp8", "ep bf16"))
-    # measured 2026-11-26: the first losses equal, 3.8e-5 from BF16's; norms within 1e-10
-    assert abs(ep / dp - 1) < 1e-6 and abs(ep / bf16 - 1) > 1e-5
-    for (ep, ep_norm), (dp, dp_norm) in zip(got["ep mxfp8"], got["dp mxfp8"], strict=True):
-        assert abs(ep / dp - 1) < 1e-4 and abs(ep_norm / dp_norm - 1) < 1e-3
+    assert abs(low[0][0] / same[0][0] - 1) < 1e-6 and abs(low[0][0] / bf16[0][0] - 1) > 1e-5
+    for (loss, norm), (ref_loss, ref_norm) in zip(low, same, strict=True):
+        assert abs(loss / ref_loss - 1) < loss_bound and abs(norm / ref_norm - 1) < norm_bound
 
 
 @pytest.mark.slow
