@@ -254,12 +254,12 @@ def runtime_limits(
         notes.append(f"no expert-parallel plans: {_no_ep(name)}")
     if limits.num_experts:
         width, why = expert_width(model)
-        limits = replace(limits, expert_width=width)
         if why:
             notes.append(f"no expert tensor-parallel plans (etp = 1): {why}")
-        elif width and token_multiple(precision) > 1:
-            limits = replace(limits, expert_width=0)
+        elif width and limits.token_multiple > 1:  # MXFP8 (set above)
+            width = 0
             notes.append(f"no expert tensor-parallel plans in {precision}: {MXFP8_NO_ETP}")
+        limits = replace(limits, expert_width=width)
     if not has_parts(model) and limits.max_cp > 1:
         limits = replace(limits, max_cp=1)
         notes.append(f"no context-parallel plans: {_no_cp(name)}")

@@ -42,8 +42,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from autopar.config import ParallelConfig
-from autopar.config.precision import MX_BLOCK, RECIPES, Linear, Recipe, recipe_of
+from autopar.config.precision import MX_BLOCK, RECIPES, Recipe, recipe_of
 from autopar.models.quiet import import_torchao
+from autopar.tracing.layers import linear_of
 
 # why this runtime trains MXFP8 only at etp = 1 (`runtime.capability` plans it there)
 MXFP8_NO_ETP = (
@@ -125,14 +126,6 @@ def covered_linears(blocks: list[tuple[str, nn.Module]], recipe: Recipe) -> list
         for path, module in block_linears(blocks, recipe).items()
         if recipe.torchao_converts(linear_of(module))
     ]
-
-
-def linear_of(module: nn.Module) -> Linear | None:
-    """``module`` as a recipe's coverage sees it (`config.precision.Linear`), None for a module
-    that is not an ``nn.Linear``."""
-    if not isinstance(module, nn.Linear):
-        return None
-    return (module.in_features, module.out_features, module.bias is not None)
 
 
 def apply_low_precision(

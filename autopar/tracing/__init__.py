@@ -15,7 +15,7 @@ from torch import nn
 
 from autopar.tracing.capture import TraceError, capture
 from autopar.tracing.graph import LayerClass, LayerInfo, ModelGraph, MoEInfo, NodeInfo, ParamInfo
-from autopar.tracing.layers import assign_layers, find_blocks
+from autopar.tracing.layers import assign_layers, find_blocks, linear_of
 from autopar.tracing.nodes import RawNode, build_node_table
 from autopar.tracing.ops import OpProber
 from autopar.tracing.summarize import summarize_layers
@@ -64,9 +64,9 @@ def trace(model: nn.Module, example_inputs: Any) -> ModelGraph:
         ops_without_sharding_rule=_ops_without_rule(program),
         graph_module=program.graph_module,
         linears={
-            path: (m.in_features, m.out_features, m.bias is not None)
+            path: linear
             for path, m in model.named_modules()
-            if isinstance(m, nn.Linear)
+            if (linear := linear_of(m)) is not None
         },
     )
 

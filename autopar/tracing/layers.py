@@ -21,6 +21,15 @@ from torch import nn
 from autopar.tracing.nodes import RawNode
 
 
+def linear_of(module: nn.Module) -> tuple[int, int, bool] | None:
+    """``module`` as a low-precision recipe's coverage sees it: (in_features, out_features,
+    has a bias) for an ``nn.Linear`` (subclasses too), None for any other module (transformers'
+    Conv1D among them); `config.precision.Recipe.torchao_converts` takes it."""
+    if not isinstance(module, nn.Linear):
+        return None
+    return (module.in_features, module.out_features, module.bias is not None)
+
+
 def find_blocks(model: nn.Module) -> set[str]:
     """Module paths of the repeated blocks (outermost lists only)."""
     blocks: set[str] = set()
