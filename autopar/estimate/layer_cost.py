@@ -37,7 +37,11 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
         its three GEMMs at the recipe's rate (its `gemm_dtype` peak on the matmul
         curve, FLOPs over `gemm_efficiency`); its scaling, casts and transposes are one
         memory-bound op forward and one backward of `cast_forward` / `cast_backward` x the
-        linear's activation and weight bytes, times the stack's `cast_traffic`.
+        linear's activation and weight bytes, times the stack's `cast_traffic`. Under MXFP8 on
+        a torchao stack, an expert linear's routed rows are padded with zeros to whole blocks
+        of 32 (`runtime.low_precision._mx_input`): its GEMMs run `mx_padded_rows(R)` rows for
+        the R one expert receives on a rank per micro-batch (R = its routed rows per sample
+        x b / d_i x ep: every rank of the ep group sends it its tokens' share).
     recompute: full re-runs the forward (compute and its collectives); selective re-runs the
         memory-bound ops (the matmul and attention outputs are kept).
     runtime overhead (profiles measured by `autopar profile`, [runtime]): o per repeated layer
@@ -61,11 +65,12 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from autopar.config import SPLIT_BACKWARD, ParallelConfig
-from autopar.config.precision import Recipe
+from autopar.config.precision import MX_BLOCK, Recipe
 from autopar.estimate.memory import shard_divisors, token_ways
 from autopar.estimate.tables import LayerTable, MatmulOp
 from cost_models.compute import DeviceSpec, op_time_s
@@ -139,6 +144,9 @@ def layer_time(
         io = acts + weights
         low = in_recipe(op, recipe, torchao_linears)
         gemm, scale = (recipe.gemm_dtype, 1 / recipe.gemm_efficiency) if low else (dtype, 1.0)
+        if low and torchao_linears and _padded_expert(op, table, recipe):
+            rows = expert_rows(op) * b / d * cfg.ep
+            scale *= mx_padded_rows(rows) / rows
         groups = max(1, op.groups // cfg.ep)  # this rank's experts' GEMMs
         fwd += _gemms_time(device, op.flops * b / d * scale, io, gemm, groups)
         back = _gemms_time(device, op.backward_flops * b / d * scale, 2 * io, gemm, groups)
@@ -183,6 +191,43 @@ def in_recipe(op: MatmulOp, recipe: Recipe | None, torchao_linears: bool) -> boo
     if recipe is None or op.weight_bytes <= 0:
         return False
     return not torchao_linears or recipe.torchao_converts(op.linear)
+
+
+def _padded_expert(op: MatmulOp, table: LayerTable, recipe: Recipe) -> bool:
+    """Whether torchao's MXFP8 runs ``op`` on rows padded to whole blocks: an expert linear
+    at its routed rows (a dispatched or routing graph's; a dense-dispatch graph without ep
+    runs every token, which the planner keeps in whole blocks)."""
+    return (
+        recipe.gemm_dtype == "mxfp8"
+        and op.shard == "expert"
+        and op.linear is not None
+        and table.moe_routed_fraction == 1.0
+        and expert_rows(op) > 0
+    )
+
+
+def expert_rows(op: MatmulOp) -> float:
+    """The rows per sample a linear's forward GEMM runs: its FLOPs over 2 x in x out."""
+    assert op.linear is not None
+    in_features, out_features, _ = op.linear
+    return op.flops / (2 * in_features * out_features)
+
+
+def mx_padded_rows(rows: float) -> float:
+    """The expected rows one expert's GEMMs run once its routed rows are padded to whole
+    `MX_BLOCK` blocks, for a mean of ``rows`` (the counts vary per expert and step): the count
+    taken as Poisson (each token's choice of an expert an independent rare event), an empty
+    expert running none; past 4096 rows a remainder taken as uniform, (MX_BLOCK - 1) / 2."""
+    if rows <= 0:
+        return 0.0
+    if rows > 4096:
+        return rows + (MX_BLOCK - 1) / 2
+    top = int(rows + 12 * math.sqrt(rows) + 2 * MX_BLOCK)
+    log_rows = math.log(rows)
+    return sum(
+        math.exp(n * log_rows - rows - math.lgamma(n + 1)) * -(-n // MX_BLOCK) * MX_BLOCK
+        for n in range(1, top)
+    )
 
 
 def _gemms_time(device: DeviceSpec, flops: float, io: float, dtype: str, groups: int) -> float:

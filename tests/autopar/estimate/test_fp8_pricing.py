@@ -6,6 +6,9 @@ wrong if the mechanism were miswired.
 - Under a stack that converts with torchao (`torchao_linears`: autopar's runtime,
   torchtitan) the recipe prices exactly the linears the runtime converts, the rest in BF16;
   TransformerEngine's stacks price every linear of the covered blocks.
+- Under MXFP8 on a torchao stack a dispatched expert's GEMMs run its rows padded to whole
+  blocks of 32, as the runtime pads them: the expected padded rows over a real router's
+  counts, and the expert layer's time only where rows are dispatched.
 - NVFP4 keeps its edge blocks in BF16; FSDP's FP8 all-gather halves the converted weights'
   gathered bytes and leaves the gradient reduce-scatter alone.
 - A device without the recipe's tensor cores, and an unknown precision, are refused by name.
@@ -16,12 +19,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 import autopar
 from autopar.config.precision import RECIPES, base_precision, canonical, recipe_of
 from autopar.errors import ConfigError
 from autopar.estimate import CostOptions, Estimator, build_tables
-from autopar.estimate.layer_cost import in_recipe
+from autopar.estimate.layer_cost import in_recipe, mx_padded_rows
 from autopar.models import hf, zoo
 from cost_models.compute import op_time_s
 
@@ -135,6 +140,57 @@ def test_under_torchao_the_recipe_prices_the_linears_the_runtime_converts(
     block = blocks[0].name
     assert (low[block] == base[block]) == (not priced)
     assert all_linears[block] != base[block]
+
+
+@pytest.mark.parametrize("tokens", [16, 40, 64, 192, 1024, 4096])
+def test_the_padded_rows_priced_are_what_the_runtime_pads_a_routers_counts_to(tokens):
+    """moe-tiny's own router (4 experts, top 2, at its random init) routes ``tokens`` tokens,
+    20 times; each expert's rows go through the runtime's padding hook (`_mx_input`). The mean
+    rows the hook gives an expert are `mx_padded_rows` of the mean count, within 3%."""
+    from autopar.runtime.low_precision import _mx_input
+
+    model = zoo.build("moe-tiny", seed=0)
+    block = next(m for m in model.modules() if hasattr(m, "routing_weights"))
+    hidden = block.router.in_features
+    linear = torch.nn.Linear(hidden, hidden, bias=False)
+    gen = torch.Generator().manual_seed(0)
+    padded, counts = [], []
+    with torch.no_grad():
+        for _ in range(20):
+            x = torch.randn(tokens, hidden, generator=gen)
+            idx = F.softmax(block.router(x).float(), -1).topk(block.top_k, -1).indices
+            for n in torch.bincount(idx.flatten(), minlength=block.num_experts).tolist():
+                got = _mx_input(linear, (x[:n],))
+                padded.append((got[0] if got else x[:n]).shape[0])
+                counts.append(n)
+    mean = sum(counts) / len(counts)
+    assert mean == tokens * block.top_k / block.num_experts
+    measured = sum(padded) / len(padded)
+    assert mx_padded_rows(mean) == pytest.approx(measured, rel=0.03)
+    assert measured > mean  # something is padded at every size here
+
+
+def test_mxfp8_prices_the_padding_only_where_experts_get_dispatched_rows():
+    """moe-tiny with 32 experts (so that torchao converts its router too) in MXFP8 on a
+    B200: with ep = 2 (tokens dispatched to their experts) an MoE
+    block costs more on a torchao stack, which pads, than on TransformerEngine's, which the
+    estimate does not pad; with ep = 1 (every expert on every token, whole blocks) the two
+    are equal, and so are the dense layers."""
+    model = zoo.build("moe-tiny", device="meta", num_experts=32)
+    tabs = build_tables(autopar.trace(model, zoo.example_inputs("moe-tiny", model)))
+    cluster = autopar.Cluster.from_profile("dgx_b200")
+    moe = next(t.name for t in tabs.layers if t.moe_num_experts)
+    head = tabs.layers[-1].name
+    for ep, padded in ((1, False), (2, True)):
+        cfg = autopar.ParallelConfig(dp=8, ep=ep, micro_batch_size=1)
+        times = []
+        for torchao in (True, False):
+            est = Estimator(tabs, cluster, precision="mxfp8",
+                            options=CostOptions(torchao_linears=torchao))  # fmt: skip
+            times.append(est.layer_times(cfg, est.mesh(cfg)))
+        pads, plain = times
+        assert (pads[moe].compute_forward_s > plain[moe].compute_forward_s) == padded, ep
+        assert pads[head] == plain[head]
 
 
 def test_nvfp4_keeps_the_edge_blocks_in_bf16(tables):
