@@ -84,9 +84,10 @@ def parallelize(
         precision, optimizer: as for `evaluate`; precision "auto" plans BF16 and every
             recipe the device (and the stack's runtime) runs, returns the fastest and notes
             what it bought, or why BF16 is the only choice (and which recipe it could not plan
-            for this model, and why). For autopar's own runtime an MXFP8 plan has etp = 1, tp
-            only where each shard of its linears is a multiple of 32 wide, and each rank's
-            share of a sequence a multiple of 32 tokens (`autopar.runtime.capability`).
+            for this model, and why). For autopar's own runtime an MXFP8 plan has tp (and etp)
+            only where each shard of its linears (each expert's slice) is a multiple of 32
+            wide, and each rank's share of a sequence a multiple of 32 tokens
+            (`autopar.runtime.capability`).
         options: PlanOptions (cost-model options, micro-batch sizes, progress callback).
         graph: a ModelGraph already traced from this model and inputs.
         model_factory: how the generated program builds the model: "module:function", or

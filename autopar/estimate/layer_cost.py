@@ -41,7 +41,8 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
         a torchao stack, an expert linear's routed rows are padded with zeros to whole blocks
         of 32 (`runtime.low_precision._mx_input`): its GEMMs run `mx_padded_rows(R)` rows for
         the R one expert receives on a rank per micro-batch (R = its routed rows per sample
-        x b / d_i x ep: every rank of the ep group sends it its tokens' share).
+        x b / d_r x ep, d_r the "routed" divisor of `shard_divisors`: every rank of the ep
+        group sends it its tokens' share, the whole tp group's where etp = tp).
     recompute: full re-runs the forward (compute and its collectives); selective re-runs the
         memory-bound ops (the matmul and attention outputs are kept).
     runtime overhead (profiles measured by `autopar profile`, [runtime]): o per repeated layer
@@ -145,7 +146,7 @@ def layer_time(
         low = in_recipe(op, recipe, torchao_linears)
         gemm, scale = (recipe.gemm_dtype, 1 / recipe.gemm_efficiency) if low else (dtype, 1.0)
         if low and torchao_linears and _padded_expert(op, table, recipe):
-            rows = expert_rows(op) * b / d * cfg.ep
+            rows = expert_rows(op) * b / flop_div["routed"] * cfg.ep
             scale *= mx_padded_rows(rows) / rows
         groups = max(1, op.groups // cfg.ep)  # this rank's experts' GEMMs
         fwd += _gemms_time(device, op.flops * b / d * scale, io, gemm, groups)

@@ -33,11 +33,11 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
     MXFP8               torchao's MXFP8 linear scales blocks of 32 tokens in the weight
                         gradient's GEMM: each rank's share of a sequence (seq / cp) a
                         multiple of 32 (`token_multiple`; a dispatched expert's rows are
-                        padded to whole blocks, `low_precision._mx_input`), etp = 1; under
-                        tp its linears
-                        run on their shards (`low_precision.run_mxfp8_locally`): only plain
-                        column/row splits, each shard's width a multiple of 32
-                        (`mxfp8_tp_width`) -> else tp = 1
+                        padded to whole blocks, `low_precision._mx_input`); under tp its
+                        linears run on their shards (`low_precision.run_mxfp8_locally`):
+                        only plain column/row splits, each shard's width a multiple of 32
+                        (`mxfp8_tp_width`) -> else tp = 1; etp splits each expert's width
+                        into slices of a multiple of 32 -> else etp = 1
 
 Invariant: the search offers no config the generated program would refuse or run otherwise
 than priced, for these axes; `evaluate` refuses the same configs with the same reasons. Both
@@ -64,7 +64,6 @@ from autopar.runtime.expert_tensor_parallel import expert_split_problem
 from autopar.runtime.hf_experts import is_hf_experts
 from autopar.runtime.low_precision import (
     MX_BLOCK,
-    MXFP8_NO_ETP,
     block_linears,
     covered_linears,
     runnable,
@@ -256,9 +255,6 @@ def runtime_limits(
         width, why = expert_width(model)
         if why:
             notes.append(f"no expert tensor-parallel plans (etp = 1): {why}")
-        elif width and limits.token_multiple > 1:  # MXFP8 (set above)
-            width = 0
-            notes.append(f"no expert tensor-parallel plans in {precision}: {MXFP8_NO_ETP}")
         limits = replace(limits, expert_width=width)
     if not has_parts(model) and limits.max_cp > 1:
         limits = replace(limits, max_cp=1)
@@ -296,9 +292,7 @@ def runtime_problems(
     name = type(model).__name__
     if why := recipe_problem(precision, seq_len):
         out.append(why)
-    mxfp8 = token_multiple(precision) > 1  # etp = 1; tp on plain splits (widths: shape_problems)
-    if mxfp8 and config.etp > 1:
-        out.append(f"etp={config.etp} in {precision}: {MXFP8_NO_ETP}")
+    mxfp8 = token_multiple(precision) > 1  # tp on plain splits (widths: shape_problems)
     if mxfp8 and config.tp > 1 and (why := mxfp8_tp_width(model, roles[0])[1]):
         out.append(f"tp={config.tp} in {precision}: {why}")
     if stack == COMPILED_STACK and max(config.tp, config.cp, config.ep) > 1:
@@ -331,6 +325,12 @@ def runtime_problems(
             out.append(
                 f"etp={config.etp} does not divide the experts' intermediate width {width} of "
                 f"{name}"
+            )
+        elif mxfp8 and width % (config.etp * MX_BLOCK):
+            out.append(
+                f"etp={config.etp} in {precision} slices the experts' intermediate width "
+                f"{width} of {name} into {width // config.etp}, not a multiple of {MX_BLOCK} "
+                "(torchao's MXFP8 blocks)"
             )
     unsplit = unsplit_block(model, num_blocks, roles[0]) if config.tp > 1 else None
     wide = whole_width_norm(model) if config.tp > 1 else None

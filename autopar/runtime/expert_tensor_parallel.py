@@ -44,6 +44,7 @@ from torch.autograd import Function
 from autopar.runtime.collectives import all_gather_seq, gather_rows, reduce_scatter_seq
 from autopar.runtime.expert_parallel import is_moe_block
 from autopar.runtime.hf_experts import is_hf_experts
+from autopar.runtime.low_precision import wrapped_like
 
 
 class _CopyToTp(Function):  # Megatron's f: identity forward, all-reduce backward
@@ -113,10 +114,11 @@ def expert_split_problem(module: nn.Module) -> str:
 
 
 def _slice(param: nn.Parameter, dim: int, pieces: int, rank: int, tp: int) -> nn.Parameter:
-    """Rank ``rank``'s 1/tp of each of ``pieces`` equal blocks of ``param`` along ``dim``."""
+    """Rank ``rank``'s 1/tp of each of ``pieces`` equal blocks of ``param`` along ``dim`` (in
+    torchao's MXFP8 wrapper again where ``param`` was wrapped: `wrapped_like`)."""
     blocks = param.detach().chunk(pieces, dim=dim)
-    mine = [b.chunk(tp, dim=dim)[rank] for b in blocks]
-    return nn.Parameter(torch.cat(mine, dim=dim).clone(), requires_grad=param.requires_grad)
+    mine = wrapped_like(param, torch.cat([b.chunk(tp, dim=dim)[rank] for b in blocks], dim=dim))
+    return nn.Parameter(mine.clone(), requires_grad=param.requires_grad)
 
 
 def apply_expert_tensor_parallel(

@@ -27,8 +27,9 @@ collectives move BF16, as the estimate prices them. torchao's Float8 TP styles, 
 before the sequence-parallel all-gather, are not used. Under tensor parallelism an MXFP8 linear
 runs its GEMMs on the rank's shards (`run_mxfp8_locally`: through DTensor torchao's weight
 would run BF16 GEMMs). A dispatched expert's rows, any number of them, are padded with zeros
-to whole blocks of 32 around its MXFP8 GEMMs (`_mx_input`); expert tensor parallelism (etp > 1)
-is refused in MXFP8 (`runtime.capability`).
+to whole blocks of 32 around its MXFP8 GEMMs (`_mx_input`). Expert tensor parallelism slices
+each expert's weights after the conversion; its slices are wrapped again (`wrapped_like`), and
+`runtime.capability` plans it in MXFP8 where each slice's width is a multiple of 32.
 """
 
 from __future__ import annotations
@@ -46,11 +47,6 @@ from autopar.config.precision import MX_BLOCK, RECIPES, Recipe, recipe_of
 from autopar.models.quiet import import_torchao
 from autopar.tracing.layers import linear_of
 
-# why this runtime trains MXFP8 only at etp = 1 (`runtime.capability` plans it there)
-MXFP8_NO_ETP = (
-    "expert tensor parallelism slices the experts' weights after torchao wrapped them for "
-    "MXFP8, which autopar's runtime does not run"
-)
 # the CUDA compute capability whose tensor cores run each GEMM dtype, and their generation
 _CUDA_CAPABILITY = {"fp8": ((8, 9), "Ada, Hopper, Blackwell"), "mxfp8": ((10, 0), "Blackwell")}
 # torchao's MXFP8 recipe that quantizes in plain PyTorch and runs BF16 GEMMs: the CPU's
@@ -150,11 +146,6 @@ def apply_low_precision(
             f"precision {recipe.name!r} converts the linears with torchao, which is not "
             "installed: pip install 'autopar[fp8]' (or torchao), keeping the installed torch"
         )
-    if recipe.gemm_dtype == "mxfp8" and config.etp > 1:
-        raise RuntimeError(
-            f"precision {recipe.name!r} with etp={config.etp}: {MXFP8_NO_ETP}; train it with "
-            "etp = 1"
-        )
     paths = covered_linears(blocks, recipe)
     wanted = set(paths)
     gather = recipe.fp8_all_gather and config.zero_stage == 3 and config.fsdp > 1
@@ -188,6 +179,16 @@ def _convert_mxfp8(model: nn.Module, recipe: Recipe, wanted: set[str], device: t
         linear = model.get_submodule(path)
         linear.register_forward_pre_hook(_mx_input)
         linear.register_forward_hook(_mx_output)
+
+
+def wrapped_like(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in torchao's MXFP8 training wrapper, with ``param``'s config, when ``param``
+    is such a weight; else ``tensor``. Slicing a wrapped weight by hand (expert tensor
+    parallelism's `_slice`) returns plain tensors, whose GEMMs would run in BF16."""
+    wrappers = sys.modules.get("torchao.prototype.moe_training.tensor")  # loaded by conversion
+    if wrappers is None or not isinstance(param, wrappers.MXFP8TrainingWeightWrapperTensor):
+        return tensor
+    return wrappers.MXFP8TrainingWeightWrapperTensor(tensor, param.config)
 
 
 def run_mxfp8_locally(module: nn.Module) -> bool:

@@ -55,7 +55,8 @@ class SpaceLimits:
     # projections the runtime cannot pair column/row)
     no_sequence_parallel: bool = False
     # the experts' intermediate width where the runtime can split it over tp (etp = tp;
-    # `runtime.capability.expert_width`), else 0: etp = 1 only
+    # `runtime.capability.expert_width`; under MXFP8 into slices of a multiple of
+    # token_multiple), else 0: etp = 1 only
     expert_width: int = 0
     # each rank's share of a sequence (seq_len / cp: sequence parallelism gathers it before
     # the linears) is a multiple of this: MXFP8's 32-element scale blocks run along the
@@ -257,8 +258,14 @@ def inner_choices(
     zeros = (0,) if fsdp == 1 else (1, 2, 3)
     sp_ok = tp > 1 and not lim.no_sequence_parallel and lim.seq_len % (cp * tp) == 0
     sps = (True, False) if sp_ok else (False,)
-    # expert tensor parallelism: each expert whole on every tp rank, or split over them
-    split = tp > 1 and lim.num_experts and lim.expert_width and lim.expert_width % tp == 0
+    # expert tensor parallelism: each expert whole on every tp rank, or split over them (into
+    # slices of a multiple of token_multiple: MXFP8's blocks run along them)
+    split = (
+        tp > 1
+        and lim.num_experts
+        and lim.expert_width
+        and lim.expert_width % (tp * lim.token_multiple) == 0
+    )
     etps = (1, tp) if split else (1,)
     for mbs in lim.micro_batch_sizes:
         per_step = mbs * dp * fsdp

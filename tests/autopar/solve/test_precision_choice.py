@@ -136,15 +136,28 @@ def test_mxfp8_is_planned_only_as_the_runtime_trains_it(wide):
     cp4 = autopar.ParallelConfig(cp=4)
     with pytest.raises(ConfigError, match=r"share of the sequence \(seq_len 64 / cp=4\)"):
         autopar.evaluate(m, one, cp4, global_batch_size=4, precision="mxfp8", graph=g)
-    # experts: dispatched with their rows padded to blocks of 32, but never split (etp = 1)
-    moe = zoo.build("moe-tiny", device="meta", seq_len=64)
+    # experts: dispatched with their rows padded to blocks of 32, and split over tp (etp = tp)
+    # where each expert's slice is a multiple of 32 wide
+    wide_moe = dict(seq_len=64, hidden=128, ffn_hidden=256)
+    moe = zoo.build("moe-tiny", device="meta", **wide_moe)
     moe_graph = autopar.trace(moe, zoo.example_inputs("moe-tiny", moe))
     limits, notes = runtime_limits(moe, space_limits(moe, moe_graph, one, 4), precision="mxfp8")
-    assert limits.num_experts == 4 and limits.expert_width == 0
-    assert any(n.startswith("no expert tensor-parallel plans in mxfp8") for n in notes)
-    etp = autopar.ParallelConfig(tp=2, ep=2, etp=2)
-    with pytest.raises(ConfigError, match="etp=2 in mxfp8: expert tensor parallelism"):
-        autopar.evaluate(moe, one, etp, global_batch_size=4, precision="mxfp8", graph=moe_graph)
+    assert limits.num_experts == 4 and limits.expert_width == 128
+    assert not any("expert tensor-parallel" in n for n in notes)
+    etp = autopar.ParallelConfig(tp=2, ep=2, etp=2, sequence_parallel=True, dp=2)
+    split = autopar.evaluate(moe, one, etp, global_batch_size=4, precision="mxfp8", graph=moe_graph)
+    assert (split.precision, split.config.etp) == ("mxfp8", 2)
+    narrow = zoo.build("moe-tiny", device="meta", expert_ffn_hidden=96, **wide_moe)
+    narrow_graph = autopar.trace(narrow, zoo.example_inputs("moe-tiny", narrow))
+    with pytest.raises(
+        ConfigError, match="etp=2 in mxfp8 slices the experts' .* 96 of MoE into 48"
+    ):
+        autopar.evaluate(
+            narrow, one, etp, global_batch_size=4, precision="mxfp8", graph=narrow_graph
+        )
+    assert (
+        autopar.evaluate(narrow, one, etp, global_batch_size=4, graph=narrow_graph).config.etp == 2
+    )
     # llama-tiny's k and v projections are 32 wide: tp = 2 would leave shards of 16
     tp2 = autopar.ParallelConfig(tp=2, dp=2, sequence_parallel=True)
     with pytest.raises(ConfigError, match="greatest common divisor 32"):
