@@ -3,10 +3,12 @@
 `LiveBytes` is a dispatch mode: every storage an op inside it makes is counted once from its
 making until it is freed (a weakref finalizer on the storage), so `peak` is the most bytes
 alive at once -- `torch.cuda.max_memory_allocated()` on the CPU, without an allocator's
-rounding. Storages made before the mode (a model built outside it) are not counted; views
-share their base's storage; wrapper subclasses (DTensor) are seen through their local
-tensors' ops. torch's `MemTracker` counts the same by module but refuses a module called
-twice in one step (gradient accumulation), which every multi-micro-batch run does.
+rounding. Storages made before the mode (a model built outside it) are not counted; views share
+their base's storage; a DTensor is counted by its local shard (its own storage is a wrapper's:
+without this, tensor-parallel activations went uncounted and a TP2 run's peak was its
+parameters' and optimizer's alone). torch's `MemTracker` counts the same by module but refuses
+a module called twice in one step (gradient accumulation), which every multi-micro-batch run
+does.
 
 With ``keep=True``, `at_peak` holds each storage live at the peak as (bytes, op, shape, dtype):
 what was held (a copy at every new peak: slow, for looking into a figure).
@@ -39,6 +41,7 @@ class LiveBytes(TorchDispatchMode):
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
+            t = getattr(t, "_local_tensor", t)  # a DTensor: its shard on this rank
             try:
                 storage = t.untyped_storage()
                 key = storage.data_ptr()
