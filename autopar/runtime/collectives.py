@@ -19,9 +19,10 @@ loss on every rank differentiates to the gradients of the sum of the ranks' loss
                                        expert parallelism's token traffic: rows of (token,
                                        expert) pairs sorted by expert go to the experts'
                                        owners (`dispatch`) and come back (`combine`)
-    all_reduce_flat(tensors, group, divide_by=1)
-                                       in place, no autograd: one flat all-reduce per dtype
-                                       (gradient syncs of data, context and expert parallelism)
+    all_reduce_flat(tensors, group, divide_by=1, bucket_bytes=25 MiB)
+                                       in place, no autograd: flat all-reduces of buckets of
+                                       one dtype (gradient syncs of data, context and expert
+                                       parallelism)
 
 Why by hand: torch.distributed.nn.functional has all_gather/all_to_all but no sequence-dim
 gather with a reduce-scatter backward and no ring step, and torch's ring attention
@@ -37,6 +38,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
+
+# DDP's default bucket (torch.nn.parallel.DistributedDataParallel bucket_cap_mb=25)
+BUCKET_BYTES = 25 * 2**20
 
 
 def _front(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -253,21 +257,50 @@ def ring_attention(
 
 
 def all_reduce_flat(
-    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, divide_by: int = 1
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    divide_by: int = 1,
+    bucket_bytes: int = BUCKET_BYTES,
 ) -> None:
-    """Sum ``tensors`` over ``group`` in place with one all-reduce per dtype (None: no
-    collective), then divide by ``divide_by`` (gloo has no AVG). Why by hand: torch's
-    coalesced all-reduce is deprecated and its bucketing lives inside DDP."""
+    """Sum ``tensors`` over ``group`` in place (None: no collective), then divide by
+    ``divide_by`` (gloo has no AVG): tensors of one dtype flattened into buckets of at most
+    ``bucket_bytes``, one all-reduce each, and a tensor larger than a bucket all-reduced as it
+    is. So the sync holds one bucket beside the gradients, as the estimate's DDP-sized buckets
+    price (`estimate.memory`; one flat copy of every gradient held their whole size again).
+    Why by hand: torch's coalesced all-reduce is deprecated and its bucketing lives inside
+    DDP."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for same in by_dtype.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for t in [*same, None]:
+            nbytes = 0 if t is None else t.numel() * t.element_size()
+            if bucket and (t is None or size + nbytes > bucket_bytes):
+                _all_reduce_bucket(bucket, group, divide_by)
+                bucket, size = [], 0
+            if t is not None and nbytes > bucket_bytes and t.is_contiguous():
+                _all_reduce_bucket([t], group, divide_by)
+            elif t is not None:
+                bucket.append(t)
+                size += nbytes
+
+
+def _all_reduce_bucket(
+    same: list[torch.Tensor], group: dist.ProcessGroup | None, divide_by: int
+) -> None:
+    """`all_reduce_flat` of one bucket: a lone contiguous tensor in place, else a flat copy."""
+    flat = same[0] if len(same) == 1 and same[0].is_contiguous() else None
+    if flat is None:
         flat = torch.cat([t.reshape(-1) for t in same])
-        if group is not None:
-            dist.all_reduce(flat, group=group)
-        if divide_by != 1:
-            flat.div_(divide_by)
-        offset = 0
-        for t in same:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    if divide_by != 1:
+        flat.div_(divide_by)
+    if flat is same[0]:
+        return
+    offset = 0
+    for t in same:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()

@@ -254,8 +254,8 @@ class ContextParallel:
         return local + (total - local.detach())
 
     def sync_gradients(self, model: nn.Module, skip: frozenset[str] = frozenset()) -> None:
-        """Sum every gradient over cp (each rank's holds its shard's terms), one flat
-        all-reduce per dtype; call after backward, before the data-parallel average. ``skip``:
+        """Sum every gradient over cp (each rank's holds its shard's terms), in flat buckets
+        (`all_reduce_flat`); call after backward, before the data-parallel average. ``skip``:
         parameters summed elsewhere (expert parallelism's experts, folded over cp)."""
         grads = [
             _local(p.grad)

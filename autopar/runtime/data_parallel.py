@@ -82,8 +82,8 @@ class DataParallel:
             self.model.set_requires_gradient_sync(is_last_microbatch)
 
     def sync_gradients(self) -> None:
-        """Replicated data parallelism: average every gradient over the dp group, flattened
-        into one buffer per dtype (one all-reduce each), as DDP's buckets do."""
+        """Replicated data parallelism: average every gradient over the dp group, in flat
+        buckets of DDP's size (`all_reduce_flat`)."""
         if self.kind != "replicate":
             return
         grads = [

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 from harness import Case, run_ranks, task_of
 from live_bytes import LiveBytes
 
@@ -32,6 +33,7 @@ import autopar
 from autopar.config import ParallelConfig
 from autopar.hardware import Cluster
 from autopar.models import zoo
+from autopar.runtime.collectives import BUCKET_BYTES, all_reduce_flat
 from autopar.runtime.trainer import TrainOptions, train
 
 SHAPE = dict(
@@ -118,3 +120,43 @@ def test_one_rank_peak_in_mxfp8_is_the_plans():
 @pytest.mark.multiprocess
 def test_fsdp_tp_and_ep_peaks_on_2_ranks_are_the_plans():
     check(2, TWO_RANKS)
+
+
+def _bucketed_sums(bucket_bytes: int) -> list[list[float]]:
+    """On each rank: tensors of two dtypes holding the rank's number, some larger than a
+    bucket, averaged over the ranks by `all_reduce_flat`."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    shapes = [(3, 5), (40,), (2, 2, 2), (300,), (7,)]
+    tensors = [torch.full(s, float(rank + i), dtype=torch.float32) for i, s in enumerate(shapes)]
+    tensors.append(torch.full((9,), float(rank), dtype=torch.bfloat16))
+    tensors.append(torch.arange(12.0).reshape(3, 4).t() * (rank + 1))  # not contiguous
+    all_reduce_flat(tensors, dist.group.WORLD, divide_by=2, bucket_bytes=bucket_bytes)
+    return [t.float().flatten().tolist() for t in tensors]
+
+
+@pytest.mark.multiprocess
+def test_the_gradient_sync_averages_in_buckets_on_2_ranks():
+    """Buckets of 256 bytes: several per dtype, a tensor larger than one reduced alone (in
+    place), a strided one copied in and out; every rank ends with the mean."""
+    got = run_ranks(2, _bucketed_sums, 256)
+    assert got[0] == got[1]
+    values = got[0]
+    for i, n in enumerate((15, 40, 8, 300, 7)):
+        assert values[i] == [i + 0.5] * n
+    assert values[5] == [0.5] * 9
+    assert values[6] == (torch.arange(12.0).reshape(3, 4).t() * 1.5).flatten().tolist()
+
+
+def test_the_gradient_sync_holds_one_bucket_beside_the_gradients():
+    """96 MiB of gradients, the largest 40 MiB: the sync holds at most one 25 MiB bucket
+    more (one flat copy of them all held 96 MiB more), and halves each exactly."""
+    with LiveBytes() as mode:  # counts what is made inside it
+        grads = [torch.full((2**21,), float(i)) for i in range(7)]  # 8 MiB each
+        grads.append(torch.ones(10 * 2**20))  # 40 MiB: reduced in place
+        held = mode.live
+        all_reduce_flat(grads, None, divide_by=2)
+    assert held == 96 * 2**20 and mode.peak - held <= BUCKET_BYTES, mode.peak / 2**20
+    assert all(bool((g == i / 2).all()) for i, g in enumerate(grads[:7]))
+    assert bool((grads[7] == 0.5).all())
