@@ -20,7 +20,9 @@ twice the planned all-gather bytes and gathered memory -- and autocast keeps a b
 every gathered weight from forward to backward beside them (found reading this module after
 a one-GPU plan ran out of memory on an H100, benchmarks/gpu_program.py; FSDP itself has not
 run on a GPU here). Without FSDP, each block's inputs are cast to bf16 as that policy casts
-them (`_CastInputs`), and autocast computes over the fp32 parameters.
+them (`_CastInputs`), and autocast computes over the fp32 parameters; a value several linears
+read (a norm's output, fp32 over its fp32 weight) is cast once for all of them
+(`_SharedCasts`).
 
 ZeRO stage -> FSDP2 settings:
     3: reshard_after_forward=True: parameters are all-gathered for forward, freed, and
@@ -44,6 +46,7 @@ Public functions:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -126,6 +129,38 @@ class _CastInputs:
         return tree_map_only(torch.Tensor, self._cast, (args, kwargs))
 
 
+class _SharedCasts:
+    """A linear's input cast to ``dtype`` once for every linear that reads it.
+
+    Without FSDP the parameters stay fp32, so a norm's output (its input times its fp32
+    weight) is fp32, and autocast casts it to bf16 again for each linear that reads it: q, k
+    and v each save a copy, and a dense-dispatch MoE's experts one per expert (an MoE of 4
+    experts under TP2 measured 1.05 x the plan, which counts the value once). The first
+    linear's cast is kept while the value lives, unchanged (its version), and handed to the
+    others: the same bf16 values autocast gave each; their gradients meet in bf16, as under
+    FSDP2, whose norms compute over bf16 weights."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.casts: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+    def __call__(self, module: nn.Module, args: tuple) -> tuple | None:
+        x, *rest = args
+        if not (x.is_floating_point() and x.dtype != self.dtype):
+            return None
+        if not torch.is_autocast_enabled(x.device.type):
+            return None
+        key = id(x)
+        held = self.casts.get(key)
+        if held is not None and held[0]() is x and held[1] == x._version:
+            return (held[2], *rest)
+        cast = x.to(self.dtype)
+        if held is None:
+            weakref.finalize(x, self.casts.pop, key, None)
+        self.casts[key] = (weakref.ref(x), x._version, cast)
+        return (cast, *rest)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -181,8 +216,12 @@ def apply_data_parallel(
         kind = "hsdp" if config.dp > 1 else "fsdp"
         return DataParallel(kind, config.zero_stage, model, None, config.fsdp, names)
     if param_dtype is not None:  # as FSDP2's cast_forward_inputs: each block takes bf16
+        shared = _SharedCasts(param_dtype)
         for _, block in blocks:
             block.register_forward_pre_hook(_CastInputs(param_dtype), with_kwargs=True)
+            for linear in block.modules():
+                if isinstance(linear, nn.Linear):
+                    linear.register_forward_pre_hook(shared)
     if config.dp > 1:
         return DataParallel("replicate", 0, model, mesh.group("dp"), config.dp)
     return DataParallel("none", 0, model)

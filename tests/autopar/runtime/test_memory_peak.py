@@ -9,15 +9,18 @@ second has the optimizer's state from the start, as every later step. The vocabu
 against the hidden size, so the loss's logit-sized tensors make the peak, as in a real language
 model (Llama 3: 128256 x 4096).
 
-Bounds: measured <= 1.05 x planned (the plan does not under-price what the runtime holds: an
-H100 run of a plan that did, ran out of memory, data/measurements/h100_program_2026-11-26.json)
-and measured >= 0.7 x planned (the plan counts gradients and buffers a step's peak may not
-hold yet, so it is conservative, but not by a factor). Before the fixes these pin (the logits
-held through backward, the loss's fp32 copies priced as 2 bf16 ones), the single-rank case
-measured 1.44 x its plan. Measured 2026-11-26: 0.97 on one rank (BF16 and MXFP8), 0.92 under
-FSDP2, 1.00 / 1.02 under TP2 with SP (Llama / MoE), 0.80 under EP2 (the plan's two DDP-sized
-gradient buckets are not held at the activations' peak: the runtime reduces the gradients
-after the backward).
+Bounds: measured <= 1.02 x planned (the plan does not under-price what the runtime holds: an
+H100 run of a plan that did, ran out of memory, data/measurements/h100_program_2026-11-26.json;
+bytes are counted, not timed, so the bound holds on a busy machine) and measured >= 0.7 x
+planned (the plan counts gradients and buffers a step's peak may not hold yet, so it is
+conservative, but not by a factor). Before the fixes these pin, the single-rank case measured
+1.44 x its plan (the logits held through backward, the loss's fp32 copies priced as 2 bf16
+ones), its MXFP8 twin 1.07 (an fp32 copy of each linear's input) and the MoE under TP2 without
+SP 1.05 (autocast's bf16 copy of the experts' fp32 input, one per expert linear). Measured
+2026-11-26: 0.95 and 0.97 on one rank (BF16 and MXFP8 alike), 0.94 under FSDP2, 0.98 and 0.99
+under TP2 (Llama with SP, MoE with and without), 0.79 under EP2 (the plan's two DDP-sized
+gradient buckets are not held at the activations' peak: the runtime reduces the gradients after
+the backward).
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ TWO_RANKS = [
          overrides=SHAPE),
     Case("moe-tiny", ParallelConfig(tp=2, sequence_parallel=True, micro_batch_size=4), BATCH,
          overrides=MOE),
+    # without FSDP a norm's output is fp32: cast once for the 8 expert linears reading it
+    Case("moe-tiny", ParallelConfig(tp=2, micro_batch_size=4), BATCH, overrides=MOE),
     Case("moe-tiny", ParallelConfig(dp=2, ep=2, micro_batch_size=4), BATCH, overrides=MOE),
 ]  # fmt: skip
 
@@ -97,7 +102,7 @@ def check(world_size: int, cases: list[Case], precision: str = "bf16") -> None:
         measured = max(peaks[i] for peaks in per_rank)
         planned = planned_live_bytes(case, precision)
         ratio = measured / planned
-        assert 0.7 <= ratio <= 1.05, (
+        assert 0.7 <= ratio <= 1.02, (
             f"{case.label}: measured peak {measured / 2**20:.1f} MiB, planned live "
             f"{planned / 2**20:.1f} MiB ({ratio:.2f}x)"
         )
