@@ -146,6 +146,8 @@ class _SharedCasts:
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple | None:
         x, *rest = args
+        if torch.compiler.is_compiling():  # a compiled block: the compiler's graph saves once
+            return None
         if not (x.is_floating_point() and x.dtype != self.dtype):
             return None
         if not torch.is_autocast_enabled(x.device.type):
