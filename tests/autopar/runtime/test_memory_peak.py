@@ -165,3 +165,34 @@ def test_the_gradient_sync_holds_one_bucket_beside_the_gradients():
     assert held == 96 * 2**20 and mode.peak - held <= BUCKET_BYTES, mode.peak / 2**20
     assert all(bool((g == i / 2).all()) for i, g in enumerate(grads[:7]))
     assert bool((grads[7] == 0.5).all())
+
+
+def test_linears_reading_one_fp32_value_share_its_bf16_cast_and_compile():
+    """Three linears read one fp32 value under autocast (q, k and v over a norm's output
+    without FSDP): with the runtime's hook they keep one bf16 copy of it, not three, and the
+    same outputs; inside a compiled module the hook steps aside and the module still runs."""
+    from torch import nn
+
+    from autopar.runtime.data_parallel import _SharedCasts
+
+    torch.manual_seed(0)
+    linears = nn.ModuleList(nn.Linear(512, 64, bias=False) for _ in range(3))
+    leaf = torch.randn(1024, 512, requires_grad=True)
+
+    def forward() -> tuple[list[torch.Tensor], int]:
+        with LiveBytes() as mode, torch.autocast("cpu", dtype=torch.bfloat16):
+            x = leaf * 2  # 2 MiB fp32, 1 MiB in bf16 (autocast caches a leaf's cast only)
+            outs = [linear(x) for linear in linears]
+            held = mode.live
+        return outs, held
+
+    plain, plain_held = forward()
+    shared_casts = _SharedCasts(torch.bfloat16)  # one for the model, as the runtime's
+    for linear in linears:
+        linear.register_forward_pre_hook(shared_casts)
+    shared, shared_held = forward()
+    assert all(torch.equal(a, b) for a, b in zip(plain, shared, strict=True))
+    assert plain_held - shared_held == 2 * 2**20  # two of the three 1 MiB casts
+    compiled = torch.compile(lambda v: sum(linear(v) for linear in linears))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(compiled(leaf * 2), sum(shared), rtol=5e-2, atol=1e-1)
