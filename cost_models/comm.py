@@ -407,3 +407,19 @@ _TORUS = {
 def ring_all_reduce_bytes_per_rank(message_bytes: float, n: int) -> float:
     """Bytes each rank sends in a ring all-reduce: 2(n-1)/n of the message."""
     return 2 * (n - 1) / n * message_bytes
+
+
+# torch DDP's default gradient bucket (DistributedDataParallel bucket_cap_mb=25): the chunk
+# autopar's runtime all-reduces a flat gradient buffer in (`flat_chunks`)
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+def flat_chunks(nbytes: float, bucket_bytes: float = DDP_BUCKET_BYTES) -> list[float]:
+    """The bytes of each all-reduce that sums a flat buffer of ``nbytes`` in chunks of at
+    most ``bucket_bytes``, in order: all full but the last. autopar's runtime syncs its
+    gradients so (`autopar.runtime.collectives.all_reduce_flat`: one chunk's copy held at a
+    time), and the plan predicts its collectives by the same rule."""
+    if nbytes <= 0:
+        return []
+    full = math.ceil(nbytes / bucket_bytes) - 1
+    return [float(bucket_bytes)] * full + [float(nbytes - bucket_bytes * full)]

@@ -253,8 +253,8 @@ def _data_parallel(plan: Plan, model: nn.Module) -> str:
         return text
     if c.dp > 1:
         return f"""# ---- data parallelism: replicated over "dp" ({c.dp} ranks); after the last
-#   micro-batch every gradient is all-reduced (averaged) over the dp group, one flat buffer
-#   per dtype"""
+#   micro-batch every gradient is all-reduced (averaged) over the dp group, as one flat
+#   buffer per dtype in chunks of at most 25 MiB"""
     return "# ---- data parallelism: none (one data-parallel rank)"
 
 

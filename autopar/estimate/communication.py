@@ -37,7 +37,9 @@ training element bytes and g the gradient element bytes:
             Reduce-scatter of each unit's gradients: m (ZeRO-2/3) or 1 (ZeRO-1). Bytes: P(unit)
             w gathered, P(unit) g reduce-scattered; HSDP adds an all-reduce over dp of the
             P(unit) g / fsdp shard after each reduce-scatter.
-    dp      replicated data parallelism: one all-reduce of P g per step (a flat buffer);
+    dp      replicated data parallelism: P g summed once per step, a flat buffer all-reduced in
+            chunks of at most 25 MiB (`cost_models.comm.flat_chunks`; so every flat gradient
+            sum below);
             with ep > 1 the experts are left out of it (P_dense g, `dense_params_on_rank`).
     cp      context parallelism, all-gather-KV attention (`autopar.runtime.context_parallel`,
             torch's default rotate method; `layer_cost._cp_comm` prices the same): per
@@ -110,6 +112,7 @@ from autopar.estimate.memory import (
     token_ways,
 )
 from autopar.estimate.tables import LayerTable, ModelTables
+from cost_models.comm import flat_chunks
 
 # Training element bytes: FSDP gathers the weights in the training precision.
 
@@ -302,7 +305,7 @@ def _tensor_parallel(
             out.append(PlannedCollective("sp", "all_reduce", "tp", 1, rep, "norms"))
         summed = token_summed_params(cfg, layers) * g  # routers and experts on shards
         if summed:
-            out.append(PlannedCollective("sp", "all_reduce", "tp", 1, summed, "routers, experts"))
+            out += _flat_all_reduces("sp", "tp", summed, "routers, experts")
     return out
 
 
@@ -327,7 +330,7 @@ def _context_parallel(
     params = dense_params_on_rank(cfg, layers) if cfg.ep > 1 else params_on_rank(cfg, layers)
     grads = params * g / sharded
     if grads:
-        out.append(PlannedCollective("cp", "all_reduce", "cp", 1, grads, "gradients"))
+        out += _flat_all_reduces("cp", "cp", grads, "gradients")
     return out
 
 
@@ -395,11 +398,18 @@ def _data_parallel(
     # expert parallelism: the experts are summed over their replicas only (expert_dp)
     if cfg.dp > 1:
         p = dense_params_on_rank(cfg, layers) if cfg.ep > 1 else params_on_rank(cfg, layers)
-        out.append(PlannedCollective("dp", "all_reduce", "dp", 1, p * g, "gradients"))
+        out += _flat_all_reduces("dp", "dp", p * g, "gradients")
     experts = shared_out_experts(cfg, layers) * g
     if experts and expert_replicas(cfg) > 1:
-        out.append(PlannedCollective("ep", "all_reduce", "expert_dp", 1, experts, "experts"))
+        out += _flat_all_reduces("ep", "expert_dp", experts, "experts")
     return out
+
+
+def _flat_all_reduces(part: str, axis: str, nbytes: float, name: str) -> list[PlannedCollective]:
+    """The all-reduces that sum a flat gradient buffer of ``nbytes`` over ``axis``: chunks of
+    `cost_models.comm.flat_chunks`' sizes, as the runtime's `all_reduce_flat` sends them."""
+    sizes = Counter(flat_chunks(nbytes))
+    return [PlannedCollective(part, "all_reduce", axis, n, size, name) for size, n in sizes.items()]
 
 
 def _vocab_half(

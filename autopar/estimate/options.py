@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from cost_models.comm import DDP_BUCKET_BYTES
+
 
 @dataclass(frozen=True)
 class CostOptions:
@@ -31,8 +33,9 @@ class CostOptions:
     # torch's ProcessGroupNCCL copies the flat buffer to or from each of the n views: n copy
     # kernels per call (cost_models.compute.per_rank_copies_time_s).
     fsdp_list_copies: bool = False
-    # DDP's default bucket (torch.nn.parallel.DistributedDataParallel bucket_cap_mb=25).
-    ddp_bucket_bytes: float = 25 * 2**20
+    # DDP's default bucket (torch.nn.parallel.DistributedDataParallel bucket_cap_mb=25), the
+    # chunk autopar's runtime sums flat gradients in
+    ddp_bucket_bytes: float = DDP_BUCKET_BYTES
     # Compute time lost per second of communication hidden behind it: NCCL's kernels occupy
     # SMs and HBM bandwidth while they overlap a GEMM, and a GEMM sized to one wave of SMs
     # spills into a second (Lee et al. 2025, arXiv 2507.03114: 18.9% average, 40% worst

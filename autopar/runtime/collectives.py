@@ -39,8 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-# DDP's default bucket (torch.nn.parallel.DistributedDataParallel bucket_cap_mb=25)
-BUCKET_BYTES = 25 * 2**20
+from cost_models.comm import DDP_BUCKET_BYTES, flat_chunks
 
 
 def _front(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -260,47 +259,48 @@ def all_reduce_flat(
     tensors: Sequence[torch.Tensor],
     group: dist.ProcessGroup | None,
     divide_by: int = 1,
-    bucket_bytes: int = BUCKET_BYTES,
+    bucket_bytes: int = DDP_BUCKET_BYTES,
 ) -> None:
     """Sum ``tensors`` over ``group`` in place (None: no collective), then divide by
-    ``divide_by`` (gloo has no AVG): tensors of one dtype flattened into buckets of at most
-    ``bucket_bytes``, one all-reduce each, and a tensor larger than a bucket all-reduced as it
-    is. So the sync holds one bucket beside the gradients, as the estimate's DDP-sized buckets
-    price (`estimate.memory`; one flat copy of every gradient held their whole size again).
-    Why by hand: torch's coalesced all-reduce is deprecated and its bucketing lives inside
-    DDP."""
+    ``divide_by`` (gloo has no AVG). Per dtype the tensors are one flat buffer, summed in
+    chunks of at most ``bucket_bytes`` (`cost_models.comm.flat_chunks`: all full but the last,
+    the sizes the plan predicts): each chunk is copied out of the tensors, all-reduced and
+    copied back, so the sync holds one chunk beside the gradients, as DDP holds its buckets
+    (one flat copy of them all held their whole size again). Why by hand: torch's coalesced
+    all-reduce is deprecated and its bucketing lives inside DDP."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for same in by_dtype.values():
-        bucket: list[torch.Tensor] = []
-        size = 0
-        for t in [*same, None]:
-            nbytes = 0 if t is None else t.numel() * t.element_size()
-            if bucket and (t is None or size + nbytes > bucket_bytes):
-                _all_reduce_bucket(bucket, group, divide_by)
-                bucket, size = [], 0
-            if t is not None and nbytes > bucket_bytes and t.is_contiguous():
-                _all_reduce_bucket([t], group, divide_by)
-            elif t is not None:
-                bucket.append(t)
-                size += nbytes
+        # flat views to read and write (a strided tensor: a contiguous copy, written back)
+        flats = [t.view(-1) if t.is_contiguous() else t.contiguous().view(-1) for t in same]
+        size = same[0].element_size()
+        start = 0
+        for nbytes in flat_chunks(sum(f.numel() for f in flats) * size, bucket_bytes):
+            end = start + int(nbytes) // size
+            pieces = list(_pieces(flats, start, end))
+            chunk = torch.cat([f[a:b] for f, a, b in pieces])
+            if group is not None:
+                dist.all_reduce(chunk, group=group)
+            if divide_by != 1:
+                chunk.div_(divide_by)
+            offset = 0
+            for f, a, b in pieces:
+                f[a:b].copy_(chunk[offset : offset + b - a])
+                offset += b - a
+            del chunk  # freed before the next is made: one chunk held at a time
+            start = end
+        for t, f in zip(same, flats, strict=True):
+            if not t.is_contiguous():
+                t.copy_(f.view_as(t))
 
 
-def _all_reduce_bucket(
-    same: list[torch.Tensor], group: dist.ProcessGroup | None, divide_by: int
-) -> None:
-    """`all_reduce_flat` of one bucket: a lone contiguous tensor in place, else a flat copy."""
-    flat = same[0] if len(same) == 1 and same[0].is_contiguous() else None
-    if flat is None:
-        flat = torch.cat([t.reshape(-1) for t in same])
-    if group is not None:
-        dist.all_reduce(flat, group=group)
-    if divide_by != 1:
-        flat.div_(divide_by)
-    if flat is same[0]:
-        return
+def _pieces(flats: list[torch.Tensor], start: int, end: int):
+    """(flat tensor, first, last) of each tensor's elements in ``[start, end)`` of their
+    concatenation."""
     offset = 0
-    for t in same:
-        t.copy_(flat[offset : offset + t.numel()].view_as(t))
-        offset += t.numel()
+    for f in flats:
+        a, b = max(start, offset), min(end, offset + f.numel())
+        if a < b:
+            yield f, a - offset, b - offset
+        offset += f.numel()

@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard  # no public name (2.13)
 
+from autopar.runtime.collectives import all_reduce_flat
 from autopar.runtime.fused_pieces import Pieces
 from autopar.runtime.low_precision import run_mxfp8_locally
 from autopar.runtime.tensor_parallel import STYLES, transposed
@@ -355,10 +356,10 @@ def reduce_partial_grads(model: nn.Module) -> int:
 
 
 def _sum_token_modules(model: nn.Module) -> None:
-    """One flat all-reduce over tp of the gradients of the modules `_SummedOverTp` marked
-    (their local shards where FSDP shards them): each tp rank's gradient is its sequence
-    shard's share. An expert no token of this rank's shard reached has no gradient: zeros, so
-    every tp rank reduces the same tensors."""
+    """A flat all-reduce (`all_reduce_flat`) over tp of the gradients of the modules
+    `_SummedOverTp` marked (their local shards where FSDP shards them): each tp rank's
+    gradient is its sequence shard's share. An expert no token of this rank's shard reached
+    has no gradient: zeros, so every tp rank reduces the same tensors."""
     grads: list[torch.Tensor] = []
     group = None
     for module in model.modules():
@@ -370,14 +371,8 @@ def _sum_token_modules(model: nn.Module) -> None:
                 p.grad = torch.zeros_like(p)
             if p.grad is not None:
                 grads.append(_local_grad(p))
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    if grads:
+        all_reduce_flat(grads, group)
 
 
 def _local_grad(p: nn.Parameter) -> torch.Tensor:

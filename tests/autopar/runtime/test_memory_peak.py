@@ -36,8 +36,9 @@ import autopar
 from autopar.config import ParallelConfig
 from autopar.hardware import Cluster
 from autopar.models import zoo
-from autopar.runtime.collectives import BUCKET_BYTES, all_reduce_flat
+from autopar.runtime.collectives import all_reduce_flat
 from autopar.runtime.trainer import TrainOptions, train
+from cost_models.comm import DDP_BUCKET_BYTES, flat_chunks
 
 SHAPE = dict(
     num_layers=2, hidden=256, ffn_hidden=1024, num_heads=4, num_kv_heads=2, seq_len=256,
@@ -127,9 +128,9 @@ def test_fsdp_tp_and_ep_peaks_on_2_ranks_are_the_plans():
     check(2, TWO_RANKS)
 
 
-def _bucketed_sums(bucket_bytes: int) -> list[list[float]]:
+def _bucketed_sums(bucket_bytes: int) -> tuple[list[list[float]], list[int]]:
     """On each rank: tensors of two dtypes holding the rank's number, some larger than a
-    bucket, averaged over the ranks by `all_reduce_flat`."""
+    chunk, averaged over the ranks by `all_reduce_flat`; and the bytes of each all-reduce."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -137,32 +138,44 @@ def _bucketed_sums(bucket_bytes: int) -> list[list[float]]:
     tensors = [torch.full(s, float(rank + i), dtype=torch.float32) for i, s in enumerate(shapes)]
     tensors.append(torch.full((9,), float(rank), dtype=torch.bfloat16))
     tensors.append(torch.arange(12.0).reshape(3, 4).t() * (rank + 1))  # not contiguous
-    all_reduce_flat(tensors, dist.group.WORLD, divide_by=2, bucket_bytes=bucket_bytes)
-    return [t.float().flatten().tolist() for t in tensors]
+    sent, reduce = [], dist.all_reduce
+
+    def counted(t: torch.Tensor, *args, **kwargs):
+        sent.append(t.numel() * t.element_size())
+        return reduce(t, *args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        all_reduce_flat(tensors, dist.group.WORLD, divide_by=2, bucket_bytes=bucket_bytes)
+    finally:
+        dist.all_reduce = reduce
+    return [t.float().flatten().tolist() for t in tensors], sent
 
 
 @pytest.mark.multiprocess
-def test_the_gradient_sync_averages_in_buckets_on_2_ranks():
-    """Buckets of 256 bytes: several per dtype, a tensor larger than one reduced alone (in
-    place), a strided one copied in and out; every rank ends with the mean."""
-    got = run_ranks(2, _bucketed_sums, 256)
-    assert got[0] == got[1]
-    values = got[0]
+def test_the_gradient_sync_averages_in_chunks_on_2_ranks():
+    """Chunks of 256 bytes: chunks spanning tensors, a tensor spanning chunks, a strided one
+    copied in and out; every rank ends with the mean, and the all-reduces are the sizes
+    `flat_chunks` gives the plan (per dtype: 382 fp32 elements, then 9 bf16)."""
+    (values, sent), other = run_ranks(2, _bucketed_sums, 256)
+    assert other == (values, sent)
     for i, n in enumerate((15, 40, 8, 300, 7)):
         assert values[i] == [i + 0.5] * n
     assert values[5] == [0.5] * 9
     assert values[6] == (torch.arange(12.0).reshape(3, 4).t() * 1.5).flatten().tolist()
+    want = flat_chunks((15 + 40 + 8 + 300 + 7 + 12) * 4, 256) + flat_chunks(9 * 2, 256)
+    assert sent == want and len(sent) == 7, sent
 
 
 def test_the_gradient_sync_holds_one_bucket_beside_the_gradients():
-    """96 MiB of gradients, the largest 40 MiB: the sync holds at most one 25 MiB bucket
-    more (one flat copy of them all held 96 MiB more), and halves each exactly."""
+    """96 MiB of gradients, one of them 40 MiB: the sync holds at most one 25 MiB chunk more
+    (one flat copy of them all held 96 MiB more), and halves each exactly."""
     with LiveBytes() as mode:  # counts what is made inside it
         grads = [torch.full((2**21,), float(i)) for i in range(7)]  # 8 MiB each
-        grads.append(torch.ones(10 * 2**20))  # 40 MiB: reduced in place
+        grads.append(torch.ones(10 * 2**20))  # 40 MiB: across two chunks
         held = mode.live
         all_reduce_flat(grads, None, divide_by=2)
-    assert held == 96 * 2**20 and mode.peak - held <= BUCKET_BYTES, mode.peak / 2**20
+    assert held == 96 * 2**20 and mode.peak - held <= DDP_BUCKET_BYTES, mode.peak / 2**20
     assert all(bool((g == i / 2).all()) for i, g in enumerate(grads[:7]))
     assert bool((grads[7] == 0.5).all())
 

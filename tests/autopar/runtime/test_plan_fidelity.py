@@ -91,6 +91,10 @@ CASES_2 += [
 # bf16: FSDP2 gathers bf16 parameters and reduce-scatters fp32 gradients, as the plan prices
 # them (it gathered fp32 before, twice the planned all-gather bytes)
 CASES_2 += [Case("llama-tiny", C(fsdp=2, zero_stage=3), precision="bf16")]
+# replicated gradients of 30.3 MiB, summed in chunks of at most 25 MiB (`flat_chunks`): two
+# all-reduces, one of them full
+WIDE = {"hidden": 256, "ffn_hidden": 1024, "num_layers": 8}
+CASES_2 += [Case("llama-tiny", C(dp=2), overrides=WIDE)]
 CASES_2 += [
     Case("moe-tiny", C(tp=2, etp=2)),
     Case("mixtral-tiny-hf", C(tp=2, etp=2, sequence_parallel=True), seq_len=32),
@@ -132,7 +136,7 @@ def plan_of(case: Case) -> autopar.Plan:
         model = hf.build(case.model, device="meta")
         (ids,) = hf.example_inputs(case.model, model, seq_len=case.seq_len)
     else:
-        model = zoo.build(case.model, device="meta")
+        model = zoo.build(case.model, device="meta", **case.overrides)
         (ids,) = zoo.example_inputs(case.model, model)
     cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=case.config.world_size)
     return autopar.evaluate(
