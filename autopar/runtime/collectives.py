@@ -20,8 +20,9 @@ loss on every rank differentiates to the gradients of the sum of the ranks' loss
                                        expert) pairs sorted by expert go to the experts'
                                        owners (`dispatch`) and come back (`combine`)
     all_reduce_flat(tensors, group, divide_by=1, bucket_bytes=25 MiB)
-                                       in place, no autograd: flat all-reduces of buckets of
-                                       one dtype (gradient syncs of data, context and expert
+                                       in place, no autograd: one flat buffer per dtype,
+                                       all-reduced in chunks (`cost_models.comm.flat_chunks`;
+                                       gradient syncs of data, context, sequence and expert
                                        parallelism)
 
 Why by hand: torch.distributed.nn.functional has all_gather/all_to_all but no sequence-dim

@@ -85,8 +85,8 @@ class DataParallel:
             self.model.set_requires_gradient_sync(is_last_microbatch)
 
     def sync_gradients(self) -> None:
-        """Replicated data parallelism: average every gradient over the dp group, in flat
-        buckets of DDP's size (`all_reduce_flat`)."""
+        """Replicated data parallelism: average every gradient over the dp group, a flat
+        buffer in chunks of DDP's bucket size (`all_reduce_flat`)."""
         if self.kind != "replicate":
             return
         grads = [
