@@ -246,6 +246,12 @@ MXFP8_SPLITS = {
         autopar.ParallelConfig(dp=2, micro_batch_size=2), {"name": "moe-tiny", **WIDE},
         1e-3, 1e-2,
     ),
+    # all of them on 4 ranks: DP2 x TP2 with SP, EP2 folded over dp, ETP2
+    "ep-etp": (
+        autopar.ParallelConfig(dp=2, tp=2, ep=2, etp=2, sequence_parallel=True),
+        autopar.ParallelConfig(dp=4, micro_batch_size=1), {"name": "moe-tiny", **WIDE},
+        1e-3, 1e-2,
+    ),
 }  # fmt: skip
 
 
@@ -253,21 +259,22 @@ MXFP8_SPLITS = {
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("split", list(MXFP8_SPLITS))
 def test_mxfp8_split_over_tp_ep_or_etp_trains_as_unsplit(split):
-    """TP2 (with SP), EP2 and ETP2 (with SP) in MXFP8: every converted linear's GEMM runs
-    torchao's MXFP8 matmul on every rank, and the losses and gradient norms stay within the
-    stated bounds of the same model in MXFP8 unsplit (data parallel). Through the DTensor
-    styles alone torchao's weight ran BF16 GEMMs; a dispatched expert's rows were refused;
-    ETP's slices of a wrapped weight lost the wrapper and ran BF16 GEMMs. Measured 2026-11-26,
-    the three steps' losses: TP within 6.3e-5 of the unsplit MXFP8 run's, EP 9e-6, ETP 9e-5
-    (the split's partial sums are rounded to BF16, as in BF16, where the same splits measured
-    6.1e-5, 5.4e-6 and 4e-5)."""
+    """TP2 (with SP), EP2, ETP2 (with SP) and all three on 4 ranks in MXFP8: every converted
+    linear's GEMM runs torchao's MXFP8 matmul on every rank, and the losses and gradient
+    norms stay within the stated bounds of the same model in MXFP8 unsplit (data parallel).
+    Through the DTensor styles alone torchao's weight ran BF16 GEMMs; a dispatched expert's
+    rows were refused; ETP's slices of a wrapped weight lost the wrapper and ran BF16
+    GEMMs. Measured 2026-11-26, the three steps' losses: TP within 6.3e-5 of the unsplit
+    MXFP8 run's, EP 9e-6, ETP 9e-5, the three on 4 ranks 1.6e-4 (the split's partial sums
+    are rounded to BF16, as in BF16, where the same splits measured 6.1e-5, 5.4e-6, 4e-5
+    and 4e-5)."""
     config, unsplit, overrides, loss_bound, norm_bound = MXFP8_SPLITS[split]
     runs = (
         ("split mxfp8", config, "mxfp8", 64, overrides),
         ("unsplit mxfp8", unsplit, "mxfp8", 64, overrides),
         ("split bf16", config, "bf16", 64, overrides),
     )
-    for got, (linears, mx_gemms) in run_ranks(2, _train_counting_mxfp8, runs):
+    for got, (linears, mx_gemms) in run_ranks(config.world_size, _train_counting_mxfp8, runs):
         assert mx_gemms == linears > 0, (linears, mx_gemms)
         low, same, bf16 = (got[k] for k in ("split mxfp8", "unsplit mxfp8", "split bf16"))
         assert low != bf16
