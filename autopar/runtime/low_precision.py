@@ -184,13 +184,16 @@ def _convert_mxfp8(model: nn.Module, recipe: Recipe, wanted: set[str], device: t
 
 
 def wrapped_like(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` in torchao's MXFP8 training wrapper, with ``param``'s config, when ``param``
-    is such a weight; else ``tensor``. Slicing a wrapped weight by hand (expert tensor
-    parallelism's `_slice`) returns plain tensors, whose GEMMs would run in BF16."""
-    wrappers = sys.modules.get("torchao.prototype.moe_training.tensor")  # loaded by conversion
-    if wrappers is None or not isinstance(param, wrappers.MXFP8TrainingWeightWrapperTensor):
+    """``tensor`` in ``param``'s torchao training wrapper, with its settings, where ``param``
+    is one (MXFP8's weight; FP8's for FSDP's float8 all-gather); else ``tensor``. Slicing a
+    wrapped weight by hand (expert tensor parallelism's `_slice`: ``torch.cat`` of its
+    chunks) returns plain tensors, whose MXFP8 GEMMs would run in BF16 and whose FP8 weights
+    FSDP would gather in BF16. Rebuilt by the wrapper's own ``__tensor_unflatten__``."""
+    if not type(param).__module__.startswith("torchao."):
         return tensor
-    return wrappers.MXFP8TrainingWeightWrapperTensor(tensor, param.config)
+    attrs, ctx = param.__tensor_flatten__()
+    (inner,) = attrs  # torchao's training weights wrap one tensor
+    return type(param).__tensor_unflatten__({inner: tensor}, ctx, tensor.shape, tensor.stride())
 
 
 def run_mxfp8_locally(module: nn.Module) -> bool:

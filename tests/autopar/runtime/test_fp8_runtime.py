@@ -151,6 +151,25 @@ def test_mxfp8_is_split_over_tp_only_where_its_shards_run():
     assert wide == 0 and "qkv_proj would take the 'colwise/3' style" in why
 
 
+@pytest.mark.parametrize("precision", ["fp8-tensorwise", "mxfp8"])
+def test_expert_slices_keep_torchaos_weight_wrappers(precision):
+    """Expert tensor parallelism slices each expert's weight by hand (`_slice`: its chunks
+    concatenated), which returned plain tensors: MXFP8's slices ran BF16 GEMMs, FP8's were
+    gathered by FSDP in BF16 where the plan prices FP8. The slice keeps the wrapper, its
+    settings and the rank's rows; a plain weight stays plain."""
+    from autopar.runtime.expert_tensor_parallel import _slice
+
+    model = nn.Sequential(nn.Linear(64, 128, bias=False))
+    apply_low_precision(model, [("0", model[0])], precision, ZERO3, CPU)
+    weight = model[0].weight
+    sliced = _slice(weight, 0, 1, 1, 2)
+    (inner,), settings = weight.__tensor_flatten__()
+    assert type(sliced) is type(weight) and sliced.__tensor_flatten__()[1] == settings
+    assert torch.equal(getattr(sliced, inner), getattr(weight, inner)[64:])
+    assert sliced.requires_grad
+    assert type(_slice(nn.Linear(4, 4).weight, 0, 1, 0, 2)) is nn.Parameter
+
+
 def test_mxfp8_pads_any_number_of_rows_to_its_blocks_and_changes_nothing_else():
     """A dispatched expert's rows come in any number; torchao takes blocks of 32 along them in
     the weight gradient's GEMM. 33 rows run as the same rows with 31 zero rows below them:
