@@ -27,9 +27,11 @@ collectives move BF16, as the estimate prices them. torchao's Float8 TP styles, 
 before the sequence-parallel all-gather, are not used. Under tensor parallelism an MXFP8 linear
 runs its GEMMs on the rank's shards (`run_mxfp8_locally`: through DTensor torchao's weight
 would run BF16 GEMMs). A dispatched expert's rows, any number of them, are padded with zeros
-to whole blocks of 32 around its MXFP8 GEMMs (`_mx_input`). Expert tensor parallelism slices
-each expert's weights after the conversion; its slices are wrapped again (`wrapped_like`), and
-`runtime.capability` plans it in MXFP8 where each slice's width is a multiple of 32.
+to whole blocks of 32 around its MXFP8 GEMMs (`_mx_input`). An MXFP8 linear computes in
+autocast's dtype, its FP32 weight cast rather than its input (`_mx_linear`). Expert tensor
+parallelism slices each expert's weights after the conversion; the slices keep torchao's
+wrappers (`wrapped_like`), and `runtime.capability` plans it in MXFP8 where each slice's width
+is a multiple of 32.
 """
 
 from __future__ import annotations
