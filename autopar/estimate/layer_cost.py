@@ -39,7 +39,7 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
         memory-bound op forward and one backward of `cast_forward` / `cast_backward` x the
         linear's activation and weight bytes, times the stack's `cast_traffic`. Under MXFP8 on
         a torchao stack, an expert linear's routed rows are padded with zeros to whole blocks
-        of 32 (`runtime.low_precision._mx_input`): its GEMMs run `mx_padded_rows(R)` rows for
+        of 32 (`runtime.low_precision.mx_padded`): its GEMMs run `mx_padded_rows(R)` rows for
         the R one expert receives on a rank per micro-batch (R = its routed rows per sample
         x b / d_r x ep, d_r the "routed" divisor of `shard_divisors`: every rank of the ep
         group sends it its tokens' share, the whole tp group's where etp = tp).

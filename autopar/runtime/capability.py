@@ -33,7 +33,7 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
     MXFP8               torchao's MXFP8 linear scales blocks of 32 tokens in the weight
                         gradient's GEMM: each rank's share of a sequence (seq / cp) a
                         multiple of 32 (`token_multiple`; a dispatched expert's rows are
-                        padded to whole blocks, `low_precision._mx_input`); under tp its
+                        padded to whole blocks, `low_precision.mx_padded`); under tp its
                         linears run on their shards (`low_precision.run_mxfp8_locally`):
                         only plain column/row splits, each shard's width a multiple of 32
                         (`mxfp8_tp_width`) -> else tp = 1; etp splits each expert's width

@@ -27,7 +27,7 @@ collectives move BF16, as the estimate prices them. torchao's Float8 TP styles, 
 before the sequence-parallel all-gather, are not used. Under tensor parallelism an MXFP8 linear
 runs its GEMMs on the rank's shards (`run_mxfp8_locally`: through DTensor torchao's weight
 would run BF16 GEMMs). A dispatched expert's rows, any number of them, are padded with zeros
-to whole blocks of 32 around its MXFP8 GEMMs (`_mx_input`). An MXFP8 linear computes in
+to whole blocks of 32 around its MXFP8 GEMMs (`mx_padded`). An MXFP8 linear computes in
 autocast's dtype, its FP32 weight cast rather than its input (`_mx_linear`). Expert tensor
 parallelism slices each expert's weights after the conversion; the slices keep torchao's
 wrappers (`wrapped_like`), and `runtime.capability` plans it in MXFP8 where each slice's width
@@ -180,8 +180,6 @@ def _convert_mxfp8(model: nn.Module, recipe: Recipe, wanted: set[str], device: t
     quantize_(model, ao_config, filter_fn=lambda _module, fqn: fqn in wanted)
     for path in wanted:
         linear = model.get_submodule(path)
-        linear.register_forward_pre_hook(_mx_input)
-        linear.register_forward_hook(_mx_output)
         linear.forward = functools.partial(_mx_forward, linear)
 
 
@@ -242,27 +240,27 @@ def run_mxfp8_locally(module: nn.Module) -> bool:
     return True
 
 
-def _mx_input(module: nn.Module, args: tuple) -> tuple | None:
-    """An MXFP8 linear's input, its rows padded with zeros to a whole number of `MX_BLOCK`
-    (`_mx_output` drops them).
+def _mx_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An MXFP8 linear's forward (no bias: torchao's weight drops it): `_mx_linear` on its
+    rows padded to whole blocks (`mx_padded`), the padding's output rows dropped. Under tensor
+    parallelism (a DTensor weight) nothing is padded: the styles split the sequence, which the
+    planner keeps in whole blocks (`runtime.capability`)."""
+    padded = x if isinstance(module.weight, DTensor) else mx_padded(x)
+    out = _mx_linear(padded, module.weight)
+    if padded is x:
+        return out
+    return out[: x.shape[:-1].numel()].reshape(*x.shape[:-1], out.shape[-1])
+
+
+def mx_padded(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s rows (every dimension but the last) padded with zeros to a whole number of
+    `MX_BLOCK`, as a 2-D tensor; ``x`` itself where they are whole.
 
     The weight gradient's GEMM scales blocks of 32 along the tokens, and torchao refuses any
     other count; a dispatched expert gets any number. Zero rows leave every product and every
-    block's scale as they were. Under tensor parallelism (a DTensor weight) nothing is padded:
-    the styles split the sequence, which the planner keeps in whole blocks
-    (`runtime.capability`)."""
-    x, *rest = args
-    module._mx_rows = None
-    pad = 0 if isinstance(module.weight, DTensor) else -x.shape[:-1].numel() % MX_BLOCK
-    if not pad:
-        return None
-    module._mx_rows = x.shape[:-1]
-    return (F.pad(x.reshape(-1, x.shape[-1]), (0, 0, 0, pad)), *rest)
-
-
-def _mx_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """An MXFP8 linear's forward (no bias: torchao's weight drops it): `_mx_linear`."""
-    return _mx_linear(x, module.weight)
+    block's scale as they were."""
+    pad = -x.shape[:-1].numel() % MX_BLOCK
+    return F.pad(x.reshape(-1, x.shape[-1]), (0, 0, 0, pad)) if pad else x
 
 
 def _mx_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -278,11 +276,3 @@ def _mx_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     return F.linear(x.to(dtype), weight.to(dtype))
-
-
-def _mx_output(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor | None:
-    """The output of the rows `_mx_input` gave, without its padding, in the input's shape."""
-    rows = module._mx_rows
-    if rows is None:
-        return None
-    return out[: rows.numel()].reshape(*rows, out.shape[-1])

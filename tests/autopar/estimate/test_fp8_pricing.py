@@ -145,14 +145,13 @@ def test_under_torchao_the_recipe_prices_the_linears_the_runtime_converts(
 @pytest.mark.parametrize("tokens", [16, 40, 64, 192, 1024, 4096])
 def test_the_padded_rows_priced_are_what_the_runtime_pads_a_routers_counts_to(tokens):
     """moe-tiny's own router (4 experts, top 2, at its random init) routes ``tokens`` tokens,
-    20 times; each expert's rows go through the runtime's padding hook (`_mx_input`). The mean
-    rows the hook gives an expert are `mx_padded_rows` of the mean count, within 3%."""
-    from autopar.runtime.low_precision import _mx_input
+    20 times; each expert's rows go through the runtime's padding (`mx_padded`). The mean
+    rows the padding gives an expert are `mx_padded_rows` of the mean count, within 3%."""
+    from autopar.runtime.low_precision import mx_padded
 
     model = zoo.build("moe-tiny", seed=0)
     block = next(m for m in model.modules() if hasattr(m, "routing_weights"))
     hidden = block.router.in_features
-    linear = torch.nn.Linear(hidden, hidden, bias=False)
     gen = torch.Generator().manual_seed(0)
     padded, counts = [], []
     with torch.no_grad():
@@ -160,8 +159,7 @@ def test_the_padded_rows_priced_are_what_the_runtime_pads_a_routers_counts_to(to
             x = torch.randn(tokens, hidden, generator=gen)
             idx = F.softmax(block.router(x).float(), -1).topk(block.top_k, -1).indices
             for n in torch.bincount(idx.flatten(), minlength=block.num_experts).tolist():
-                got = _mx_input(linear, (x[:n],))
-                padded.append((got[0] if got else x[:n]).shape[0])
+                padded.append(mx_padded(x[:n]).shape[0])
                 counts.append(n)
     mean = sum(counts) / len(counts)
     assert mean == tokens * block.top_k / block.num_experts

@@ -252,7 +252,7 @@ WIDE = {"hidden": 128, "ffn_hidden": 256}
 MXFP8_SPLITS = {
     # TP2 with SP: each split linear's GEMMs on the rank's shards (`run_mxfp8_locally`)
     "tp": (TP_SP, autopar.ParallelConfig(dp=2, micro_batch_size=2), WIDE, 1e-3, 1e-2),
-    # EP2: each expert's dispatched rows, any number, padded to blocks of 32 (`_mx_input`);
+    # EP2: each expert's dispatched rows, any number, padded to blocks of 32 (`mx_padded`);
     # unsplit, every expert runs on every token (the unrouted ones weighted 0)
     "ep": (
         autopar.ParallelConfig(dp=2, ep=2), autopar.ParallelConfig(dp=2), {"name": "moe-tiny"},
