@@ -124,6 +124,15 @@ def _attention_internal_bytes(args: list[torch.Tensor]) -> int:
 
 
 _SAVED_INTERNAL_RULES = {"scaled_dot_product_attention": _attention_internal_bytes}
+# What fused attention keeps of its arguments and outputs (flattened indices). Its backward
+# reads the query, key, value and output beside the log-sum-exp (Dao 2023, Alg. 2; torch's
+# flash, efficient and cuDNN kernels and the CPU flash kernel save exactly those). The math
+# path meta runs saves scaled copies of q and k and the score matrix instead, all internal,
+# so without this rule q and k would not be counted (v only in fp32). The output is not
+# counted here: fused kernels write it heads-inner ([b, s, heads, d], returned transposed), so
+# the transpose-and-reshape before the output projection is a view of it, and that projection
+# saves its input; on meta the reshape copies, and counting both would count it twice.
+_SAVED_RULES = {"scaled_dot_product_attention": ((0, 1, 2), ())}
 
 
 class OpProber:
@@ -199,9 +208,12 @@ def _classify_saved(
         elif ref not in seen:
             seen.add(ref)
             internal += t.numel() * t.element_size()
-    rule = _SAVED_INTERNAL_RULES.get(name.split(".")[1] if name.startswith("aten.") else name)
+    base = name.split(".")[1] if name.startswith("aten.") else name
+    rule = _SAVED_INTERNAL_RULES.get(base)
     if rule is not None:
         internal = rule(args)
+    if base in _SAVED_RULES:
+        saved_args, saved_outs = (set(i) for i in _SAVED_RULES[base])
     return OpProfile(
         forward, backward, tuple(sorted(saved_args)), tuple(sorted(saved_outs)), internal, True
     )

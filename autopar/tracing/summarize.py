@@ -144,11 +144,13 @@ def _saved_sets(
         for i in r.inputs
         if layer_of[i] != name and nodes[i].kind in _ACTIVATION_KINDS and nodes[i].requires_grad
     }
-    # matmul and attention outputs that the backward needs (saved by some op)
+    # matmul outputs that the backward needs (saved by some op), and attention outputs (the
+    # kernel's backward reads its output; `ops._SAVED_RULES` leaves it to the output projection)
     kept = {
         r.name
         for r in layer_nodes
-        if r.op_class in ("matmul", "attention") and r.requires_grad and r.name in saved_anywhere
+        if r.requires_grad
+        and (r.op_class == "attention" or (r.op_class == "matmul" and r.name in saved_anywhere))
     }
     values = {"none": charged, "selective": kept | inputs, "full": inputs}
     internal = {

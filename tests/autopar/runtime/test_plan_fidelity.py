@@ -21,7 +21,8 @@ parallelism's all-to-alls by count on every rank and by bytes summed over the ra
 routing decides how many rows each rank receives and so sends back), holds exactly the planned
 parameter, gradient and optimizer-state bytes per rank (fp32), and saves for backward within
 20% of the planned activation bytes (CP's included: the estimator counts the gathered K and V
-the backward keeps, the whole sequence; measured 1.19 of the plan, 1.32 before it did). EP's
+the backward keeps, the whole sequence; measured 1.02 of the plan, 1.13 before fused
+attention's saved q, k and v were priced, 1.32 before the gathered K and V were). EP's
 within 15%, the mean over the ranks (routing decides how many rows each rank's experts keep:
 1.12 on rank 0, 1.03 on rank 1, 1.07 the mean; 0.73-0.80 when the plan priced the traced dense
 MoE rather than the top-k routed rows). PP2: the pipeline's sends and receives (one per tensor
