@@ -55,16 +55,19 @@ GPT2_VOCAB = 50257
 # power-of-two slice SLURM segments hand out.
 NVL72, NVL72_JOB_GPUS = 72, 64
 # The DeepSeek-V3 rows leave recompute and the optimizer blank. Megatron-Bridge's DeepSeek-V3
-# recipe recomputes modules autopar's policies do not name and keeps Adam's moments in BF16
-# (src/megatron/bridge/recipes/deepseek/deepseek_v3.py, scripts/performance/configs/deepseek):
-# both only lower the peak, so the priced peak bounds it from above: a row priced under its
-# capacity is checked, one priced over it is listed as not checked. Its step time is priced
-# as stated.
+# recipe keeps Adam's moments in BF16 (src/megatron/bridge/recipes/deepseek/deepseek_v3.py:
+# use_precision_aware_optimizer, exp_avg_dtype and exp_avg_sq_dtype bfloat16), and its
+# performance configs name the modules each layout recomputes
+# (scripts/performance/configs/deepseek/deepseek_workload_base_configs.py). Where the config of
+# the row's own layout is known (GB200 BF16: pp4 vp4 ep64, recompute_modules ["mla_up_proj"],
+# in both the V1 and V2 presets), its recompute is priced; elsewhere none is, which only raises
+# the peak: a row priced under its capacity is checked, one priced over it is listed as not
+# checked. The step time is priced as stated.
+MBRIDGE_DSV3_RECOMPUTE_MODULES = {("GB200", "bf16"): ("mla_up_proj",)}
 MBRIDGE_DSV3_RECOMPUTE = (
-    "recompute unstated: Megatron-Bridge's DeepSeek-V3 performance configs recompute the MLA "
-    "up-projections (recompute_modules mla_up_proj; on H100 also the MLP) and keep Adam's "
-    "moments in BF16 (use_precision_aware_optimizer), which autopar does not price; priced "
-    "without them, an upper bound of the peak"
+    "recompute unstated: no Megatron-Bridge DeepSeek-V3 performance config has this row's "
+    "layout (its GB300 BF16 presets: pp4 ep64 recomputing mlp and moe_act, or pp2 vp8 ep32 "
+    "recomputing mla_up_proj); priced without recompute, an upper bound of the peak"
 )
 
 PROFILES = (  # hardware text -> shipped profile (first match)
@@ -164,7 +167,9 @@ def parse_row(row: dict[str, str], run_id: str) -> GridRun:
             "profile": profile,
             "num_devices": num_devices,
             "devices_per_node": per_node,
-            "memory_unstated": MBRIDGE_DSV3_RECOMPUTE if _deepseek_v3(row) else "",
+            "memory_unstated": MBRIDGE_DSV3_RECOMPUTE
+            if _deepseek_v3(row) and not _dsv3_recompute(row)
+            else "",
             "config": config,
             "global_batch": batch,
             "precision": _precision(row["precision"]),
@@ -195,6 +200,11 @@ def _option_changes(row: dict[str, str], notes: list[str]) -> tuple[tuple[str, o
         # BF16 (src/megatron/bridge/recipes/deepseek/deepseek_v3.py)
         changes.append(("grad_bytes", 2))
         notes.append("gradients reduced in BF16 (the DeepSeek-V3 recipe)")
+        changes.append(("moment_bytes", 2))
+        notes.append("Adam's moments in BF16 (the recipe's precision-aware optimizer)")
+        if "mla_up_proj" in _dsv3_recompute(row):
+            changes.append(("recompute_up_projections", True))
+            notes.append("MLA up-projections recomputed (recompute_modules mla_up_proj)")
     if "async" in (row["precision"] + row["notes"]).lower() and _int(row["tp"]) > 1:
         changes.append(("tp_comm_overlap", ASYNC_TP_OVERLAP))
         notes.append(f"async TP: {ASYNC_TP_OVERLAP:.0%} of the TP collectives hidden")
@@ -270,6 +280,13 @@ def _dims(row: dict[str, str], notes: list[str]) -> tuple[ModelDims, str]:
         dropout=0.1 if hf_eager or megatron else 0.0,
     )  # fmt: skip
     return dims, "gpt"
+
+
+def _dsv3_recompute(row: dict[str, str]) -> tuple[str, ...]:
+    """The recompute modules of the Megatron-Bridge DeepSeek-V3 config of the row's layout
+    (`MBRIDGE_DSV3_RECOMPUTE_MODULES`), () where unknown."""
+    device = next((d for d, _ in MBRIDGE_DSV3_RECOMPUTE_MODULES if d in row["hardware"]), "")
+    return MBRIDGE_DSV3_RECOMPUTE_MODULES.get((device, _precision(row["precision"])), ())
 
 
 def _deepseek_v3(row: dict[str, str]) -> bool:

@@ -165,6 +165,7 @@ def model_state_bytes(
     optimizer: Optimizer,
     zero_stage: int,
     shard_degree: int,
+    moment_bytes: int = 4,
 ) -> ModelStateBytes:
     """Bytes of parameters, gradients and optimizer state per device under ZeRO.
 
@@ -174,13 +175,15 @@ def model_state_bytes(
         optimizer: which optimizer's state is kept.
         zero_stage: 0 none, 1 shards optimizer state, 2 also gradients, 3 also parameters.
         shard_degree: number of ranks the ZeRO stage shards over.
+        moment_bytes: bytes per element of each optimizer moment: 4 (fp32), 2 where they are
+            kept in BF16 (Megatron-Core's precision-aware optimizer), 1 (8-bit Adam).
 
     Returns:
         ModelStateBytes.
 
     Raises:
         ValueError: unknown precision or optimizer, zero_stage outside 0..3, shard_degree < 1,
-            negative num_params.
+            negative num_params, moment_bytes not 1, 2 or 4.
 
     >>> model_state_bytes(7.5e9, precision="bf16", optimizer="adam", zero_stage=0,
     ...                   shard_degree=64).total_bytes / 1e9
@@ -193,9 +196,11 @@ def model_state_bytes(
     _check_positive(shard_degree=shard_degree)
     if num_params < 0:
         raise ValueError(f"num_params must be >= 0, got {num_params}")
+    if moment_bytes not in (1, 2, 4):
+        raise ValueError(f"moment_bytes must be 1, 2 or 4, got {moment_bytes}")
     weight = _WEIGHT_BYTES[precision]
     master = _MASTER_WEIGHT_BYTES if precision != "fp32" else 0
-    optimizer_per_param = master + _OPTIMIZER_STATE_BYTES[optimizer]
+    optimizer_per_param = master + _OPTIMIZER_STATE_BYTES[optimizer] * moment_bytes / 4
 
     def shard(stage: int) -> int:
         return shard_degree if zero_stage >= stage else 1

@@ -44,7 +44,9 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
         x b / d_r x ep, d_r the "routed" divisor of `shard_divisors`: every rank of the ep
         group sends it its tokens' share, the whole tp group's where etp = tp).
     recompute: full re-runs the forward (compute and its collectives); selective re-runs the
-        memory-bound ops (the matmul and attention outputs are kept).
+        memory-bound ops (the matmul and attention outputs are kept); under none, a stack
+        that recomputes multi-latent attention's up-projections re-runs their GEMMs
+        (`CostOptions.recompute_up_projections`; the rotary's few element-wise ops not priced).
     runtime overhead (profiles measured by `autopar profile`, [runtime]): o per repeated layer
         per micro-batch, one third in the forward and two thirds in the backward (the
         backward runs two ops per forward op); full recompute pays the forward third again.
@@ -122,6 +124,7 @@ def layer_time(
     recipe: Recipe | None = None,
     cast_traffic: float = 1.0,
     torchao_linears: bool = False,
+    recompute_up_projections: bool = False,
 ) -> LayerTime:
     """One micro-batch of ``cfg.micro_batch_size`` samples through ``table``'s layer;
     ``overheads``: the profile's `runtime_overhead_s`, ``model_overheads`` its
@@ -130,13 +133,15 @@ def layer_time(
     (`CostOptions.memory_traffic`); ``recipe``: the low-precision recipe its linears run in
     (`autopar.config.precision`), their GEMMs at its rate plus its casts' traffic, times
     ``cast_traffic`` (`CostOptions.cast_traffic`); ``torchao_linears``: only the linears
-    torchao converts run in it (`CostOptions.torchao_linears`, `in_recipe`)."""
+    torchao converts run in it (`CostOptions.torchao_linears`, `in_recipe`);
+    ``recompute_up_projections``: under recompute "none", the up-projection GEMMs run again in
+    the backward (`CostOptions.recompute_up_projections`)."""
     b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
     # experts: split over ep, whole on every tp rank (each runs its tokens' experts) unless
     # etp = tp
     weight_div = {"tp": t, "rep": 1, "expert": cfg.ep * cfg.etp, "whole": 1}
     flop_div = shard_divisors(cfg)
-    fwd = bwd = wgrad = 0.0
+    fwd = bwd = wgrad = up_fwd = 0.0
     cast_f = cast_b = 0.0  # a recipe's scaling, casts and transposes (module docstring)
     for op in table.matmuls:
         d = flop_div[op.shard]
@@ -149,7 +154,9 @@ def layer_time(
             rows = expert_rows(op) * b / flop_div["routed"] * cfg.ep
             scale *= mx_padded_rows(rows) / rows
         groups = max(1, op.groups // cfg.ep)  # this rank's experts' GEMMs
-        fwd += _gemms_time(device, op.flops * b / d * scale, io, gemm, groups)
+        gemm_fwd = _gemms_time(device, op.flops * b / d * scale, io, gemm, groups)
+        fwd += gemm_fwd
+        up_fwd += gemm_fwd if op.up_projection else 0.0
         back = _gemms_time(device, op.backward_flops * b / d * scale, 2 * io, gemm, groups)
         bwd += back
         if low:
@@ -179,7 +186,7 @@ def layer_time(
     elif cfg.recompute == "selective":
         recompute = mem
     else:
-        recompute = 0.0
+        recompute = up_fwd if recompute_up_projections else 0.0
     if cfg.recompute != "none" and table.kind == "block":
         recompute += recompute_overhead_s(overheads, cfg.recompute)
     return LayerTime(fwd, bwd, wgrad, recompute, tp_f + etp_f, tp_f + etp_b, cp_f, cp_b, ep, ep)

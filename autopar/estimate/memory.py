@@ -66,6 +66,13 @@ OPTIMIZER_BYTES = {
     ("sgd", True): 14,
     ("sgd", False): 12,
 }
+# Moments per parameter, each read and written by the step at 4 bytes in OPTIMIZER_BYTES.
+MOMENTS = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
+
+
+def optimizer_step_bytes(optimizer: str, mixed: bool, moment_bytes: int) -> int:
+    """`OPTIMIZER_BYTES` with the moments at ``moment_bytes`` each (`CostOptions.moment_bytes`)."""
+    return OPTIMIZER_BYTES[(optimizer, mixed)] - 2 * MOMENTS[optimizer] * (4 - moment_bytes)
 
 
 def dense_params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
@@ -250,6 +257,7 @@ class StageMemory:
                 optimizer=self.optimizer,  # type: ignore[arg-type]
                 zero_stage=cfg.zero_stage,
                 shard_degree=ways,
+                moment_bytes=self.options.moment_bytes,
             )
 
         rest = state(dense, self.shard_ways(cfg))
@@ -328,8 +336,9 @@ class StageMemory:
         per_mb = transient = logits = cast = 0.0
         # autocast over fp32 parameters: without FSDP2's bf16 gathers, in mixed precision
         casts = cfg.fsdp == 1 and self.precision != "fp32" and self.options.autocast_weight_bytes
+        up_proj = cfg.recompute == "none" and self.options.recompute_up_projections
         for table in layers:
-            policy = cfg.recompute
+            policy = "up_proj" if up_proj else cfg.recompute
             if recomputed is not None and table.name not in recomputed:
                 policy = "none"
             kept, none = (self.activation_bytes(cfg, table, p) for p in (policy, "none"))
@@ -371,9 +380,18 @@ class StageMemory:
             if table.kind != "block" and sequence_ends_gathered(cfg, self.tables, self.options):
                 div = {**div, "rep": c, "gathered": c}
             imbalance = self.options.moe_imbalance
-            split = dispatched(cfg, table, imbalance).activations.get(policy, {})
-            kept = sum(v * b / div[k] for k, v in split.items())
-            if c > 1 and policy == "none":
+            splits = dispatched(cfg, table, imbalance).activations
+            # "up_proj": "none" less MLA's q, k and v; fused kernels keep less of either
+            # (`kernel_savings`)
+            parts = [("none" if policy == "up_proj" else policy, 1.0)]
+            if policy in ("none", "up_proj") and self.options.fused_kernel_activations:
+                parts.append(("-fused", -1.0))
+            if policy == "up_proj":
+                parts.append(("-up_proj", -1.0))
+            kept = sum(
+                sign * v * b / div[k] for name, sign in parts for k, v in splits[name].items()
+            )
+            if c > 1 and policy in ("none", "up_proj"):
                 # context parallelism all-gathers K and V: the backward keeps the whole
                 # sequence's, not the 1/c shard counted above (autopar.runtime.context_parallel)
                 kept += sum(op.kv_bytes for op in table.attention) * b / t * (1 - 1 / c)

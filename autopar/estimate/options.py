@@ -57,6 +57,23 @@ class CostOptions:
     # Bytes per gradient element in data-parallel reductions: fp32 main gradients (Megatron's
     # default accumulation and FSDP2's reduce dtype in mixed precision recipes).
     grad_bytes: int = 4
+    # Bytes per element of each of the optimizer's moments (Adam's two, momentum's one): 4,
+    # fp32; 2 where the stack keeps them in BF16 (Megatron-Core's use_precision_aware_optimizer
+    # with exp_avg_dtype and exp_avg_sq_dtype bf16); 1, an 8-bit optimizer's. The master
+    # weights stay fp32. Shrinks the optimizer state and the step's traffic.
+    moment_bytes: int = 4
+    # Under recompute "none", multi-latent attention's up-projections, rotary and q/k/v
+    # concatenations are re-run before the attention's backward instead of their outputs kept
+    # (Megatron-Core's recompute_modules "mla_up_proj", `autopar.estimate.kernel_savings`):
+    # the activations drop the attention's q, k and v; the backward re-runs the up-projection
+    # GEMMs. No effect on a model without MLA. autopar's runtime does not do this: for pricing
+    # a stack that does.
+    recompute_up_projections: bool = False
+    # The stack's RMSNorm and gated activation are fused kernels (TransformerEngine's RMSNorm,
+    # Megatron-Core's bias-SwiGLU), which keep fewer tensors for the backward than the eager
+    # ops the trace shows: the normalised value and silu(gate) are not kept
+    # (`autopar.estimate.kernel_savings`).
+    fused_kernel_activations: bool = False
     # Pipeline stage boundaries: False splits the repeated layers evenly (Megatron, torchtitan
     # defaults: what evaluate() of a published config should price); True moves them so the
     # slowest model chunk is as fast as possible (embedding and head work counted).
@@ -128,6 +145,8 @@ class CostOptions:
             raise ValueError(f"comm_interference must be in [0, 1], got {self.comm_interference}")
         if self.grad_bytes not in (2, 4):
             raise ValueError(f"grad_bytes must be 2 or 4, got {self.grad_bytes}")
+        if self.moment_bytes not in (1, 2, 4):
+            raise ValueError(f"moment_bytes must be 1, 2 or 4, got {self.moment_bytes}")
         for name in ("matmul_efficiency", "attention_efficiency", "memory_traffic",
                      "cast_traffic", "activation_factor"):  # fmt: skip
             value = getattr(self, name)

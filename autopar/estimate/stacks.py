@@ -21,7 +21,8 @@ Format (schema_version 1; every key of a table but ``source`` may be left out, t
     [kernels]    matmul_efficiency, attention_efficiency, memory_traffic, cast_traffic, source
     [memory]     activation_factor, logit_copies, logit_fp32_copies, autocast_weight_bytes,
                  reserve_fraction, vocab_parallel_with_cp,
-                 pipeline_sends_sequence_shards, sequence_parallel_saves_gathered, source
+                 pipeline_sends_sequence_shards, sequence_parallel_saves_gathered,
+                 moment_bytes, recompute_up_projections, fused_kernel_activations, source
     [overlap]    tp_comm_overlap, overlap_grad_reduce, overlap_param_gather, fsdp_prefetch,
                  fsdp_per_tensor, fsdp_list_copies, grad_bytes, comm_interference,
                  fp8_all_gather, param_hook_s, fsdp_over_cp, source
@@ -58,6 +59,9 @@ _TABLES = {
         "vocab_parallel_with_cp",
         "pipeline_sends_sequence_shards",
         "sequence_parallel_saves_gathered",
+        "moment_bytes",
+        "recompute_up_projections",
+        "fused_kernel_activations",
     ),
     "overlap": (
         "tp_comm_overlap",

@@ -34,8 +34,8 @@ Data parallel, per stage, gradients G bytes (params on the rank x grad bytes):
 A stack whose ZeRO hooks run per parameter tensor (`param_hook_s`, DeepSpeed) adds that host
 time per hook event per tensor to each micro-batch: one event under ZeRO-2 (the gradient's
 bucket copy), five under ZeRO-3 (`PARAM_HOOK_EVENTS`).
-Optimizer: memory bound, bytes per parameter by optimizer and precision (`OPTIMIZER_BYTES`),
-plus the runtime's per-block host time where the profile measured it.
+Optimizer: memory bound, bytes per parameter by optimizer, precision and moment dtype
+(`optimizer_step_bytes`), plus the runtime's per-block host time where the profile measured it.
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ from __future__ import annotations
 from autopar.config import SPLIT_BACKWARD, ParallelConfig
 from autopar.estimate.layer_cost import LayerTime, runtime_overhead_s, split_backward_overhead_s
 from autopar.estimate.memory import (
-    OPTIMIZER_BYTES,
     PRECISION_BYTES,
     StageMemory,
     expert_replicas,
     expert_shard_ways,
+    optimizer_step_bytes,
     sequence_ends_gathered,
     shared_out_experts,
     token_summed_params,
@@ -299,7 +299,9 @@ class StageTimer:
             # (the experts, folded over cp, are summed over their replicas instead)
             sync += mesh.time("all_reduce", (grad - experts) / cfg.fsdp, "cp")
         sharded = self.memory.sharded_params(cfg, layers)
-        opt_bytes = sharded * OPTIMIZER_BYTES[(self.optimizer, self.precision != "fp32")]
+        opt_bytes = sharded * optimizer_step_bytes(
+            self.optimizer, self.precision != "fp32", self.options.moment_bytes
+        )
         blocks = sum(t.kind == "block" for t in layers)
         optimizer = (
             op_time_s(self.device, "elementwise", 0.0, opt_bytes, "fp32")

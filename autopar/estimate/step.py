@@ -376,6 +376,7 @@ class Estimator:
                     recipe=recipe,
                     cast_traffic=self.options.cast_traffic,
                     torchao_linears=self.options.torchao_linears,
+                    recompute_up_projections=self.options.recompute_up_projections,
                 )
             out[table.name] = by_class[key]
         return out

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from autopar.estimate.kernel_savings import fused_kernel_surplus, up_projection_region
 from autopar.tracing.graph import LayerInfo, ModelGraph, NodeInfo
 
 # "tp" | "rep" | "expert" | "whole" (a vocabulary layer TP leaves whole) | "gathered" | "routed"
@@ -48,6 +49,7 @@ class MatmulOp:
     # the nn.Linear that runs it (`ModelGraph.linears`), None for any other module: whether
     # torchao converts it under a recipe (`Recipe.torchao_converts`)
     linear: tuple[int, int, bool] | None = None
+    up_projection: bool = False  # MLA's (`kernel_savings`), re-run where a stack recomputes it
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,8 @@ class LayerTable:
     params_expert: int
     num_param_tensors: int
     params_router: int  # the MoE router's, counted in params_rep too
-    # activation bytes per policy split by shard class: {policy: {shard: bytes per sample}}
+    # saved bytes {policy: {shard: per sample}}; "-up_proj", "-fused": parts of "none" some
+    # stacks do not keep (`kernel_savings`)
     activations: dict[str, dict[Shard, float]]
     output_bytes: float  # what a pipeline cut after this layer sends, per sample
     moe_num_experts: int = 0
@@ -230,6 +233,7 @@ def _layer_table(
     kept: frozenset[str],
 ) -> LayerTable:
     router = layer.moe.router if layer.moe else None
+    region, ups = up_projection_region(layer, nodes)
     shard: dict[str, Shard] = {}
     matmuls, attention, allreduce = [], [], []
     column: set[str] = set()  # parameters of column-parallel matmuls (their biases split too)
@@ -250,6 +254,7 @@ def _layer_table(
                     shard=(kind := _compute_shard(node, router, kept)),
                     groups=_expert_groups(layer, kind),
                     linear=graph.linears.get(node.module_path),
+                    up_projection=node.name in ups,
                 )
             )
             if out == "rep" and "tp" in classes:
@@ -300,7 +305,7 @@ def _layer_table(
         memory_ops=tuple((k, v[0], int(v[1])) for k, v in memory.items()),
         tp_allreduce_bytes=tuple(allreduce),
         **_param_split(layer, graph, nodes, column, kept),
-        activations=_activation_split(layer, nodes, shard, derived),
+        activations=_activation_split(layer, nodes, shard, derived, region),
         output_bytes=float(layer.output_bytes),
         moe_num_experts=layer.moe.num_experts if layer.moe else 0,
         moe_top_k=layer.moe.top_k if layer.moe else 0,
@@ -514,8 +519,9 @@ def _param_split(
 
 
 def _activation_split(
-    layer: LayerInfo, nodes: dict[str, NodeInfo], shard: dict[str, Shard], derived: set[str]
-) -> dict[str, dict[Shard, float]]:
+    layer: LayerInfo, nodes: dict[str, NodeInfo], shard: dict[str, Shard], derived: set[str],
+    region: frozenset[str],
+) -> dict[str, dict[Shard, float]]:  # fmt: skip
     out: dict[str, dict[Shard, float]] = {}
     # replicated values a column-parallel matmul reads: what SP all-gathers before it
     gathered = {
@@ -528,7 +534,9 @@ def _activation_split(
     # expert tensor parallelism splits only the intermediate width
     value = _block_input(layer, nodes) if layer.moe else None
     hidden = value.shapes[0][-1] if value is not None and value.shapes else None
-    for policy, values in layer.saved_values.items():
+    none, fused = set(layer.saved_values.get("none", ())), fused_kernel_surplus(layer, nodes)
+    policies = {**layer.saved_values, "-up_proj": none & region, "-fused": none & fused}
+    for policy, values in policies.items():
         split: dict[Shard, float] = {"tp": 0.0, "rep": 0.0, "expert": 0.0, "gathered": 0.0,
                                      "routed": 0.0}  # fmt: skip
         for v in values:
