@@ -10,6 +10,13 @@ parameters' and optimizer's alone). torch's `MemTracker` counts the same by modu
 a module called twice in one step (gradient accumulation), which every multi-micro-batch run
 does.
 
+A storage is known by its StorageImpl, and its bytes are read again whenever an op touches it
+and before a new peak is taken: FSDP2 frees an unsharded parameter by resizing its storage to
+0 bytes and gathers it again by resizing it back, neither through the dispatcher. Counted by
+data pointer and never re-read, as before, each gather to a new address counted the parameters
+again and the freed ones stayed counted: ZeRO-3 over four micro-batches measured 1.15x its plan
+on 2 ranks and 1.4-1.7x on 4, bytes no allocator held.
+
 With ``keep=True``, `at_peak` holds each storage live at the peak as (bytes, op, shape, dtype):
 what was held (a copy at every new peak: slow, for looking into a figure).
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -31,10 +39,31 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.held: dict[int, tuple[int, str, tuple[int, ...], str]] = {}
         self.at_peak: dict[int, tuple[int, str, tuple[int, ...], str]] = {}
+        self._storages: dict[int, weakref.ref] = {}
 
-    def _free(self, key: int, nbytes: int) -> None:
-        self.held.pop(key, None)
-        self.live -= nbytes
+    def _free(self, key: int) -> None:
+        entry = self.held.pop(key, None)
+        self._storages.pop(key, None)
+        if entry is not None:
+            self.live -= entry[0]
+
+    def _resized(self, key: int, storage: torch.UntypedStorage) -> None:
+        """Take ``storage``'s bytes as they are now (resized since it was last read)."""
+        nbytes, *rest = self.held[key]
+        now = storage.nbytes()
+        if now != nbytes:
+            self.held[key] = (now, *rest)  # type: ignore[assignment]
+            self.live += now - nbytes
+
+    def _take_peak(self) -> None:
+        for key, ref in list(self._storages.items()):
+            storage = ref()
+            if storage is not None:
+                self._resized(key, storage)
+        if self.live > self.peak:
+            self.peak = self.live
+            if self.keep:
+                self.at_peak = dict(self.held)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         out = func(*args, **(kwargs or {}))
@@ -44,17 +73,19 @@ class LiveBytes(TorchDispatchMode):
             t = getattr(t, "_local_tensor", t)  # a DTensor: its shard on this rank
             try:
                 storage = t.untyped_storage()
-                key = storage.data_ptr()
+                key = StorageWeakRef(storage).cdata  # the StorageImpl: kept across resize_
             except RuntimeError:  # a wrapper subclass, or a storage-less tensor
                 continue
+            if key in self.held:
+                self._resized(key, storage)
+                continue
             nbytes = storage.nbytes()
-            if key in self.held or not nbytes:
+            if not nbytes:
                 continue
             self.held[key] = (nbytes, func.__name__, tuple(t.shape), str(t.dtype))
+            self._storages[key] = weakref.ref(storage)
             self.live += nbytes
-            weakref.finalize(storage, self._free, key, nbytes)
-            if self.live > self.peak:
-                self.peak = self.live
-                if self.keep:
-                    self.at_peak = dict(self.held)
+            weakref.finalize(storage, self._free, key)
+        if self.live > self.peak:
+            self._take_peak()
         return out
