@@ -66,8 +66,9 @@ NVL72, NVL72_JOB_GPUS = 72, 64
 MBRIDGE_DSV3_RECOMPUTE_MODULES = {("GB200", "bf16"): ("mla_up_proj",)}
 MBRIDGE_DSV3_RECOMPUTE = (
     "recompute unstated: no Megatron-Bridge DeepSeek-V3 performance config has this row's "
-    "layout (its GB300 BF16 presets: pp4 ep64 recomputing mlp and moe_act, or pp2 vp8 ep32 "
-    "recomputing mla_up_proj); priced without recompute, an upper bound of the peak"
+    "layout (its GB300 presets: BF16 at pp4 vp4 ep64 recomputing moe_act, with mlp in an older "
+    "one; FP8 at pp2 vp8 ep32 recomputing mla_up_proj); priced without recompute, an upper "
+    "bound of the peak"
 )
 
 PROFILES = (  # hardware text -> shipped profile (first match)
