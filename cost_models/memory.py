@@ -90,9 +90,10 @@ GIB = 2**30
 # Bytes per parameter of the weights used by forward and backward, and of their gradients
 # (ZeRO sec 3.1: fp16 parameters and gradients under mixed precision).
 _WEIGHT_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
-# fp32 optimizer state per parameter: Adam/AdamW keep momentum and variance (Kingma & Ba 2015;
-# Loshchilov & Hutter 2019), SGD with momentum one buffer, plain SGD none.
-_OPTIMIZER_STATE_BYTES: dict[str, int] = {"adamw": 8, "adam": 8, "sgd": 0, "sgd_momentum": 4}
+# Optimizer moments per parameter: Adam/AdamW keep momentum and variance (Kingma & Ba 2015;
+# Loshchilov & Hutter 2019), SGD with momentum one buffer, plain SGD none; fp32 (4 bytes) unless
+# a stack keeps them narrower (``moment_bytes``).
+MOMENTS: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
 # fp32 master weights kept by mixed-precision training (ZeRO sec 3.1; Micikevicius et al. 2018).
 _MASTER_WEIGHT_BYTES = 4
 # Dropout masks are stored as one byte per element (Korthikanti et al. 2022, sec 4.1).
@@ -200,7 +201,7 @@ def model_state_bytes(
         raise ValueError(f"moment_bytes must be 1, 2 or 4, got {moment_bytes}")
     weight = _WEIGHT_BYTES[precision]
     master = _MASTER_WEIGHT_BYTES if precision != "fp32" else 0
-    optimizer_per_param = master + _OPTIMIZER_STATE_BYTES[optimizer] * moment_bytes / 4
+    optimizer_per_param = master + MOMENTS[optimizer] * moment_bytes
 
     def shard(stage: int) -> int:
         return shard_degree if zero_stage >= stage else 1

@@ -45,6 +45,7 @@ from autopar.estimate.options import CostOptions
 from autopar.estimate.tables import LayerTable, ModelTables
 from cost_models.memory import (
     DEFAULT_RESERVE_MINIMUM_BYTES,
+    MOMENTS,
     ModelStateBytes,
     PeakMemory,
     model_state_bytes,
@@ -66,12 +67,11 @@ OPTIMIZER_BYTES = {
     ("sgd", True): 14,
     ("sgd", False): 12,
 }
-# Moments per parameter, each read and written by the step at 4 bytes in OPTIMIZER_BYTES.
-MOMENTS = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 
 
 def optimizer_step_bytes(optimizer: str, mixed: bool, moment_bytes: int) -> int:
-    """`OPTIMIZER_BYTES` with the moments at ``moment_bytes`` each (`CostOptions.moment_bytes`)."""
+    """`OPTIMIZER_BYTES` (each moment read and written at 4 bytes) with the moments
+    (`cost_models.memory.MOMENTS`) at ``moment_bytes`` each (`CostOptions.moment_bytes`)."""
     return OPTIMIZER_BYTES[(optimizer, mixed)] - 2 * MOMENTS[optimizer] * (4 - moment_bytes)
 
 

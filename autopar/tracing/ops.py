@@ -123,16 +123,16 @@ def _attention_internal_bytes(args: list[torch.Tensor]) -> int:
     return 4 * math.prod(q.shape[:-1])
 
 
-_SAVED_INTERNAL_RULES = {"scaled_dot_product_attention": _attention_internal_bytes}
-# What fused attention keeps of its arguments and outputs (flattened indices). Its backward
-# reads the query, key, value and output beside the log-sum-exp (Dao 2023, Alg. 2; torch's
-# flash, efficient and cuDNN kernels and the CPU flash kernel save exactly those). The math
-# path meta runs saves scaled copies of q and k and the score matrix instead, all internal,
-# so without this rule q and k would not be counted (v only in fp32). The output is not
-# counted here: fused kernels write it heads-inner ([b, s, heads, d], returned transposed), so
-# the transpose-and-reshape before the output projection is a view of it, and that projection
+# What an op keeps for its backward where meta's run of it says otherwise: (indices of the
+# flattened arguments, of the outputs, internal bytes). Fused attention's backward reads the
+# query, key, value and output beside the log-sum-exp (Dao 2023, Alg. 2; torch's flash,
+# efficient and cuDNN kernels and the CPU flash kernel save exactly those). The math path meta
+# runs saves scaled copies of q and k and the s^2 score matrix instead, all internal, so
+# without this rule q and k would not be counted (v only in fp32). The output is not counted
+# here: fused kernels write it heads-inner ([b, s, heads, d], returned transposed), so the
+# transpose-and-reshape before the output projection is a view of it, and that projection
 # saves its input; on meta the reshape copies, and counting both would count it twice.
-_SAVED_RULES = {"scaled_dot_product_attention": ((0, 1, 2), ())}
+_SAVED_RULES = {"scaled_dot_product_attention": ((0, 1, 2), (), _attention_internal_bytes)}
 
 
 class OpProber:
@@ -208,12 +208,10 @@ def _classify_saved(
         elif ref not in seen:
             seen.add(ref)
             internal += t.numel() * t.element_size()
-    base = name.split(".")[1] if name.startswith("aten.") else name
-    rule = _SAVED_INTERNAL_RULES.get(base)
+    rule = _SAVED_RULES.get(name.split(".")[1] if name.startswith("aten.") else name)
     if rule is not None:
-        internal = rule(args)
-    if base in _SAVED_RULES:
-        saved_args, saved_outs = (set(i) for i in _SAVED_RULES[base])
+        kept_args, kept_outs, internal_of = rule
+        saved_args, saved_outs, internal = set(kept_args), set(kept_outs), internal_of(args)
     return OpProfile(
         forward, backward, tuple(sorted(saved_args)), tuple(sorted(saved_outs)), internal, True
     )
