@@ -206,6 +206,14 @@ def _option_changes(row: dict[str, str], notes: list[str]) -> tuple[tuple[str, o
         if "mla_up_proj" in _dsv3_recompute(row):
             changes.append(("recompute_up_projections", True))
             notes.append("MLA up-projections recomputed (recompute_modules mla_up_proj)")
+    if row["source_id"].startswith("ds_autotuning_hf"):
+        # The autotuning's DeepSpeed configs have no optimizer section (DeepSpeedExamples
+        # training/autotuning/hf/dsconfigs), so transformers 4.12's deepspeed_init passes
+        # the Trainer's own AdamW, one kernel per op; not DeepSpeed's FusedAdam, DeepSpeed
+        # wraps it in FP16_UnfusedOptimizer (ZeRO-0: engine._configure_fp16_optimizer) or
+        # runs it over ZeRO's flat fp32 partition, casting and unscaling in passes of its own
+        changes.append(("optimizer_fused", False))
+        notes.append("transformers' AdamW, unfused (no optimizer in the DeepSpeed config)")
     if "async" in (row["precision"] + row["notes"]).lower() and _int(row["tp"]) > 1:
         changes.append(("tp_comm_overlap", ASYNC_TP_OVERLAP))
         notes.append(f"async TP: {ASYNC_TP_OVERLAP:.0%} of the TP collectives hidden")

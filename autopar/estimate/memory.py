@@ -69,10 +69,40 @@ OPTIMIZER_BYTES = {
 }
 
 
-def optimizer_step_bytes(optimizer: str, mixed: bool, moment_bytes: int) -> int:
-    """`OPTIMIZER_BYTES` (each moment read and written at 4 bytes) with the moments
-    (`cost_models.memory.MOMENTS`) at ``moment_bytes`` each (`CostOptions.moment_bytes`)."""
-    return OPTIMIZER_BYTES[(optimizer, mixed)] - 2 * MOMENTS[optimizer] * (4 - moment_bytes)
+# The same step where each op is a kernel of its own over each tensor (torch's for-loop and
+# foreach optimizers, transformers' and Composer's AdamW: `CostOptions.optimizer_fused` False),
+# fp32 parameters and gradients, counted op by op from torch.optim.adamw._single_tensor_adamw:
+# p.mul_ (decay) 8, m.lerp_(g) 12, v.mul_ 8, v.addcmul_(g, g) 12, v.sqrt() 8, / 8, .add_(eps)
+# 8, p.addcdiv_(m, denom) 16; Adam the same without the decay (torch's default
+# weight_decay 0); SGD with momentum (no decay, torch's default): buf.mul_ 8, buf.add_(g) 12,
+# p.add_(buf) 12; plain SGD: p.add_(g) 12.
+UNFUSED_OPTIMIZER_BYTES = {"adamw": 80, "adam": 72, "sgd_momentum": 32, "sgd": 12}
+# An unfused mixed-precision wrapper over low-precision model weights (DeepSpeed's
+# FP16_UnfusedOptimizer and ZeRO's partitions, apex O2) casts in passes of its own: the
+# gradient to an fp32 copy (read 2, write 4) and the updated master back (read 4, write 2).
+UNFUSED_CAST_BYTES = 12
+# fp16's loss scaling checks the gradients for inf/nan and unscales them before the step:
+# fused, one pass (torch's _amp_foreach_non_finite_check_and_unscale_, apex's
+# multi_tensor_scale: read 4, write 4); unfused, DeepSpeed's per-tensor check, a sum of the
+# upcast gradient (read 2, write 4, read 4, deepspeed/runtime/utils.py CheckOverflow), then
+# the unscale (read 4, write 4).
+LOSS_SCALE_BYTES = {True: 8, False: 18}
+
+
+def optimizer_step_bytes(
+    optimizer: str, precision: str, moment_bytes: int, fused: bool = True
+) -> int:
+    """Bytes per parameter one optimizer step reads and writes: `OPTIMIZER_BYTES` or, not
+    ``fused``, `UNFUSED_OPTIMIZER_BYTES` plus `UNFUSED_CAST_BYTES` in mixed precision (each
+    moment read and written at 4 bytes), with the moments (`cost_models.memory.MOMENTS`) at
+    ``moment_bytes`` each (`CostOptions.moment_bytes`), plus fp16's `LOSS_SCALE_BYTES`."""
+    mixed = precision != "fp32"
+    if fused:
+        step = OPTIMIZER_BYTES[(optimizer, mixed)]
+    else:
+        step = UNFUSED_OPTIMIZER_BYTES[optimizer] + (UNFUSED_CAST_BYTES if mixed else 0)
+    scale = LOSS_SCALE_BYTES[fused] if precision == "fp16" else 0
+    return step + scale - 2 * MOMENTS[optimizer] * (4 - moment_bytes)
 
 
 def dense_params_on_rank(cfg: ParallelConfig, layers: list[LayerTable]) -> float:

@@ -91,6 +91,12 @@ class CostOptions:
     # fused amax-cast(-transpose) kernel per operand (TransformerEngine's, or torch.compile's
     # of torchao's); eager torchao runs the amax and the cast as separate kernels.
     cast_traffic: float = 1.0
+    # The optimizer step runs as fused multi-tensor kernels (apex's and TransformerEngine's
+    # FusedAdam, torch's fused=True), each moment and weight read and written once; False:
+    # each op of it is a kernel of its own over each tensor (torch's for-loop and foreach
+    # paths, transformers' and Composer's AdamW), and a mixed-precision wrapper casts in passes
+    # of its own (`autopar.estimate.memory.optimizer_step_bytes`).
+    optimizer_fused: bool = True
     # Which of a recipe's blocks' linears run in it: True, those torchao converts (an
     # nn.Linear whose dimensions its GEMMs take, bias-free for MXFP8: autopar's runtime,
     # torchtitan), the rest priced in the base precision; False, every linear

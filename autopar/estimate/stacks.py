@@ -18,7 +18,8 @@ Format (schema_version 1; every key of a table but ``source`` may be left out, t
     schema_version = 1
     name = "torchtitan"                 # the file stem
     description = "..."
-    [kernels]    matmul_efficiency, attention_efficiency, memory_traffic, cast_traffic, source
+    [kernels]    matmul_efficiency, attention_efficiency, memory_traffic, cast_traffic,
+                 optimizer_fused, source
     [memory]     activation_factor, logit_copies, logit_fp32_copies, autocast_weight_bytes,
                  reserve_fraction, vocab_parallel_with_cp,
                  pipeline_sends_sequence_shards, sequence_parallel_saves_gathered,
@@ -49,7 +50,13 @@ from autopar.estimate.options import CostOptions
 
 DEFAULT_STACK = "autopar"
 _TABLES = {
-    "kernels": ("matmul_efficiency", "attention_efficiency", "memory_traffic", "cast_traffic"),
+    "kernels": (
+        "matmul_efficiency",
+        "attention_efficiency",
+        "memory_traffic",
+        "cast_traffic",
+        "optimizer_fused",
+    ),
     "memory": (
         "activation_factor",
         "logit_copies",

@@ -34,8 +34,10 @@ Data parallel, per stage, gradients G bytes (params on the rank x grad bytes):
 A stack whose ZeRO hooks run per parameter tensor (`param_hook_s`, DeepSpeed) adds that host
 time per hook event per tensor to each micro-batch: one event under ZeRO-2 (the gradient's
 bucket copy), five under ZeRO-3 (`PARAM_HOOK_EVENTS`).
-Optimizer: memory bound, bytes per parameter by optimizer, precision and moment dtype
-(`optimizer_step_bytes`), plus the runtime's per-block host time where the profile measured it.
+Optimizer: memory bound, bytes per parameter by optimizer, precision, moment dtype and whether
+the stack's step is fused (`optimizer_step_bytes`; an unfused step's kernel launches are taken
+as hidden behind its passes' bytes), plus the runtime's per-block host time where the profile
+measured it.
 """
 
 from __future__ import annotations
@@ -300,7 +302,7 @@ class StageTimer:
             sync += mesh.time("all_reduce", (grad - experts) / cfg.fsdp, "cp")
         sharded = self.memory.sharded_params(cfg, layers)
         opt_bytes = sharded * optimizer_step_bytes(
-            self.optimizer, self.precision != "fp32", self.options.moment_bytes
+            self.optimizer, self.precision, self.options.moment_bytes, self.options.optimizer_fused
         )
         blocks = sum(t.kind == "block" for t in layers)
         optimizer = (
