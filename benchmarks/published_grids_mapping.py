@@ -344,6 +344,16 @@ def _config(
     batch = _int(row["gbs"])
     recompute = _recompute(row["recompute"], notes)
     vp = _int(row["vp"]) or 1
+    titan = row["source_id"].startswith("torchtitan")
+    if titan and pp > 1 and not _int(row["mbs"]):
+        # torchtitan's default: as many micro-batches as pipeline stages
+        # (parallelisms/pipelining_utils.py build_pipeline_schedule at 9dec370)
+        mbs = max(1, batch // (dp * fsdp * pp))
+        notes.append(f"micro-batch {mbs}: torchtitan's default of pp micro-batches")
+    if titan and pp > 1 and "interleaved" in row["schedule"].lower() and vp == 1:
+        # generate_split_points: two stages per rank for a multi-stage schedule
+        vp = 2
+        notes.append("2 model chunks per rank: torchtitan's default for interleaved 1F1B")
     schedule = "interleaved_1f1b" if pp > 1 and vp > 1 else "1f1b"
     config = autopar.ParallelConfig(
         dp=dp,

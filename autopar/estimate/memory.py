@@ -26,8 +26,10 @@ Peak memory of a stage (`StageMemory.stage_memory`):
                   weight copies, `autocast_weight_bytes` per parameter of the layers not
                   recomputed whole (all of a pipeline stage's: one region over the step)
     buffers       ZeRO-3: twice the largest layer's parameters and gradients (the gathered
-                  layer and the prefetched next); else two DDP buckets where there is data
-                  parallelism (dp x fsdp > 1), none without
+                  layer and the prefetched next), or under pp > 1 where the stack keeps them
+                  over the step (`CostOptions.pp_keeps_unsharded`) all of the stage's; else
+                  two DDP buckets where there is data parallelism (dp x fsdp > 1), none
+                  without
     reserve       the allocator's share (`cost_models.memory.allocator_reserve_bytes`), at
                   least the stage's largest tensor (the loss's logit-sized one): fragmented
                   free bytes do not serve a request that large
@@ -379,7 +381,12 @@ class StageMemory:
             if casts and (policy != "full" or cfg.pp > 1):
                 cast += self._matmul_share(table) * self.params(cfg, [table])
         copies = cast * self.options.autocast_weight_bytes
-        if cfg.zero_stage == 3:
+        if cfg.zero_stage == 3 and cfg.pp > 1 and self.options.pp_keeps_unsharded:
+            # the stage's parameters gathered and their gradients unsharded, over the step
+            # (`CostOptions.pp_keeps_unsharded`; gathered in the precision, an upper bound
+            # where FSDP gathers a recipe's linears in FP8)
+            buffers = params * (pbytes + self.options.grad_bytes) if cfg.fsdp > 1 else 0.0
+        elif cfg.zero_stage == 3:
             largest = max((self.params(cfg, [x]) for x in layers), default=0.0)
             buffers = 2 * largest * (pbytes + self.options.grad_bytes)
         elif cfg.dp * cfg.fsdp > 1:

@@ -46,6 +46,14 @@ class CostOptions:
     # is split fsdp x cp ways and the context-parallel gradient sum is part of the
     # reduce-scatter; False: over fsdp only, with an all-reduce over cp (autopar's runtime).
     fsdp_over_cp: bool = False
+    # Under pipeline parallelism with ZeRO-3, each stage keeps its gathered parameters from
+    # the first micro-batch's forward to the last one's backward and accumulates unsharded
+    # gradients in the reduce dtype (`grad_bytes`), reduce-scattering once at the end of the
+    # step: torchtitan (reshard_after_forward=False under PP, parallelisms/parallelize_llama.py
+    # apply_fsdp) on torch.distributed.pipelining, whose stage backward turns FSDP2's gradient
+    # sync and reshard-after-backward off until the last micro-batch. One gather and one
+    # reduce-scatter per step; False: per micro-batch, resharded after each (autopar's runtime).
+    pp_keeps_unsharded: bool = False
     # Host time of one per-parameter-tensor hook event (DeepSpeed's ZeRO runs Python hooks per
     # tensor): ZeRO-2 has one per micro-batch (the gradient copied into its reduction bucket),
     # ZeRO-3 five (gather and release in the forward, again in the backward, and the gradient);

@@ -103,10 +103,13 @@ class StageTimer:
         times: dict[str, LayerTime],
         recomputed: frozenset[str] | None = None,
         first_chunk: list[LayerTable] | tuple[()] = (),
+        microbatches: int = 1,
     ) -> StageTimes:
         """Per micro-batch sums of ``layers``' times, and what the stage adds to them: the
         split backward's host time (its blocks outside ``first_chunk``, model chunk 0: kept
-        out of the layer times, which configs of every schedule share) and exposed FSDP."""
+        out of the layer times, which configs of every schedule share) and exposed FSDP (a
+        once-a-step share of it where the stack keeps a pipeline stage gathered over the
+        step's ``microbatches``: `CostOptions.pp_keeps_unsharded`)."""
         lt = [times[t.name] for t in layers]
         out = {
             "compute_forward": sum(x.compute_forward_s for x in lt),
@@ -137,6 +140,10 @@ class StageTimer:
             for key in ("compute_backward", "backward"):
                 out[key] += hooks
         fsdp_f, fsdp_b = self._fsdp_exposed(cfg, mesh, layers, out, recomputed)
+        if cfg.pp > 1 and self.options.pp_keeps_unsharded:
+            # one gather (the first micro-batch's forward) and one reduce-scatter (the last
+            # one's backward) a step, spread over the micro-batches the pipeline times
+            fsdp_f, fsdp_b = fsdp_f / microbatches, fsdp_b / microbatches
         out["fsdp_comm"] = fsdp_f + fsdp_b
         out["forward"] += fsdp_f
         out["backward"] += fsdp_b
@@ -184,8 +191,11 @@ class StageTimer:
                     regathers.append(gathers[-1])
         if not gathers:
             return 0.0, 0.0
-        # backward gathers again; with full recompute the re-run forward gathers once more
-        if cfg.recompute != "full":
+        # backward gathers again; with full recompute the re-run forward gathers once more;
+        # neither where the stage stays gathered over the step
+        if cfg.pp > 1 and self.options.pp_keeps_unsharded:
+            bwd_gathers = 0.0
+        elif cfg.recompute != "full":
             bwd_gathers = sum(gathers)
         elif recomputed is None:
             bwd_gathers = 2 * sum(gathers)

@@ -181,7 +181,7 @@ class Estimator:
         chunks = self.chunks(cfg, times)
         layers = stage_layers(cfg, chunks)
         rec = recomputed_layers(cfg, chunks)
-        per_stage = self._stage_times(cfg, mesh, layers, times, rec, chunks[0])
+        per_stage = self._stage_times(cfg, mesh, layers, times, rec, chunks[0], m)
         if time_bound_s is not None:
             # a time-shared pipeline stage runs at up to the full rate while others idle
             share = self.cluster.compute_share if cfg.pp > 1 else 1.0
@@ -227,6 +227,7 @@ class Estimator:
         times: dict[str, LayerTime],
         recomputed: frozenset[str] | None,
         first_chunk: list[LayerTable],
+        microbatches: int,
     ) -> list[StageTimes]:
         """`StageTimer.stage_times` of every stage, priced once per distinct stage: what a
         stage's times read of a layer is its `LayerTime` (shared by the layers of a class),
@@ -242,7 +243,7 @@ class Estimator:
             )
             if key not in seen:
                 seen[key] = self.timer.stage_times(
-                    cfg, mesh, ls, times, recomputed, first_chunk=first_chunk
+                    cfg, mesh, ls, times, recomputed, first_chunk, microbatches
                 )
             out.append(seen[key])
         return out

@@ -31,6 +31,10 @@ ZeRO stage -> FSDP2 settings:
        gradients are reduce-scattered after every micro-batch and optimizer state is sharded.
     1: as 2, but gradients are only reduce-scattered after the last micro-batch (the others
        accumulate full, unsharded gradients: `set_requires_gradient_sync(False)`).
+    Under a pipeline (pp > 1) the three behave alike: torch's pipelining keeps each chunk's
+    gradients unsharded and its parameters gathered from its first backward to the end of the
+    step, so the blocks are not resharded after forward either (one gather a step, as
+    torchtitan; the plan prices this as `CostOptions.pp_keeps_unsharded`).
 How this differs from ZeRO-1/2 proper (DeepSpeed): there every rank keeps a full copy of the
 parameters between steps and all-gathers the updated shards after the optimizer step; FSDP2
 frees the unsharded parameters after backward and all-gathers them at the next forward. The
@@ -190,7 +194,13 @@ def apply_data_parallel(
     if config.fsdp > 1:
         axes = ("dp", "fsdp") if config.dp > 1 else ("fsdp",)
         data_mesh = mesh[axes]
-        reshard = config.zero_stage == 3
+        # under a pipeline, torch's stage keeps an FSDP2 chunk gathered and its gradients
+        # unsharded from its first backward to the step's end (PipelineStage.
+        # backward_maybe_with_nosync turns reshard-after-backward and gradient sync off), so
+        # resharding after each forward would only gather again in every later backward: the
+        # blocks stay gathered, as torchtitan's under PP (one gather a step, not two per
+        # micro-batch; the peak, all of the chunk gathered, is the same)
+        reshard = config.zero_stage == 3 and config.pp == 1
         mp = MixedPrecisionPolicy()  # FSDP2's default: the parameters' own dtype throughout
         if param_dtype is not None:
             mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
