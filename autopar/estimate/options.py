@@ -50,9 +50,10 @@ class CostOptions:
     # the first micro-batch's forward to the last one's backward and accumulates unsharded
     # gradients in the reduce dtype (`grad_bytes`), reduce-scattering once at the end of the
     # step: torchtitan (reshard_after_forward=False under PP, parallelisms/parallelize_llama.py
-    # apply_fsdp) on torch.distributed.pipelining, whose stage backward turns FSDP2's gradient
-    # sync and reshard-after-backward off until the last micro-batch. One gather and one
-    # reduce-scatter per step; False: per micro-batch, resharded after each (autopar's runtime).
+    # apply_fsdp) and autopar's runtime (`runtime.data_parallel`), both on
+    # torch.distributed.pipelining, whose stage backward turns FSDP2's gradient sync and
+    # reshard-after-backward off until the last micro-batch. One gather and one reduce-scatter
+    # per step; False: both per micro-batch, two layers gathered at a time.
     pp_keeps_unsharded: bool = False
     # Host time of one per-parameter-tensor hook event (DeepSpeed's ZeRO runs Python hooks per
     # tensor): ZeRO-2 has one per micro-batch (the gradient copied into its reduction bucket),
