@@ -258,7 +258,10 @@ def runtime_overhead_s(overheads: Mapping[str, float] | None, cfg: ParallelConfi
     else:
         total = plain
     if cfg.fsdp > 1:
-        total += overheads.get("fsdp3" if cfg.zero_stage == 3 else "fsdp", plain) - plain
+        # under a pipeline the runtime's ZeRO-3 keeps its units gathered, as ZeRO-1/2 do
+        # (`autopar.runtime.data_parallel`): their style
+        zero3 = cfg.zero_stage == 3 and cfg.pp == 1
+        total += overheads.get("fsdp3" if zero3 else "fsdp", plain) - plain
     return max(0.0, total)
 
 

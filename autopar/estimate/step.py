@@ -14,6 +14,8 @@ memory, MFU). `Estimator.evaluate` sequences the parts, each in its own module:
     step = pipeline(stage forward/backward per micro-batch, m micro-batches)
            + max over stages (exposed data-parallel sync + optimizer step + clipping)
 
+A config is priced as its stack runs it (`Estimator.as_run`: under a pipeline kept gathered
+over the step, FSDP's ZeRO-1 and ZeRO-2 as its ZeRO-3); the estimate names the config asked.
 Layer times and the chunk split depend on fewer fields than a config has (`_times_key`), so
 configs that differ only in ZeRO stage, schedule or per-layer recompute share them (cached).
 Expert layers: with ep > 1 their experts run the top-k routed rows (`as_run.routed_layer`: a
@@ -175,6 +177,7 @@ class Estimator:
         """Price ``cfg``; with ``time_bound_s``, return None as soon as the busiest stage's
         work alone (a lower bound on the step) exceeds it, before simulating the pipeline."""
         cfg.validate(self.cluster)
+        config, cfg = cfg, self.as_run(cfg)
         m = self.num_microbatches(cfg, global_batch_size)
         mesh = self.mesh(cfg)
         times = self.layer_times(cfg, mesh)
@@ -208,7 +211,7 @@ class Estimator:
         model_flops = self.tables.model_flops_per_sample * global_batch_size
         world = self.cluster.world_size
         return Estimate(
-            config=cfg,
+            config=config,
             global_batch_size=global_batch_size,
             num_microbatches=m,
             step_time_s=step,
@@ -262,7 +265,7 @@ class Estimator:
         every k at once; the time of that k is evaluate()'s."""
         if cfg.recompute == "none":
             return None
-        cfg = replace(cfg, recompute_layers=None)
+        cfg = replace(self.as_run(cfg), recompute_layers=None)
         m = self.num_microbatches(cfg, global_batch_size)
         chunks = self.chunks(cfg, self.layer_times(cfg, self.mesh(cfg)))
         blocks = [[t for t in c if t.kind == "block"] for c in chunks]
@@ -304,6 +307,15 @@ class Estimator:
             if fits:
                 return k
         return None
+
+    def as_run(self, cfg: ParallelConfig) -> ParallelConfig:
+        """``cfg`` as the stack runs it: under a pipeline that keeps its stages gathered with
+        unsharded gradients over the step (`CostOptions.pp_keeps_unsharded`), FSDP's ZeRO-1
+        and ZeRO-2 run as its ZeRO-3 does (torch's pipelining turns their per-micro-batch
+        reduce-scatters and reshards off alike: on 4 CPU ranks PP2 x FSDP2 held the same
+        82.5 MiB under all three), so they are priced as it is."""
+        kept = self.options.pp_keeps_unsharded and cfg.pp > 1 and cfg.fsdp > 1
+        return replace(cfg, zero_stage=3) if kept and cfg.zero_stage in (1, 2) else cfg
 
     # ------------------------------------------------------------------ structure, cached
 

@@ -5,6 +5,8 @@ The memory side is measured on CPU ranks in tests/autopar/runtime/test_memory_pe
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 import autopar
@@ -47,3 +49,16 @@ def test_the_stage_holds_its_parameters_gathered_and_gradients_unsharded(tables)
         # bf16 gathered parameters and fp32 gradients (CostOptions.grad_bytes 4)
         assert k.memory.communication_buffer_bytes == pytest.approx(params * (2 + 4), rel=1e-9)
         assert k.memory.communication_buffer_bytes > r.memory.communication_buffer_bytes
+
+
+def test_fsdp_zero_1_and_2_under_the_pipeline_are_priced_as_its_zero_3(tables):
+    # torch's pipelining runs the three alike (4 CPU ranks: 82.5 MiB under each)
+    cluster = Cluster.from_profile("dgx_h100", num_devices=8)
+    for keeps in (True, False):
+        estimator = Estimator(
+            tables, cluster, precision="bf16", options=CostOptions(pp_keeps_unsharded=keeps)
+        )
+        got = [estimator.evaluate(replace(CONFIG, zero_stage=z), 16) for z in (1, 2, 3)]
+        assert [e.config.zero_stage for e in got] == [1, 2, 3]
+        same = {(e.step_time_s, e.peak_memory_bytes) for e in got}
+        assert len(same) == (1 if keeps else 3)
