@@ -79,9 +79,11 @@ OPTIMIZER_BYTES = {
 # weight_decay 0); SGD with momentum (no decay, torch's default): buf.mul_ 8, buf.add_(g) 12,
 # p.add_(buf) 12; plain SGD: p.add_(g) 12.
 UNFUSED_OPTIMIZER_BYTES = {"adamw": 80, "adam": 72, "sgd_momentum": 32, "sgd": 12}
-# An unfused mixed-precision wrapper over low-precision model weights (DeepSpeed's
-# FP16_UnfusedOptimizer and ZeRO's partitions, apex O2) casts in passes of its own: the
-# gradient to an fp32 copy (read 2, write 4) and the updated master back (read 4, write 2).
+# An unfused mixed-precision wrapper over low-precision model weights and gradients
+# (DeepSpeed's FP16_UnfusedOptimizer and ZeRO's partitions, apex O2) casts in passes of its
+# own: the gradient to an fp32 copy (read 2, write 4) and the updated master back (read 4,
+# write 2). None where the gradients reach the step in fp32 over fp32 parameters (FSDP's
+# mixed precision, autocast).
 UNFUSED_CAST_BYTES = 12
 # fp16's loss scaling checks the gradients for inf/nan and unscales them before the step:
 # fused, one pass (torch's _amp_foreach_non_finite_check_and_unscale_, apex's
@@ -92,17 +94,19 @@ LOSS_SCALE_BYTES = {True: 8, False: 18}
 
 
 def optimizer_step_bytes(
-    optimizer: str, precision: str, moment_bytes: int, fused: bool = True
+    optimizer: str, precision: str, moment_bytes: int, fused: bool = True, grad_bytes: int = 4
 ) -> int:
     """Bytes per parameter one optimizer step reads and writes: `OPTIMIZER_BYTES` or, not
-    ``fused``, `UNFUSED_OPTIMIZER_BYTES` plus `UNFUSED_CAST_BYTES` in mixed precision (each
-    moment read and written at 4 bytes), with the moments (`cost_models.memory.MOMENTS`) at
-    ``moment_bytes`` each (`CostOptions.moment_bytes`), plus fp16's `LOSS_SCALE_BYTES`."""
+    ``fused``, `UNFUSED_OPTIMIZER_BYTES` plus `UNFUSED_CAST_BYTES` in mixed precision with
+    low-precision gradients (``grad_bytes`` 2) (each moment read and written at 4 bytes),
+    with the moments (`cost_models.memory.MOMENTS`) at ``moment_bytes`` each
+    (`CostOptions.moment_bytes`), plus fp16's `LOSS_SCALE_BYTES`."""
     mixed = precision != "fp32"
     if fused:
         step = OPTIMIZER_BYTES[(optimizer, mixed)]
     else:
-        step = UNFUSED_OPTIMIZER_BYTES[optimizer] + (UNFUSED_CAST_BYTES if mixed else 0)
+        casts = UNFUSED_CAST_BYTES if mixed and grad_bytes < 4 else 0
+        step = UNFUSED_OPTIMIZER_BYTES[optimizer] + casts
     scale = LOSS_SCALE_BYTES[fused] if precision == "fp16" else 0
     return step + scale - 2 * MOMENTS[optimizer] * (4 - moment_bytes)
 

@@ -103,8 +103,9 @@ class CostOptions:
     # The optimizer step runs as fused multi-tensor kernels (apex's and TransformerEngine's
     # FusedAdam, torch's fused=True), each moment and weight read and written once; False:
     # each op of it is a kernel of its own over each tensor (torch's for-loop and foreach
-    # paths, transformers' and Composer's AdamW), and a mixed-precision wrapper casts in passes
-    # of its own (`autopar.estimate.memory.optimizer_step_bytes`).
+    # paths, transformers' and Composer's AdamW), and a mixed-precision wrapper over
+    # low-precision gradients (`grad_bytes` 2) casts in passes of its own
+    # (`autopar.estimate.memory.optimizer_step_bytes`).
     optimizer_fused: bool = True
     # Which of a recipe's blocks' linears run in it: True, those torchao converts (an
     # nn.Linear whose dimensions its GEMMs take, bias-free for MXFP8: autopar's runtime,

@@ -311,8 +311,9 @@ class StageTimer:
             # (the experts, folded over cp, are summed over their replicas instead)
             sync += mesh.time("all_reduce", (grad - experts) / cfg.fsdp, "cp")
         sharded = self.memory.sharded_params(cfg, layers)
+        o = self.options
         opt_bytes = sharded * optimizer_step_bytes(
-            self.optimizer, self.precision, self.options.moment_bytes, self.options.optimizer_fused
+            self.optimizer, self.precision, o.moment_bytes, o.optimizer_fused, o.grad_bytes
         )
         blocks = sum(t.kind == "block" for t in layers)
         optimizer = (
