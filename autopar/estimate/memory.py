@@ -213,6 +213,12 @@ def sequence_ends_gathered(cfg: ParallelConfig, tables: ModelTables, options: Co
     return cfg.pp > 1 or tables.split_sequence_ends
 
 
+def stage_kept_gathered(cfg: ParallelConfig, options: CostOptions) -> bool:
+    """Whether FSDP's units stay gathered, their gradients unsharded, over a pipeline's step
+    (`CostOptions.pp_keeps_unsharded`, pp > 1, ZeRO over fsdp > 1)."""
+    return options.pp_keeps_unsharded and cfg.pp > 1 and cfg.fsdp > 1 and cfg.zero_stage >= 1
+
+
 def dispatched(cfg: ParallelConfig, table: LayerTable, imbalance: float = 1.0) -> LayerTable:
     """The layer as the runtime runs it under ``cfg``: with ep > 1 the all-to-all dispatch
     runs each token on its top k experts only (`as_run.routed_layer`); without, a
@@ -385,11 +391,11 @@ class StageMemory:
             if casts and (policy != "full" or cfg.pp > 1):
                 cast += self._matmul_share(table) * self.params(cfg, [table])
         copies = cast * self.options.autocast_weight_bytes
-        if cfg.zero_stage == 3 and cfg.pp > 1 and self.options.pp_keeps_unsharded:
+        if cfg.zero_stage == 3 and stage_kept_gathered(cfg, self.options):
             # the stage's parameters gathered and their gradients unsharded, over the step
-            # (`CostOptions.pp_keeps_unsharded`; gathered in the precision, an upper bound
-            # where FSDP gathers a recipe's linears in FP8)
-            buffers = params * (pbytes + self.options.grad_bytes) if cfg.fsdp > 1 else 0.0
+            # (gathered in the precision, an upper bound where FSDP gathers a recipe's linears
+            # in FP8)
+            buffers = params * (pbytes + self.options.grad_bytes)
         elif cfg.zero_stage == 3:
             largest = max((self.params(cfg, [x]) for x in layers), default=0.0)
             buffers = 2 * largest * (pbytes + self.options.grad_bytes)

@@ -52,6 +52,7 @@ from autopar.estimate.memory import (
     optimizer_step_bytes,
     sequence_ends_gathered,
     shared_out_experts,
+    stage_kept_gathered,
     token_summed_params,
     token_ways,
 )
@@ -107,9 +108,8 @@ class StageTimer:
     ) -> StageTimes:
         """Per micro-batch sums of ``layers``' times, and what the stage adds to them: the
         split backward's host time (its blocks outside ``first_chunk``, model chunk 0: kept
-        out of the layer times, which configs of every schedule share) and exposed FSDP (a
-        once-a-step share of it where the stack keeps a pipeline stage gathered over the
-        step's ``microbatches``: `CostOptions.pp_keeps_unsharded`)."""
+        out of the layer times, which configs of every schedule share) and exposed FSDP
+        (`_fsdp_exposed`, over the step's ``microbatches``)."""
         lt = [times[t.name] for t in layers]
         out = {
             "compute_forward": sum(x.compute_forward_s for x in lt),
@@ -139,11 +139,7 @@ class StageTimer:
             hooks = events * self.options.param_hook_s * sum(t.num_param_tensors for t in layers)
             for key in ("compute_backward", "backward"):
                 out[key] += hooks
-        fsdp_f, fsdp_b = self._fsdp_exposed(cfg, mesh, layers, out, recomputed)
-        if cfg.pp > 1 and self.options.pp_keeps_unsharded:
-            # one gather (the first micro-batch's forward) and one reduce-scatter (the last
-            # one's backward) a step, spread over the micro-batches the pipeline times
-            fsdp_f, fsdp_b = fsdp_f / microbatches, fsdp_b / microbatches
+        fsdp_f, fsdp_b = self._fsdp_exposed(cfg, mesh, layers, out, recomputed, microbatches)
         out["fsdp_comm"] = fsdp_f + fsdp_b
         out["forward"] += fsdp_f
         out["backward"] += fsdp_b
@@ -156,8 +152,12 @@ class StageTimer:
         layers: list[LayerTable],
         st: StageTimes,
         recomputed: frozenset[str] | None = None,
+        microbatches: int = 1,
     ) -> tuple[float, float]:
-        """ZeRO-3's gathers and reduce-scatters a stage cannot hide, forward and backward."""
+        """ZeRO-3's gathers and reduce-scatters a stage cannot hide, forward and backward, per
+        micro-batch; where the stage stays gathered over the step (`stage_kept_gathered`),
+        one gather (the first micro-batch's forward) and one reduce-scatter (the last one's
+        backward) a step, spread over its ``microbatches``."""
         if cfg.zero_stage < 3 or cfg.fsdp == 1:
             return 0.0, 0.0
         pbytes = PRECISION_BYTES[self.precision]
@@ -193,7 +193,8 @@ class StageTimer:
             return 0.0, 0.0
         # backward gathers again; with full recompute the re-run forward gathers once more;
         # neither where the stage stays gathered over the step
-        if cfg.pp > 1 and self.options.pp_keeps_unsharded:
+        kept = stage_kept_gathered(cfg, self.options)
+        if kept:
             bwd_gathers = 0.0
         elif cfg.recompute != "full":
             bwd_gathers = sum(gathers)
@@ -204,10 +205,11 @@ class StageTimer:
         fwd_compute = st["compute_forward"] + st["tp_comm"] / 2
         bwd_compute = st["compute_backward"] + st["recompute"] + st["tp_comm"] / 2
         if not self.options.fsdp_prefetch:
-            return sum(gathers), bwd_gathers + sum(scatters)
-        fwd = gathers[0] + self._hidden(sum(gathers[1:]), fwd_compute)
-        bwd = scatters[-1] + self._hidden(bwd_gathers + sum(scatters[:-1]), bwd_compute)
-        return fwd, bwd
+            fwd, bwd = sum(gathers), bwd_gathers + sum(scatters)
+        else:
+            fwd = gathers[0] + self._hidden(sum(gathers[1:]), fwd_compute)
+            bwd = scatters[-1] + self._hidden(bwd_gathers + sum(scatters[:-1]), bwd_compute)
+        return (fwd / microbatches, bwd / microbatches) if kept else (fwd, bwd)
 
     def _hidden(self, comm_s: float, compute_s: float) -> float:
         """What ``comm_s`` of communication overlapped with ``compute_s`` of compute adds to

@@ -50,6 +50,7 @@ from autopar.estimate.memory import (
     PRECISION_BYTES,
     StageMemory,
     dispatched,
+    stage_kept_gathered,
     vocab_whole,
 )
 from autopar.estimate.mesh import MeshGroups
@@ -314,8 +315,8 @@ class Estimator:
         and ZeRO-2 run as its ZeRO-3 does (torch's pipelining turns their per-micro-batch
         reduce-scatters and reshards off alike: on 4 CPU ranks PP2 x FSDP2 held the same
         82.5 MiB under all three), so they are priced as it is."""
-        kept = self.options.pp_keeps_unsharded and cfg.pp > 1 and cfg.fsdp > 1
-        return replace(cfg, zero_stage=3) if kept and cfg.zero_stage in (1, 2) else cfg
+        kept = stage_kept_gathered(cfg, self.options)
+        return replace(cfg, zero_stage=3) if kept and cfg.zero_stage < 3 else cfg
 
     # ------------------------------------------------------------------ structure, cached
 
