@@ -102,8 +102,8 @@ def report(runs: list[GridRun]) -> list[str]:
             continue
         step_errors.append(abs(p.error))
         mem = "-"
-        if p.measured_memory and p.predicted_memory:
-            memory.append((p.predicted_memory / p.measured_memory - 1, p.id))
+        if p.memory_error is not None:
+            memory.append((p.memory_error, p.id))
             mem = f"{p.measured_memory / GiB:.1f}/{p.predicted_memory / GiB:.1f}"
         lines.append(
             f"{p.id:<40} {p.stack:<18} {p.measured_s:8.3f} {p.predicted_s:8.3f} {p.error:+7.1%} "

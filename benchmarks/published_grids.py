@@ -62,6 +62,12 @@ class Priced:
             return None
         return self.predicted_s / self.measured_s - 1.0
 
+    @property
+    def memory_error(self) -> float | None:
+        if not (self.predicted_memory and self.measured_memory):
+            return None
+        return self.predicted_memory / self.measured_memory - 1.0
+
     def per_token(self, seconds: float) -> float:
         """Device-seconds per token: what a grid's rows compare on."""
         return seconds * self.num_devices / self.tokens_per_step
@@ -265,8 +271,8 @@ def summary(rows: list[Priced]) -> list[str]:
         rhos.append(rho)
         picks.append(pick)
         lines.append(f"grid {grid}: {len(members)} rows, Spearman {rho:+.2f}, pick {pick:+.1%}")
-    memory = [r for r in priced if r.measured_memory]
-    mem_err = [abs(r.predicted_memory / r.measured_memory - 1) for r in memory]
+    memory = [r for r in priced if r.memory_error is not None]
+    mem_err = [abs(r.memory_error) for r in memory]
     unchecked = _unchecked(rows)
     over = [
         r
