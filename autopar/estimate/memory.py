@@ -20,7 +20,8 @@ Peak memory of a stage (`StageMemory.stage_memory`):
                   micro-batches in flight n, plus the largest a_l^none - a_l^policy (one layer
                   recomputed at a time), plus `CostOptions.logit_copies` logit-sized
                   tensors on the last stage (2: the logits and their gradient) and
-                  `logit_fp32_copies` fp32 ones (a loss that upcasts); saved
+                  `logit_fp32_copies` fp32 ones (a loss that upcasts; under torch's
+                  loss_parallel, vocabulary-split logits, `loss_parallel_fp32_copies` more); saved
                   activations scaled by the stack's `activation_factor`; where autocast
                   computes over fp32 parameters (fsdp == 1, mixed precision), its bf16
                   weight copies, `autocast_weight_bytes` per parameter of the layers not
@@ -341,7 +342,14 @@ class StageMemory:
         o = self.options
         one_fp32 = logits / PRECISION_BYTES[self.precision] * 4  # one logit-sized fp32 tensor
         activations = per_mb * max(1.0, inflight) + transient + logits * o.logit_copies
-        activations += one_fp32 * o.logit_fp32_copies + copies
+        fp32_copies = o.logit_fp32_copies
+        if (
+            cfg.tp > 1
+            and o.loss_parallel_fp32_copies
+            and any(t.vocab_logits_bytes and t.vocab_split for t in layers)
+        ):
+            fp32_copies += o.loss_parallel_fp32_copies  # the loss runs under loss_parallel()
+        activations += one_fp32 * fp32_copies + copies
         # the allocator must find the loss's largest tensor whole: free bytes split over
         # partly used segments do not serve it (an H100 run asked for a 7.83 GiB fp32 logits
         # tensor with 4.95 GiB reserved but unallocated, and ran out of memory 2 GiB below the

@@ -124,6 +124,14 @@ class CostOptions:
     # and its backward makes the NLL's gradient and the log-softmax's, all fp32; 3 for such a
     # loss whatever the training precision (measured: benchmarks/gpu_program.py).
     logit_fp32_copies: float = 0.0
+    # fp32 logit-sized tensors the loss holds beyond those where it runs under torch's
+    # `loss_parallel()` (a head whose logits are split over the vocabulary, tp > 1): its
+    # log-softmax is decomposed (shift, exp, sum) and its backward makes a zeros tensor, the
+    # exp of the log-probabilities, their sum and the product beside the kept log-probabilities,
+    # 4 fp32 tensors where the fused kernels' path holds 3 (measured by the allocator's events:
+    # tests/autopar/estimate/test_loss_peak.py); 0 for a stack with a loss of its own
+    # (Megatron's vocabulary-parallel cross-entropy).
+    loss_parallel_fp32_copies: float = 0.0
     # Bytes per parameter autocast holds in mixed precision where the parameters stay fp32 and
     # no FSDP2 unit gathers them in bf16 (fsdp == 1): a bf16 copy of each matmul weight, made
     # per forward and saved for its backward (layers recomputed whole save none); a pipeline's
@@ -173,7 +181,10 @@ class CostOptions:
                 f"moe_imbalance must be a finite number >= 1 (the busiest ep rank's routed rows "
                 f"over the mean), got {self.moe_imbalance}"
             )
-        for name in ("logit_copies", "logit_fp32_copies", "autocast_weight_bytes"):
+        for name in (
+            "logit_copies", "logit_fp32_copies", "loss_parallel_fp32_copies",
+            "autocast_weight_bytes",
+        ):  # fmt: skip
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")

@@ -61,6 +61,7 @@ _TABLES = {
         "activation_factor",
         "logit_copies",
         "logit_fp32_copies",
+        "loss_parallel_fp32_copies",
         "autocast_weight_bytes",
         "reserve_fraction",
         "vocab_parallel_with_cp",
@@ -106,7 +107,9 @@ class Stack:
             f"  kernels  matmul x{o.matmul_efficiency:g}, attention x{o.attention_efficiency:g}, "
             f"memory-bound traffic x{o.memory_traffic:g}\n"
             f"  memory   activations x{o.activation_factor:g}, {o.logit_copies:g} logit copies "
-            f"+ {o.logit_fp32_copies:g} in fp32 at the loss, reserve {o.reserve_fraction:.0%}\n"
+            f"+ {o.logit_fp32_copies:g} in fp32 at the loss "
+            f"(+ {o.loss_parallel_fp32_copies:g} under loss_parallel), "
+            f"reserve {o.reserve_fraction:.0%}\n"
             f"  overlap  tp {o.tp_comm_overlap:g}, grad reduce {o.overlap_grad_reduce}, param "
             f"gather {o.overlap_param_gather}, fsdp prefetch {o.fsdp_prefetch}, compute lost "
             f"to hidden communication {o.comm_interference:.0%}"
