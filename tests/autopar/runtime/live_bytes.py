@@ -17,6 +17,12 @@ data pointer and never re-read, as before, each gather to a new address counted 
 again and the freed ones stayed counted: ZeRO-3 over four micro-batches measured 1.15x its plan
 on 2 ranks and 1.4-1.7x on 4, bytes no allocator held.
 
+What it cannot see: the ops a tensor subclass runs inside its own dispatch. torch's
+`loss_parallel()` computes its log-softmax and that loss's backward inside DTensor's handlers,
+so their transients (one more fp32 logit-sized tensor than the fused kernels hold) are not
+counted; tests/autopar/estimate/test_loss_peak.py measures the loss by the profiler's
+allocator events instead.
+
 With ``keep=True``, `at_peak` holds each storage live at the peak as (bytes, op, shape, dtype):
 what was held (a copy at every new peak: slow, for looking into a figure).
 """
