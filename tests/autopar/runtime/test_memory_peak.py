@@ -21,10 +21,13 @@ SP 1.05 (autocast's bf16 copy of the experts' fp32 input, one per expert linear)
 2026-11-26, once fused attention's saved q, k and v were priced and `LiveBytes` followed
 FSDP2's resized storages: 0.94 and 0.96 on one rank in BF16, 0.96 and 1.01 in MXFP8, 0.87 and
 0.93 under FSDP2 ZeRO-3 (one and four micro-batches; 1.15 for four before `LiveBytes` did),
-0.97-0.99 under TP2 (Llama with SP, MoE with and without), 0.78 under EP2 (the plan's two
-DDP-sized gradient buckets are not held at the activations' peak: the runtime reduces the
-gradients after the backward), 0.92 for PP2 x FSDP2 ZeRO-3 with two layers a stage (1.4-1.7
-before); the case here, four layers a stage, 0.95 (1.09 before the plan kept the stage
+0.97-0.99 under TP2 (Llama with SP, MoE with and without; 0.82-0.89 since 2026-11-27, when the
+plan priced loss_parallel's fourth fp32 logit tensor, which `LiveBytes` cannot see, and the
+runtime cut the embedding's whole-vocabulary gradient to its rows at the first micro-batch:
+tests/autopar/estimate/test_loss_peak.py, test_vocab_embedding_grad.py), 0.78 under EP2 (the
+plan's two DDP-sized gradient buckets are not held at the activations' peak: the runtime
+reduces the gradients after the backward), 0.92 for PP2 x FSDP2 ZeRO-3 with two layers a stage
+(1.4-1.7 before); the case here, four layers a stage, 0.95 (1.09 before the plan kept the stage
 gathered over the step, as the pipeline does). `pytest -s` prints each case's ratio.
 """
 
