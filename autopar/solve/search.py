@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError
 from autopar.estimate import Estimate, Estimator
-from autopar.estimate.memory import dispatched, shard_divisors
+from autopar.estimate.memory import dispatched, shard_divisors, stage_kept_gathered
 from autopar.estimate.mesh import layout_signature
 from autopar.solve.space import (
     SpaceLimits,
@@ -149,6 +149,10 @@ def search(
             variants = 1 + len(layer_choices)  # cfg (every layer) and its per-layer variants
             num_configs += variants
             key = _without_recompute(cfg)
+            if cfg.zero_stage > 1 and stage_kept_gathered(cfg, estimator.options):
+                # the pipeline runs ZeRO-2 and ZeRO-3 as ZeRO-1 (`Estimator.as_run`): one price
+                pruned["same as run as ZeRO-1 (a pipeline keeps its stages gathered)"] += variants
+                continue
             if cfg.tp > 1 and not cfg.sequence_parallel and sp_dominates:
                 # same collective volume as with SP, more memory and replicated elementwise work
                 pruned["dominated (sequence parallel off)"] += variants
