@@ -18,7 +18,10 @@ sequence parallelism (the same collective volume, more memory and replicated ele
 work; not where collectives pay per-call latency or the runtime's host overhead differs by
 style: `_sp_dominates`), and of a policy's per-layer variants (recompute_layers 1..L, and
 None = every layer) all but the fewest layers that fit: memory falls and time rises with the
-recomputed layers (estimate/step.py), so fewer do not fit and more are slower. These claims
+recomputed layers (estimate/step.py), so fewer do not fit and more are slower. Same as run:
+ZeRO-2 and ZeRO-3 where a pipeline keeps its stages gathered over the step
+(`memory.stage_kept_gathered`), which runs and prices ZeRO-1, 2 and 3 alike
+(`Estimator.as_run`); ZeRO-1 stands for the three. These claims
 are checked against exhaustive enumeration (inner_choices x recompute_layer_choices) in
 tests/autopar/solve. The alternatives are the fastest feasible configs of other degrees and
 the fastest that did not fit, each with why it lost.
@@ -150,7 +153,7 @@ def search(
             num_configs += variants
             key = _without_recompute(cfg)
             if cfg.zero_stage > 1 and stage_kept_gathered(cfg, estimator.options):
-                # the pipeline runs ZeRO-2 and ZeRO-3 as ZeRO-1 (`Estimator.as_run`): one price
+                # the pipeline runs ZeRO-1, 2 and 3 alike (`Estimator.as_run`): one price
                 pruned["same as run as ZeRO-1 (a pipeline keeps its stages gathered)"] += variants
                 continue
             if cfg.tp > 1 and not cfg.sequence_parallel and sp_dominates:
