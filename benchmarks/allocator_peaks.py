@@ -13,12 +13,13 @@ that made the largest tensors live at the allocator's peak.
 
 Caveats: a free of memory allocated before profiling started, or on a thread the profiler
 does not follow, has no matching allocation and is dropped; an allocation whose free is not
-recorded stays counted (a run's figure can be a few MiB high: repeat it). FSDP2 frees a
-gathered unit by resizing its storage to 0 bytes, and those frees are not matched either: its
-ZeRO-3 case over four micro-batches read 1.21 of its plan here on 2026-11-27, where the
-dispatch mode, which follows the resizes, read 0.93 (trust the dispatch mode's figure for
-FSDP, this one inside DTensor). A figure, not a test: the test keeps the deterministic
-dispatch-mode count and its bound.
+recorded stays counted (a run's figure can be a few MiB high: repeat it). FSDP2 is the
+worst case: its ZeRO-3 case over four micro-batches read 1.21 of its plan on one rank here on
+2026-11-27 (0.93 on the other rank in an earlier run, as the dispatch mode, which follows
+FSDP2's storage resizes, reads it); FSDP2 frees a gathered unit by resizing its storage to 0
+bytes and gathers it again into the same storage, which this count may not pair (not
+settled). Trust the dispatch mode's figure for FSDP, this one inside DTensor. A figure, not a
+test: the test keeps the deterministic dispatch-mode count and its bound.
 """
 
 from __future__ import annotations
