@@ -336,19 +336,12 @@ class StageMemory:
         """Peak memory of a stage holding ``layers`` with ``inflight`` micro-batches of
         activations; ``recomputed`` names the layers the recompute policy applies to (None:
         all)."""
-        state, per_mb, transient, logits, buffers, copies = self._stage_parts(
+        state, per_mb, transient, logits, fp32_copies, buffers, copies = self._stage_parts(
             cfg, layers, recomputed
         )
         o = self.options
         one_fp32 = logits / PRECISION_BYTES[self.precision] * 4  # one logit-sized fp32 tensor
         activations = per_mb * max(1.0, inflight) + transient + logits * o.logit_copies
-        fp32_copies = o.logit_fp32_copies
-        if (
-            cfg.tp > 1
-            and o.loss_parallel_fp32_copies
-            and any(t.vocab_logits_bytes and t.vocab_split for t in layers)
-        ):
-            fp32_copies += o.loss_parallel_fp32_copies  # the loss runs under loss_parallel()
         activations += one_fp32 * fp32_copies + copies
         # the allocator must find the loss's largest tensor whole: free bytes split over
         # partly used segments do not serve it (an H100 run asked for a 7.83 GiB fp32 logits
@@ -365,9 +358,10 @@ class StageMemory:
 
     def _stage_parts(
         self, cfg: ParallelConfig, layers: list[LayerTable], recomputed: frozenset[str] | None
-    ) -> tuple[ModelStateBytes, float, float, float, float, float]:
+    ) -> tuple[ModelStateBytes, float, float, float, float, float, float]:
         """(model state, activations per micro-batch, the largest recompute transient, logit
-        bytes, communication buffers, autocast's weight copies) of a stage, cached by what
+        bytes, the fp32 logit-sized tensors at the loss, communication buffers, autocast's
+        weight copies) of a stage, cached by what
         they read of each layer: its class (a block; else the layer itself), whether it is
         the model's first (a tied copy) and whether the policy applies to it."""
         first = self.tables.layers[0].name
@@ -384,6 +378,7 @@ class StageMemory:
         b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
         pbytes = PRECISION_BYTES[self.precision]
         per_mb = transient = logits = cast = 0.0
+        fp32_copies = self.options.logit_fp32_copies
         # autocast over fp32 parameters: without FSDP2's bf16 gathers, in mixed precision
         casts = cfg.fsdp == 1 and self.precision != "fp32" and self.options.autocast_weight_bytes
         up_proj = cfg.recompute == "none" and self.options.recompute_up_projections
@@ -396,6 +391,8 @@ class StageMemory:
             transient = max(transient, none - kept)
             split = t if table.vocab_split else 1  # the logits' vocabulary over tp
             logits += table.vocab_logits_bytes * b / (split * c) * self.act_scale
+            if table.vocab_logits_bytes and split > 1:  # the loss runs under loss_parallel()
+                fp32_copies += self.options.loss_parallel_fp32_copies
             if casts and (policy != "full" or cfg.pp > 1):
                 cast += self._matmul_share(table) * self.params(cfg, [table])
         copies = cast * self.options.autocast_weight_bytes
@@ -413,7 +410,8 @@ class StageMemory:
             buffers = 0.0
         if len(self._stage_cache) > 100_000:  # a long search's: bound the memory it holds
             self._stage_cache.clear()
-        cached = self._stage_cache[key] = (state, per_mb, transient, logits, buffers, copies)
+        parts = (state, per_mb, transient, logits, fp32_copies, buffers, copies)
+        cached = self._stage_cache[key] = parts
         return cached
 
     def _matmul_share(self, table: LayerTable) -> float:

@@ -361,14 +361,8 @@ def reduce_partial_grads(model: nn.Module) -> int:
             p.grad = DTensor.from_local(
                 local, mesh, replicated, run_check=False, shape=p.shape, stride=p.stride()
             )
-    for p in model.parameters():
-        g = p.grad
-        if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
-            # DTensor's embedding backward from a replicated output gradient gives a
-            # replicated weight gradient; the parameter is split over the vocabulary, so
-            # keep only this rank's rows (Replicate -> Shard is a local slice, no collective);
-            # `_keep_rows` cuts it as it is accumulated, this catches one it did not see
-            p.grad = g.redistribute(p.device_mesh, p.placements)
+    for p in model.parameters():  # a gradient `_keep_rows` did not see cut (none expected)
+        _keep_rows(p)
     return sum(len(ps) for ps in groups.values())
 
 
