@@ -12,12 +12,13 @@ cases, each a plan saved with its train.py:
     pick        what `parallelize` chooses (autopar's stack: eager PyTorch)
     mbs2        micro-batches of 2, no recompute
     full        micro-batches of 8, full recompute
-    mbs16       one micro-batch of 16, no recompute (priced over the device's memory)
-    mbs16f4     one micro-batch of 16, full recompute of 4 of the 16 blocks (priced a little
-                over the device's memory: whether these two run checks that the memory model
-                does not refuse what runs)
+    mbs8        micro-batches of 8, no recompute  \
+    mbs8f2      the same, full recompute of 2 of the 16 blocks  > priced near or over the device's
+    mbs8f4      the same, full recompute of 4 of the 16 blocks  | memory: whether they run checks
+    mbs16full   one micro-batch of 16, full recompute           / that the model refuses no run
     compile     `parallelize` for the autopar-compile stack, run with --compile
     fp8         the pick's config with fp8-tensorwise linears (torchao; carry its wheel)
+    fp8compile  the same priced for the autopar-compile stack, run with --compile
 
 `run` launches each case's program under `torchrun --nproc-per-node 1 ... --device cuda` and
 reads its metrics file; the table gives per case the predicted and measured step time (the
@@ -56,7 +57,18 @@ SMOKE_SHAPE = dict(
     vocab_size=256,
 )
 BATCH, WARMUP_STEPS = 16, 3
-CASES = ("pick", "mbs2", "full", "mbs16", "mbs16f4", "compile", "fp8")
+CASES = (
+    "pick",
+    "mbs2",
+    "full",
+    "mbs8",
+    "mbs8f2",
+    "mbs8f4",
+    "mbs16full",
+    "compile",
+    "fp8",
+    "fp8compile",
+)
 
 
 def prepare(out: Path, smoke: bool) -> None:
@@ -77,14 +89,22 @@ def prepare(out: Path, smoke: bool) -> None:
 
     plans["mbs2"] = priced(replace(pick.config, micro_batch_size=2, recompute="none"))
     plans["full"] = priced(replace(pick.config, micro_batch_size=8, recompute="full"))
-    plans["mbs16"] = priced(replace(pick.config, micro_batch_size=16, recompute="none"))
-    plans["mbs16f4"] = priced(
-        replace(pick.config, micro_batch_size=16, recompute="full", recompute_layers=4)
-    )
+    plans["mbs8"] = priced(replace(pick.config, micro_batch_size=8, recompute="none"))
+    for k in (2, 4):
+        plans[f"mbs8f{k}"] = priced(
+            replace(
+                pick.config,
+                micro_batch_size=8,
+                recompute="full",
+                recompute_layers=min(k, shape["num_layers"]),  # --smoke has 2 layers
+            )
+        )
+    plans["mbs16full"] = priced(replace(pick.config, micro_batch_size=16, recompute="full"))
     plans["compile"] = autopar.parallelize(
         model, cluster, global_batch_size=BATCH, graph=graph, stack="autopar-compile"
     )
     plans["fp8"] = priced(pick.config, precision="fp8-tensorwise")
+    plans["fp8compile"] = priced(pick.config, precision="fp8-tensorwise", stack="autopar-compile")
     for name, plan in plans.items():
         plan.save(out / name)
         print(
@@ -121,7 +141,7 @@ def run(out: Path, steps: int, cases: list[str], device: str, timeout: float) ->
             "--metrics",
             str(metrics),
         ]
-        if name == "compile":
+        if name.endswith("compile"):
             cmd.append("--compile")
         if name == "fp8" and device == "cpu":  # torchao's FP8 GEMMs need a GPU
             cmd += ["--precision", "bf16"]
