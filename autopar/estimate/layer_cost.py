@@ -125,6 +125,7 @@ def layer_time(
     cast_traffic: float = 1.0,
     torchao_linears: bool = False,
     recompute_up_projections: bool = False,
+    recipe_host_s: float = 0.0,
 ) -> LayerTime:
     """One micro-batch of ``cfg.micro_batch_size`` samples through ``table``'s layer;
     ``overheads``: the profile's `runtime_overhead_s`, ``model_overheads`` its
@@ -135,7 +136,10 @@ def layer_time(
     ``cast_traffic`` (`CostOptions.cast_traffic`); ``torchao_linears``: only the linears
     torchao converts run in it (`CostOptions.torchao_linears`, `in_recipe`);
     ``recompute_up_projections``: under recompute "none", the up-projection GEMMs run again in
-    the backward (`CostOptions.recompute_up_projections`)."""
+    the backward (`CostOptions.recompute_up_projections`); ``recipe_host_s``: the host's time
+    per GEMM of a linear in the recipe, a floor under the layer's forward (one a linear) and
+    backward (two) where the host dispatches slower than the device runs
+    (`CostOptions.recipe_host_s`)."""
     b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
     # experts: split over ep, whole on every tp rank (each runs its tokens' experts) unless
     # etp = tp
@@ -143,6 +147,7 @@ def layer_time(
     flop_div = shard_divisors(cfg)
     fwd = bwd = wgrad = up_fwd = 0.0
     cast_f = cast_b = 0.0  # a recipe's scaling, casts and transposes (module docstring)
+    converted = 0  # linears in the recipe
     for op in table.matmuls:
         d = flop_div[op.shard]
         acts = op.activation_bytes * b * act_scale / d
@@ -160,6 +165,7 @@ def layer_time(
         back = _gemms_time(device, op.backward_flops * b / d * scale, 2 * io, gemm, groups)
         bwd += back
         if low:
+            converted += 1
             (fa, fw), (ba, bw) = recipe.cast_forward, recipe.cast_backward
             cast_f += op_time_s(device, "elementwise", 0.0, (fa * acts + fw * weights)
                                 * cast_traffic, "fp32")  # fmt: skip
@@ -177,6 +183,9 @@ def layer_time(
     host = runtime_overhead_s(overheads if table.kind == "block" else model_overheads, cfg)
     fwd += attn_fwd + mem + host / 3 + cast_f
     bwd += attn_bwd + 2 * mem + 2 * host / 3 + cast_b
+    # the device waits for a host that dispatches the recipe's scaling op by op
+    fwd = max(fwd, converted * recipe_host_s)
+    bwd = max(bwd, 2 * converted * recipe_host_s)
     tp_f = _tp_comm(table, cfg, act_scale, comm) * (1 - tp_overlap)
     cp_f, cp_b = _cp_comm(table, cfg, act_scale, comm)
     ep = _ep_comm(table, cfg, act_scale, comm)

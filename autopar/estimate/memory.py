@@ -17,15 +17,22 @@ Peak memory of a stage (`StageMemory.stage_memory`):
                   and fsdp > 1 the experts over the dp x fsdp x cp / ep ranks holding the
                   same ones (`expert_shard_ways`) (`cost_models.memory.model_state_bytes`)
     activations   a_l under the layer's recompute policy, per micro-batch, times the
-                  micro-batches in flight n, plus the largest a_l^none - a_l^policy (one layer
-                  recomputed at a time), plus `CostOptions.logit_copies` logit-sized
-                  tensors on the last stage (2: the logits and their gradient) and
-                  `logit_fp32_copies` fp32 ones (a loss that upcasts; under torch's
-                  loss_parallel, vocabulary-split logits, `loss_parallel_fp32_copies` more); saved
-                  activations scaled by the stack's `activation_factor`; where autocast
-                  computes over fp32 parameters (fsdp == 1, mixed precision), its bf16
-                  weight copies, `autocast_weight_bytes` per parameter of the layers not
-                  recomputed whole (all of a pipeline stage's: one region over the step)
+                  micro-batches in flight n; where autocast computes over fp32 parameters
+                  (fsdp == 1, mixed precision), its bf16 weight copies,
+                  `autocast_weight_bytes` per parameter of the layers not recomputed whole
+                  (all of a pipeline stage's: one region over the step); saved activations
+                  scaled by the stack's `activation_factor`; an eager norm's fp32 upcast
+                  at fp32's width (`kernel_savings.norm_upcasts`). Beside these, the larger
+                  of two moments (`StagePhases`), never live together where the stack's
+                  `loss_apart_from_recompute` is set (else summed): the loss's peak at the
+                  start of the backward, `CostOptions.logit_copies` logit-sized tensors on
+                  the last stage (2: the logits and their gradient) and `logit_fp32_copies`
+                  fp32 ones (a loss that upcasts; under torch's loss_parallel,
+                  vocabulary-split logits, `loss_parallel_fp32_copies` more), all freed
+                  before any block's backward; and a block's backward, the largest
+                  a_l^none - a_l^policy (one layer recomputed at a time). Where the stack
+                  frees the gradients each step (`grads_freed_each_step`) and a step runs one
+                  micro-batch, no gradient exists yet at the loss's peak
     buffers       ZeRO-3: twice the largest layer's parameters and gradients (the gathered
                   layer and the prefetched next), or under pp > 1 where the stack keeps them
                   over the step (`CostOptions.pp_keeps_unsharded`) all of the stage's; else
@@ -42,6 +49,8 @@ cp > 1 the backward keeps the whole sequence's K and V (context parallelism all-
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 from autopar.config import ParallelConfig
 from autopar.estimate.as_run import routed_layer
 from autopar.estimate.options import CostOptions
@@ -57,6 +66,7 @@ from cost_models.memory import (
 
 # Bytes per element of the training precision.
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_MASTER_BYTES = 4  # an fp32 master weight or parameter
 # Bytes read + written per parameter by one optimizer step (fp32 master weights, fp32 grads),
 # keyed by (optimizer, mixed precision). AdamW mixed precision: read master, m, v, grad (16),
 # write master, m, v (12), bf16 copy (2).
@@ -304,14 +314,27 @@ class StageMemory:
             )
 
         rest = state(dense, self.shard_ways(cfg))
-        if not experts:
-            return rest
-        expert = state(experts, expert_shard_ways(cfg))
-        return ModelStateBytes(
-            rest.parameters_bytes + expert.parameters_bytes,
-            rest.gradients_bytes + expert.gradients_bytes,
-            rest.optimizer_bytes + expert.optimizer_bytes,
-        )
+        if experts:
+            expert = state(experts, expert_shard_ways(cfg))
+            rest = ModelStateBytes(
+                rest.parameters_bytes + expert.parameters_bytes,
+                rest.gradients_bytes + expert.gradients_bytes,
+                rest.optimizer_bytes + expert.optimizer_bytes,
+            )
+        fp32_params = self.options.autocast_weight_bytes and self.precision != "fp32"
+        if fp32_params and cfg.zero_stage in (0, 3):
+            # a stack whose parameters stay fp32 under autocast (autopar's runtime, FSDP2's
+            # sharded ones too) holds fp32 parameters and gradients and no master copy: the
+            # same total where every term is sharded alike (ZeRO-0, ZeRO-3), split as it runs
+            # (the trainer's measured parameters, gradients and optimizer state), so the
+            # gradients a step has not made yet are the bytes they take
+            wider = _MASTER_BYTES / PRECISION_BYTES[self.precision]
+            rest = ModelStateBytes(
+                rest.parameters_bytes * wider,
+                rest.gradients_bytes * wider,
+                rest.optimizer_bytes - rest.parameters_bytes * wider,  # less the master copy
+            )
+        return rest
 
     def sharded_params(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
         """Parameters of a stage's ``layers`` whose optimizer state this rank steps (ZeRO >= 1:
@@ -332,28 +355,41 @@ class StageMemory:
         layers: list[LayerTable],
         inflight: float,
         recomputed: frozenset[str] | None = None,
+        microbatches: int | None = None,
     ) -> PeakMemory:
         """Peak memory of a stage holding ``layers`` with ``inflight`` micro-batches of
         activations; ``recomputed`` names the layers the recompute policy applies to (None:
-        all)."""
+        all); ``microbatches`` a step runs (None: several)."""
+        return self.stage_phases(cfg, layers, inflight, recomputed, microbatches).peak()
+
+    def stage_phases(
+        self,
+        cfg: ParallelConfig,
+        layers: list[LayerTable],
+        inflight: float,
+        recomputed: frozenset[str] | None = None,
+        microbatches: int | None = None,
+    ) -> StagePhases:
+        """A stage's bytes at the loss's peak and at a block's backward (`stage_memory`)."""
         state, per_mb, transient, logits, fp32_copies, buffers, copies = self._stage_parts(
             cfg, layers, recomputed
         )
         o = self.options
         one_fp32 = logits / PRECISION_BYTES[self.precision] * 4  # one logit-sized fp32 tensor
-        activations = per_mb * max(1.0, inflight) + transient + logits * o.logit_copies
-        activations += one_fp32 * fp32_copies + copies
-        # the allocator must find the loss's largest tensor whole: free bytes split over
-        # partly used segments do not serve it (an H100 run asked for a 7.83 GiB fp32 logits
-        # tensor with 4.95 GiB reserved but unallocated, and ran out of memory 2 GiB below the
-        # plan's live bytes: data/measurements/h100_program_2026-11-26.json)
-        largest = one_fp32 if o.logit_fp32_copies else logits
-        return peak_memory(
-            state,
-            activation_bytes=activations,
-            communication_buffer_bytes=buffers,
-            reserve_fraction=self.options.reserve_fraction,
-            reserve_minimum_bytes=max(DEFAULT_RESERVE_MINIMUM_BYTES, largest),
+        return StagePhases(
+            state=state,
+            kept=per_mb * max(1.0, inflight) + copies,
+            loss=logits * o.logit_copies + one_fp32 * fp32_copies,
+            transient=transient,
+            buffers=buffers,
+            grads_unmade=microbatches == 1 and o.grads_freed_each_step,
+            apart=o.loss_apart_from_recompute,
+            # the allocator must find the loss's largest tensor whole: free bytes split over
+            # partly used segments do not serve it (an H100 run asked for a 7.83 GiB fp32
+            # logits tensor with 4.95 GiB reserved but unallocated, and ran out of memory 2 GiB
+            # below the plan's live bytes: data/measurements/h100_program_2026-11-26.json)
+            largest=one_fp32 if o.logit_fp32_copies else logits,
+            reserve_fraction=o.reserve_fraction,
         )
 
     def _stage_parts(
@@ -439,6 +475,10 @@ class StageMemory:
             parts = [("none" if policy == "up_proj" else policy, 1.0)]
             if policy in ("none", "up_proj") and self.options.fused_kernel_activations:
                 parts.append(("-fused", -1.0))
+            elif policy in ("none", "up_proj") and "+fp32" in splits:
+                # eager norms' fp32 upcasts: their traced bytes at fp32's width, not scaled
+                # to the precision (`kernel_savings.norm_upcasts`)
+                parts.append(("+fp32", 1.0 / self.act_scale - 1.0))
             if policy == "up_proj":
                 parts.append(("-up_proj", -1.0))
             kept = sum(
@@ -450,3 +490,54 @@ class StageMemory:
                 kept += sum(op.kv_bytes for op in table.attention) * b / t * (1 - 1 / c)
             self._activation_cache[key] = self.act_scale * kept * self.options.activation_factor
         return self._activation_cache[key]
+
+
+@dataclass(frozen=True)
+class StagePhases:
+    """A stage's bytes at the two moments its peak can fall on, never live together where
+    ``apart`` (the allocator's history of an H100 run, `benchmarks/gpu_memory_snapshot.py`:
+    at the peak of a step of one micro-batch of 16 with full recompute, three fp32 logit
+    tensors, the parameters, the optimizer state and the blocks' saved inputs, no gradient
+    and no recomputed block: data/measurements/h100_program_2026-11-27.json); else the
+    block's bytes are priced at the loss's moment too:
+
+    the loss's    at the start of the backward: the loss's logit-sized tensors, the model state
+                  less the gradients where none exists yet (`grads_unmade`: the stack frees
+                  them each step and a step runs one micro-batch, so the loss's backward runs
+                  before any gradient is made)
+    a block's     in the blocks' backward, after the loss's tensors are freed: the largest
+                  recomputed block's own activations (one at a time), every gradient made
+                  backward
+
+    Both hold the activations kept for the micro-batches in flight and the buffers."""
+
+    state: ModelStateBytes
+    kept: float
+    loss: float
+    transient: float
+    buffers: float
+    grads_unmade: bool
+    apart: bool  # False: the block's bytes priced at the loss's moment too (`CostOptions`)
+    largest: float
+    reserve_fraction: float
+
+    def peak(self, dropped: float = 0.0, transient: float | None = None) -> PeakMemory:
+        """The larger moment with its allocator reserve; ``dropped`` kept bytes fewer and
+        ``transient`` for the block's (`Estimator.fewest_recomputed_layers`: k blocks
+        recomputed)."""
+        kept = self.kept - dropped
+        at_loss = self.state
+        if self.grads_unmade:
+            at_loss = replace(self.state, gradients_bytes=0.0)
+        block = self.transient if transient is None else transient
+        loss = self.loss if self.apart else self.loss + block
+        state, activations = at_loss, kept + loss
+        if self.state.total_bytes + block > at_loss.total_bytes + loss:
+            state, activations = self.state, kept + block
+        return peak_memory(
+            state,
+            activation_bytes=activations,
+            communication_buffer_bytes=self.buffers,
+            reserve_fraction=self.reserve_fraction,
+            reserve_minimum_bytes=max(DEFAULT_RESERVE_MINIMUM_BYTES, self.largest),
+        )

@@ -100,6 +100,13 @@ class CostOptions:
     # fused amax-cast(-transpose) kernel per operand (TransformerEngine's, or torch.compile's
     # of torchao's); eager torchao runs the amax and the cast as separate kernels.
     cast_traffic: float = 1.0
+    # Host seconds per GEMM of a linear in a low-precision recipe where the stack dispatches
+    # the recipe's scaling op by op from Python (torchao's float8 training tensors in eager
+    # mode: amax, scale, cast and transposes as separate ops around each GEMM). The device
+    # waits where its own work is shorter, so a layer's forward takes at least this per
+    # converted linear and its backward twice that; 0 where a compiler or fused kernels make
+    # the scaling a few launches (TransformerEngine, torch.compile).
+    recipe_host_s: float = 0.0
     # The optimizer step runs as fused multi-tensor kernels (apex's and TransformerEngine's
     # FusedAdam, torch's fused=True), each moment and weight read and written once; False:
     # each op of it is a kernel of its own over each tensor (torch's for-loop and foreach
@@ -132,6 +139,21 @@ class CostOptions:
     # tests/autopar/estimate/test_loss_peak.py); 0 for a stack with a loss of its own
     # (Megatron's vocabulary-parallel cross-entropy).
     loss_parallel_fp32_copies: float = 0.0
+    # The stack frees the gradients after each optimizer step (torch's
+    # `zero_grad(set_to_none=True)`, its default: autopar's runtime), so a step's first
+    # micro-batch runs its loss before any gradient is made, and a step of one micro-batch
+    # holds none at the loss's peak; False: they live in buffers over the run (Megatron's
+    # contiguous gradient buffer, DeepSpeed's), or no peak of the stack's was measured so
+    # (torchtitan frees them too, but its published FP8 peaks sit over the plan already:
+    # `loss_apart_from_recompute`).
+    grads_freed_each_step: bool = False
+    # The loss's peak and a recomputed block's activations are priced as two moments, never
+    # live together (`memory.StagePhases`: the loss's tensors are freed before any block's
+    # backward; autopar's runtime, measured by an H100's allocator history); False: summed,
+    # as for a stack whose peak is not measured so (torchtitan's: its published FP8 peak of
+    # Llama 3 70B at TP8 x FSDP32 measured 71.9 GiB, priced 64.7 summed and 55.2 as two
+    # moments; something else is live there, and the sum is the nearer stand-in).
+    loss_apart_from_recompute: bool = False
     # Bytes per parameter autocast holds in mixed precision where the parameters stay fp32 and
     # no FSDP2 unit gathers them in bf16 (fsdp == 1): a bf16 copy of each matmul weight, made
     # per forward and saved for its backward (layers recomputed whole save none); a pipeline's
@@ -163,8 +185,10 @@ class CostOptions:
     def __post_init__(self) -> None:
         if not 0.0 <= self.tp_comm_overlap <= 1.0:
             raise ValueError(f"tp_comm_overlap must be in [0, 1], got {self.tp_comm_overlap}")
-        if not (math.isfinite(self.param_hook_s) and self.param_hook_s >= 0):
-            raise ValueError(f"param_hook_s must be a finite number >= 0, got {self.param_hook_s}")
+        for name in ("param_hook_s", "recipe_host_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not 0.0 <= self.comm_interference <= 1.0:
             raise ValueError(f"comm_interference must be in [0, 1], got {self.comm_interference}")
         if self.grad_bytes not in (2, 4):

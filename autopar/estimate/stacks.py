@@ -19,8 +19,10 @@ Format (schema_version 1; every key of a table but ``source`` may be left out, t
     name = "torchtitan"                 # the file stem
     description = "..."
     [kernels]    matmul_efficiency, attention_efficiency, memory_traffic, cast_traffic,
-                 optimizer_fused, source
-    [memory]     activation_factor, logit_copies, logit_fp32_copies, autocast_weight_bytes,
+                 recipe_host_s, optimizer_fused, source
+    [memory]     activation_factor, logit_copies, logit_fp32_copies,
+                 loss_parallel_fp32_copies, grads_freed_each_step,
+                 loss_apart_from_recompute, autocast_weight_bytes,
                  reserve_fraction, vocab_parallel_with_cp,
                  pipeline_sends_sequence_shards, sequence_parallel_saves_gathered,
                  moment_bytes, recompute_up_projections, fused_kernel_activations, source
@@ -55,6 +57,7 @@ _TABLES = {
         "attention_efficiency",
         "memory_traffic",
         "cast_traffic",
+        "recipe_host_s",
         "optimizer_fused",
     ),
     "memory": (
@@ -62,6 +65,8 @@ _TABLES = {
         "logit_copies",
         "logit_fp32_copies",
         "loss_parallel_fp32_copies",
+        "grads_freed_each_step",
+        "loss_apart_from_recompute",
         "autocast_weight_bytes",
         "reserve_fraction",
         "vocab_parallel_with_cp",
@@ -109,6 +114,7 @@ class Stack:
             f"  memory   activations x{o.activation_factor:g}, {o.logit_copies:g} logit copies "
             f"+ {o.logit_fp32_copies:g} in fp32 at the loss "
             f"(+ {o.loss_parallel_fp32_copies:g} under loss_parallel), "
+            f"gradients {'freed' if o.grads_freed_each_step else 'kept'} between steps, "
             f"reserve {o.reserve_fraction:.0%}\n"
             f"  overlap  tp {o.tp_comm_overlap:g}, grad reduce {o.overlap_grad_reduce}, param "
             f"gather {o.overlap_param_gather}, fsdp prefetch {o.fsdp_prefetch}, compute lost "

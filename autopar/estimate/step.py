@@ -30,8 +30,9 @@ to every block (the runtime never wraps the embedding, the head or other layers)
 split is the all-layer policy's, so k changes no stage boundary. Per stage s, with d_l = a_l^none
 - a_l^policy >= 0 the bytes a recomputed layer l drops and n_s >= 1 in-flight micro-batches,
     act_s(k) = sum_l a_l^none n_s - sum_{l recomputed} d_l n_s + max_{l recomputed} d_l
-falls as k grows (a layer added lowers the sum by d_l n_s and raises the max by at most d_l),
-so the smallest k whose busiest stage fits is found by one scan over k with running sums
+falls as k grows (a layer added lowers the sum by d_l n_s and raises the max by at most d_l;
+the max is the blocks' backward moment, the loss's the other: `memory.StagePhases`), so the
+smallest k whose busiest stage fits is found by one scan over k with running sums
 (`fewest_recomputed_layers`); step time rises with k, so that k is the fastest of the
 policy's per-layer variants.
 """
@@ -69,7 +70,7 @@ from autopar.estimate.stages import (
 from autopar.estimate.tables import LayerTable, ModelTables
 from autopar.hardware import Cluster
 from cost_models.compute import DeviceSpec
-from cost_models.memory import PeakMemory, allocator_reserve_bytes
+from cost_models.memory import PeakMemory
 from cost_models.pipeline import peak_inflight_microbatches
 
 
@@ -204,7 +205,7 @@ class Estimator:
                 layers=tuple(t.name for t in ls),
                 forward_s=st["forward"],
                 backward_s=st["backward"],
-                memory=self.memory.stage_memory(cfg, ls, inflight[i], rec),
+                memory=self.memory.stage_memory(cfg, ls, inflight[i], rec, m),
                 inflight_microbatches=inflight[i],
             )
             for i, (ls, st) in enumerate(zip(layers, per_stage, strict=True))
@@ -293,18 +294,18 @@ class Estimator:
                     by_class[table.class_id] = d
                 dropped[s][j] += d
                 transient[s][j] = max(transient[s][j], d)
-        live, drop, peak = [], [0.0] * len(layers), [0.0] * len(layers)
-        for i, ls in enumerate(layers):
-            base = self.memory.stage_memory(cfg, ls, inflight[i], frozenset())
-            live.append(base.total_bytes - base.reserve_bytes)
+        phases = [
+            self.memory.stage_phases(cfg, ls, inflight[i], frozenset(), m)
+            for i, ls in enumerate(layers)
+        ]
+        drop, peak = [0.0] * len(layers), [0.0] * len(layers)
         for k in range(1, top + 1):
             fits = True
             for s in range(len(layers)):
                 drop[s] += dropped[s][k - 1] * max(1.0, inflight[s])
                 peak[s] = max(peak[s], transient[s][k - 1])
-                now = live[s] - drop[s] + peak[s]
-                reserve = allocator_reserve_bytes(now, fraction=self.options.reserve_fraction)
-                fits = fits and now + reserve <= capacity_bytes
+                now = phases[s].peak(dropped=drop[s], transient=peak[s])
+                fits = fits and now.total_bytes <= capacity_bytes
             if fits:
                 return k
         return None
@@ -390,6 +391,7 @@ class Estimator:
                     recipe=recipe,
                     cast_traffic=self.options.cast_traffic,
                     torchao_linears=self.options.torchao_linears,
+                    recipe_host_s=self.options.recipe_host_s,
                     recompute_up_projections=self.options.recompute_up_projections,
                 )
             out[table.name] = by_class[key]

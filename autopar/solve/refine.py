@@ -355,6 +355,7 @@ def _repriced(
             recipe=estimator.recipe if table.name in estimator.converted else None,
             cast_traffic=estimator.options.cast_traffic,
             torchao_linears=estimator.options.torchao_linears,
+            recipe_host_s=estimator.options.recipe_host_s,
         )
 
     one = replace(cfg, tp=1, sequence_parallel=False, dp=cfg.dp * cfg.tp)

@@ -83,7 +83,10 @@ def test_expert_parallel_prices_routed_compute_and_activations(moe):
         assert cut > 0
         assert routed[t.name].compute_forward_s >= expert_flops * f / 100e12
         per_rank = e.memory.activation_bytes(ep_cfg, t, "none") / e.act_scale
-        want = sum(routed_layer(t).activations["none"].values())
+        splits = routed_layer(t).activations
+        want = sum(splits["none"].values())
+        # the eager norms' fp32 upcasts at fp32's width (`kernel_savings.norm_upcasts`)
+        want += sum(splits["+fp32"].values()) * (1 / e.act_scale - 1)
         assert per_rank == pytest.approx(want)
         assert per_rank < sum(t.activations["none"].values())
     # the MFU numerator counts routed FLOPs whatever the config

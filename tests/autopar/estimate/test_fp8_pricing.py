@@ -101,6 +101,27 @@ def test_casts_cost_memory_traffic(tables):
     assert eager[block].compute_backward_s > fused[block].compute_backward_s
 
 
+def test_an_eager_hosts_dispatch_floors_a_layers_fp8_time(tables):
+    """`CostOptions.recipe_host_s`: a layer's forward takes at least that per converted
+    linear and its backward twice that; a floor under the device's time, not added to it."""
+    _, gpu = _times(tables, "dgx_h100", "fp8")
+    block = next(t for t in tables.layers if t.kind == "block")
+    converted = sum(1 for op in block.matmuls if op.weight_bytes)  # llama-tiny: all of them
+    slow = 10 * gpu[block.name].compute_backward_s / converted  # the host well behind
+    _, host = _times(tables, "dgx_h100", "fp8", CostOptions(recipe_host_s=slow))
+    assert host[block.name].compute_forward_s == pytest.approx(converted * slow)
+    assert host[block.name].compute_backward_s == pytest.approx(2 * converted * slow)
+    fast = 1e-3 * gpu[block.name].compute_forward_s / converted  # the host well ahead
+    _, hidden = _times(tables, "dgx_h100", "fp8", CostOptions(recipe_host_s=fast))
+    assert hidden[block.name] == gpu[block.name]
+    _, bf16 = _times(tables, "dgx_h100", "bf16", CostOptions(recipe_host_s=slow))
+    _, bf16_plain = _times(tables, "dgx_h100", "bf16")
+    assert bf16 == bf16_plain  # no recipe, no floor
+    for t in tables.layers:
+        if t.kind != "block":  # no converted linear
+            assert host[t.name] == gpu[t.name]
+
+
 @pytest.mark.parametrize(
     ("source", "name", "precision", "converted", "linears"),
     [

@@ -15,7 +15,7 @@ import pytest
 import autopar
 from autopar import Cluster, ParallelConfig
 from autopar.estimate import CostOptions, Estimator, build_tables
-from autopar.estimate.kernel_savings import fused_kernel_surplus, up_projection_region
+from autopar.estimate.kernel_savings import fused_kernel_surplus, norm_upcasts, up_projection_region
 from autopar.models import hf
 from cost_models.memory import model_state_bytes
 
@@ -116,8 +116,16 @@ def test_fused_kernels_keep_neither_the_normalised_value_nor_silu_of_the_gate():
         expected = 4 * seq * (2 * config.hidden_size + config.intermediate_size)
         table = next(t for t in plain.tables.layers if t.name == layer.name)
         assert sum(table.activations["-fused"].values()) == expected
+        # and the eager norms' inputs, upcast to fp32 and saved so (`norm_upcasts`), where
+        # the fused kernel saves its bf16 input
+        upcasts = norm_upcasts(layer, nodes)
+        assert sorted(nodes[v].module_path.rsplit(".", 1)[-1] for v in upcasts) == [
+            "input_layernorm",
+            "post_attention_layernorm",
+        ]
+        wider = 4 * seq * 2 * config.hidden_size * (1 - plain.act_scale)
         kept = [e.memory.activation_bytes(cfg, table, "none") for e in (plain, fused)]
-        assert kept[0] - kept[1] == pytest.approx(expected * plain.act_scale, rel=1e-9)
+        assert kept[0] - kept[1] == pytest.approx(expected * plain.act_scale + wider, rel=1e-9)
     # GPT-2's LayerNorm is one op and its GELU ungated: nothing to drop
     gpt2 = hf.build("gpt2-tiny-hf")
     g2 = autopar.trace(gpt2, hf.example_inputs("gpt2-tiny-hf", gpt2))
