@@ -1,7 +1,6 @@
 """Per-layer cost tables: a ModelGraph -> the numbers the step estimator multiplies.
 
-Built once per model and shape; every config the search prices reads them. All figures are per
-sample (the traced batch of 1) and per layer.
+Built once per model and shape, read by every config the search prices; per sample, per layer.
 
 Tensor-parallel classes come from a Megatron-style propagation over each layer's nodes, in
 graph order: values from other layers are replicated ("rep"); a matmul with a weight that reads
@@ -26,11 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autopar.estimate.kernel_savings import (
-    fused_kernel_surplus,
-    norm_upcasts,
-    up_projection_region,
-)
+from autopar.estimate.kernel_savings import fused_kernel_surplus, norm_upcasts, up_projection_region
 from autopar.tracing.graph import LayerInfo, ModelGraph, NodeInfo
 
 # "tp" | "rep" | "expert" | "whole" (a vocabulary layer TP leaves whole) | "gathered" | "routed"
@@ -79,8 +74,7 @@ class LayerTable:
     num_param_tensors: int
     params_router: int  # the MoE router's, counted in params_rep too
     # saved bytes {policy: {shard: per sample}}; "-up_proj", "-fused": parts of "none" some
-    # stacks do not keep, "+fp32": a part of "none" kept in fp32 in any precision
-    # (`kernel_savings`)
+    # stacks do not keep, "+fp32" one kept in fp32 in any precision (`kernel_savings`)
     activations: dict[str, dict[Shard, float]]
     output_bytes: float  # what a pipeline cut after this layer sends, per sample
     moe_num_experts: int = 0
@@ -540,12 +534,8 @@ def _activation_split(
     value = _block_input(layer, nodes) if layer.moe else None
     hidden = value.shapes[0][-1] if value is not None and value.shapes else None
     none, fused = set(layer.saved_values.get("none", ())), fused_kernel_surplus(layer, nodes)
-    policies = {
-        **layer.saved_values,
-        "-up_proj": none & region,
-        "-fused": none & fused,
-        "+fp32": none & norm_upcasts(layer, nodes),
-    }
+    policies = {**layer.saved_values, "-up_proj": none & region, "-fused": none & fused}
+    policies["+fp32"] = none & norm_upcasts(layer, nodes)
     for policy, values in policies.items():
         split: dict[Shard, float] = {"tp": 0.0, "rep": 0.0, "expert": 0.0, "gathered": 0.0,
                                      "routed": 0.0}  # fmt: skip
