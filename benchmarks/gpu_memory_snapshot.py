@@ -37,7 +37,9 @@ def frames(event: dict) -> str:
 
 
 def dump(out: str) -> None:
-    """The allocations live at the history's allocated peak, written to ``out``."""
+    """The allocations live at the history's allocated peak, written to ``out``. Replayed by
+    hand: torch.cuda._memory_viz draws the history (HTML, for a browser) but has no call that
+    returns the allocations live at one moment."""
     trace = torch.cuda.memory._snapshot()["device_traces"][0]
     live: dict[int, dict] = {}
     now = peak = at_index = 0

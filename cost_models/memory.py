@@ -95,7 +95,7 @@ _WEIGHT_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 # a stack keeps them narrower (``moment_bytes``).
 MOMENTS: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
 # fp32 master weights kept by mixed-precision training (ZeRO sec 3.1; Micikevicius et al. 2018).
-_MASTER_WEIGHT_BYTES = 4
+MASTER_WEIGHT_BYTES = 4
 # Dropout masks are stored as one byte per element (Korthikanti et al. 2022, sec 4.1).
 _DROPOUT_MASK_BYTES = 1
 # FlashAttention-2 saves one fp32 log-sum-exp per query row and head (Dao 2023, Alg. 1).
@@ -200,7 +200,7 @@ def model_state_bytes(
     if moment_bytes not in (1, 2, 4):
         raise ValueError(f"moment_bytes must be 1, 2 or 4, got {moment_bytes}")
     weight = _WEIGHT_BYTES[precision]
-    master = _MASTER_WEIGHT_BYTES if precision != "fp32" else 0
+    master = MASTER_WEIGHT_BYTES if precision != "fp32" else 0
     optimizer_per_param = master + MOMENTS[optimizer] * moment_bytes
 
     def shard(stage: int) -> int:

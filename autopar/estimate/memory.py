@@ -11,7 +11,7 @@ A stage holding the head of a tied embedding without the embedding holds its own
 tied weight, T / tp elements (`tied_elements`; autopar.runtime.pipeline: the last stage's copy,
 its gradients summed with the first stage's after the backward): `StageMemory.stage_params`.
 
-Peak memory of a stage (`StageMemory.stage_memory`):
+Peak memory of a stage (`StageMemory.stage_phases(...).peak()`):
     model state   parameters, gradients, optimizer state by ZeRO stage over fsdp ranks (fsdp x
                   cp where the stack shards over the context-parallel ranks too); with ep > 1
                   and fsdp > 1 the experts over the dp x fsdp x cp / ep ranks holding the
@@ -57,6 +57,7 @@ from autopar.estimate.options import CostOptions
 from autopar.estimate.tables import LayerTable, ModelTables
 from cost_models.memory import (
     DEFAULT_RESERVE_MINIMUM_BYTES,
+    MASTER_WEIGHT_BYTES,
     MOMENTS,
     ModelStateBytes,
     PeakMemory,
@@ -66,7 +67,6 @@ from cost_models.memory import (
 
 # Bytes per element of the training precision.
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-_MASTER_BYTES = 4  # an fp32 master weight or parameter
 # Bytes read + written per parameter by one optimizer step (fp32 master weights, fp32 grads),
 # keyed by (optimizer, mixed precision). AdamW mixed precision: read master, m, v, grad (16),
 # write master, m, v (12), bf16 copy (2).
@@ -328,7 +328,7 @@ class StageMemory:
             # same total where every term is sharded alike (ZeRO-0, ZeRO-3), split as it runs
             # (the trainer's measured parameters, gradients and optimizer state), so the
             # gradients a step has not made yet are the bytes they take
-            wider = _MASTER_BYTES / PRECISION_BYTES[self.precision]
+            wider = MASTER_WEIGHT_BYTES / PRECISION_BYTES[self.precision]
             rest = ModelStateBytes(
                 rest.parameters_bytes * wider,
                 rest.gradients_bytes * wider,
@@ -349,19 +349,6 @@ class StageMemory:
         experts = shared_out_experts(cfg, layers) if self._experts else 0.0
         return self.stage_params(cfg, layers) - experts, experts
 
-    def stage_memory(
-        self,
-        cfg: ParallelConfig,
-        layers: list[LayerTable],
-        inflight: float,
-        recomputed: frozenset[str] | None = None,
-        microbatches: int | None = None,
-    ) -> PeakMemory:
-        """Peak memory of a stage holding ``layers`` with ``inflight`` micro-batches of
-        activations; ``recomputed`` names the layers the recompute policy applies to (None:
-        all); ``microbatches`` a step runs (None: several)."""
-        return self.stage_phases(cfg, layers, inflight, recomputed, microbatches).peak()
-
     def stage_phases(
         self,
         cfg: ParallelConfig,
@@ -370,7 +357,10 @@ class StageMemory:
         recomputed: frozenset[str] | None = None,
         microbatches: int | None = None,
     ) -> StagePhases:
-        """A stage's bytes at the loss's peak and at a block's backward (`stage_memory`)."""
+        """A stage holding ``layers`` with ``inflight`` micro-batches of activations, at the
+        loss's peak and at a block's backward (its peak memory: ``.peak()``); ``recomputed``
+        names the layers the recompute policy applies to (None: all); ``microbatches`` a step
+        runs (None: several)."""
         state, per_mb, transient, logits, fp32_copies, buffers, copies = self._stage_parts(
             cfg, layers, recomputed
         )

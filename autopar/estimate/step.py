@@ -205,7 +205,7 @@ class Estimator:
                 layers=tuple(t.name for t in ls),
                 forward_s=st["forward"],
                 backward_s=st["backward"],
-                memory=self.memory.stage_memory(cfg, ls, inflight[i], rec, m),
+                memory=self.memory.stage_phases(cfg, ls, inflight[i], rec, m).peak(),
                 inflight_microbatches=inflight[i],
             )
             for i, (ls, st) in enumerate(zip(layers, per_stage, strict=True))

@@ -8,6 +8,7 @@ measured figure it stands for, with the bound its source states.
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -70,26 +71,36 @@ def test_memory_bytes_fits_inside_what_a_training_process_could_allocate():
     assert shipped <= memory["total_memory_bytes"] - max(outside) * GiB
 
 
-def _priced(program: dict, cases: list[dict]) -> list:
-    """Each case of ``program`` priced by today's estimator at its config, precision and
-    stack."""
+@functools.cache
+def _setup(model_json: str) -> tuple:
+    """(model, graph, cluster, global batch) of a measurement file's "model", traced once for
+    every test that prices its cases."""
     import autopar
-    from autopar.config import ParallelConfig
     from autopar.hardware import Cluster
     from autopar.models import zoo
 
-    setup = program["model"]
+    setup = json.loads(model_json)
     kwargs = dict(setup["kwargs"])
     name = kwargs.pop("name")
     model = zoo.build(name, device="meta", **kwargs)
     graph = autopar.trace(model, zoo.example_inputs(name, model))
     cluster = Cluster.from_profile(setup["profile"], num_devices=setup["num_devices"])
+    return model, graph, cluster, setup["global_batch_size"]
+
+
+def _priced(program: dict, cases: list[dict]) -> list:
+    """Each case of ``program`` priced by today's estimator at its config, precision and
+    stack."""
+    import autopar
+    from autopar.config import ParallelConfig
+
+    model, graph, cluster, batch = _setup(json.dumps(program["model"], sort_keys=True))
     return [
         autopar.evaluate(
             model,
             cluster,
             ParallelConfig(**case["config"]),
-            global_batch_size=setup["global_batch_size"],
+            global_batch_size=batch,
             graph=graph,
             precision=case["precision"],
             stack=case["stack"],
@@ -148,8 +159,6 @@ def test_eager_fp8_is_priced_at_its_measured_step_and_auto_keeps_bf16_there():
     day), and `precision="auto"` on the eager stack keeps BF16 for this model (it chose FP8
     before, for a step 2.2x slower)."""
     import autopar
-    from autopar.hardware import Cluster
-    from autopar.models import zoo
 
     by_case = {c["case"]: c for run in PROGRAM_27["runs"] for c in run["cases"]}
     cases = [by_case["fp8"], by_case["pick"]]
@@ -158,16 +167,8 @@ def test_eager_fp8_is_priced_at_its_measured_step_and_auto_keeps_bf16_there():
             case["case"],
             plan.step_time_s,
         )
-    setup = PROGRAM_27["model"]
-    kwargs = dict(setup["kwargs"])
-    name = kwargs.pop("name")
-    model = zoo.build(name, device="meta", **kwargs)
-    cluster = Cluster.from_profile(setup["profile"], num_devices=setup["num_devices"])
+    model, graph, cluster, batch = _setup(json.dumps(PROGRAM_27["model"], sort_keys=True))
     auto = autopar.parallelize(
-        model,
-        cluster,
-        zoo.example_inputs(name, model),
-        global_batch_size=setup["global_batch_size"],
-        precision="auto",
+        model, cluster, global_batch_size=batch, precision="auto", graph=graph
     )
     assert auto.precision == "bf16", auto.notes
