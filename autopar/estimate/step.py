@@ -365,37 +365,50 @@ class Estimator:
         return cached
 
     def _price_layers(self, cfg: ParallelConfig, mesh: MeshGroups) -> dict[str, LayerTime]:
-        profile = self.cluster.profile
         by_class: dict[tuple[str, bool], LayerTime] = {}
         out = {}
         last = self.tables.layers[-1].name
         for table in self._layers(cfg):
             # the model's last layer also carries the runtime's host work outside the
             # repeated layers, once per micro-batch
-            model = table.name == last and bool(profile.model_overhead_s)
-            recipe = self.recipe if table.name in self.converted else None
-            key = (table.class_id, model, recipe is not None)
+            model = table.name == last and bool(self.cluster.profile.model_overhead_s)
+            key = (table.class_id, model, table.name in self.converted)
             if key not in by_class:
-                by_class[key] = layer_time(
-                    dispatched(cfg, table, self.options.moe_imbalance),
-                    cfg,
-                    self.device,
-                    self.precision,
-                    self.act_scale,
-                    mesh.time,
-                    # the hidden part still slows the GEMMs it overlaps
-                    self.options.tp_comm_overlap * (1 - self.options.comm_interference),
-                    profile.runtime_overhead_s,
-                    profile.model_overhead_s if model else None,
-                    memory_traffic=self.memory_traffic,
-                    recipe=recipe,
-                    cast_traffic=self.options.cast_traffic,
-                    torchao_linears=self.options.torchao_linears,
-                    recipe_host_s=self.options.recipe_host_s,
-                    recompute_up_projections=self.options.recompute_up_projections,
-                )
+                by_class[key] = self.price_layer(table, cfg, mesh, model_overheads=model)
             out[table.name] = by_class[key]
         return out
+
+    @property
+    def tp_overlap(self) -> float:
+        """The share of tp communication hidden under the GEMMs: the hidden part still slows
+        the GEMMs it overlaps (`CostOptions.comm_interference`)."""
+        return self.options.tp_comm_overlap * (1 - self.options.comm_interference)
+
+    def price_layer(
+        self, table: LayerTable, cfg: ParallelConfig, mesh: MeshGroups, *, model_overheads: bool
+    ) -> LayerTime:
+        """``table``'s layer under ``cfg``, one micro-batch, with this estimator's device,
+        precision, recipe and stack options; ``model_overheads``: it carries the profile's
+        `model_overhead_s` (the model's last layer). The one place a layer is priced: the
+        refine pass (`autopar.solve.refine`) re-prices through it too."""
+        profile = self.cluster.profile
+        return layer_time(
+            dispatched(cfg, table, self.options.moe_imbalance),
+            cfg,
+            self.device,
+            self.precision,
+            self.act_scale,
+            mesh.time,
+            self.tp_overlap,
+            profile.runtime_overhead_s,
+            profile.model_overhead_s if model_overheads else None,
+            memory_traffic=self.memory_traffic,
+            recipe=self.recipe if table.name in self.converted else None,
+            cast_traffic=self.options.cast_traffic,
+            torchao_linears=self.options.torchao_linears,
+            recipe_host_s=self.options.recipe_host_s,
+            recompute_up_projections=self.options.recompute_up_projections,
+        )
 
     def chunks(self, cfg: ParallelConfig, times: dict[str, LayerTime]) -> Chunks:
         """The model's pp x v chunks under ``cfg`` (`stages.split_chunks`), balanced by

@@ -53,8 +53,8 @@ from typing import Any
 
 from autopar.config import ParallelConfig
 from autopar.estimate import Estimate, Estimator
-from autopar.estimate.layer_cost import LayerTime, layer_time, runtime_overhead_s
-from autopar.estimate.memory import dispatched, params_on_rank
+from autopar.estimate.layer_cost import LayerTime, runtime_overhead_s
+from autopar.estimate.memory import params_on_rank
 from autopar.estimate.mesh import MeshGroups
 from autopar.estimate.tables import LayerTable
 from autopar.hardware import Cluster
@@ -339,23 +339,9 @@ def _repriced(
 
     overheads = estimator.cluster.profile.runtime_overhead_s
 
-    def analytic(c: ParallelConfig) -> LayerTime:
-        mesh = MeshGroups(estimator.cluster, c)
-        return layer_time(
-            dispatched(c, table, estimator.options.moe_imbalance),  # as the search priced it
-            c,
-            estimator.device,
-            estimator.precision,
-            estimator.act_scale,
-            mesh.time,
-            estimator.options.tp_comm_overlap,
-            overheads,
-            memory_traffic=estimator.memory_traffic,
-            # an FP8 recipe's GEMMs and casts on the layers it converts, as the search priced
-            recipe=estimator.recipe if table.name in estimator.converted else None,
-            cast_traffic=estimator.options.cast_traffic,
-            torchao_linears=estimator.options.torchao_linears,
-            recipe_host_s=estimator.options.recipe_host_s,
+    def analytic(c: ParallelConfig) -> LayerTime:  # as the search priced it
+        return estimator.price_layer(
+            table, c, MeshGroups(estimator.cluster, c), model_overheads=False
         )
 
     one = replace(cfg, tp=1, sequence_parallel=False, dp=cfg.dp * cfg.tp)
@@ -363,7 +349,7 @@ def _repriced(
     # the host's per-layer overhead (a third forward, two thirds backward) does not divide
     host_1, host = runtime_overhead_s(overheads, one), runtime_overhead_s(overheads, cfg)
     r = plan_t.compute_s / plan_1.compute_s
-    tp_s = plan_t.communication_s * (1 - estimator.options.tp_comm_overlap) / 2
+    tp_s = plan_t.communication_s * (1 - estimator.tp_overlap) / 2
     fwd = (base.compute_forward_s - host_1 / 3) * r + host / 3
     if cfg.recompute == "full":
         recompute = fwd + tp_s + now.cp_forward_s + now.ep_forward_s

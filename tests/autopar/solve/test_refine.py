@@ -11,7 +11,7 @@ import pytest
 import autopar
 from autopar import Cluster
 from autopar.config import ParallelConfig
-from autopar.estimate import Estimator, build_tables
+from autopar.estimate import CostOptions, Estimator, build_tables, layer_cost
 from autopar.estimate import step as step_mod
 from autopar.estimate.layer_cost import runtime_overhead_s
 from autopar.models import zoo
@@ -113,6 +113,33 @@ def test_refined_choice_equals_brute_force_over_the_same_candidates(gpt, profile
     assert plan.report["refine"]["num_candidates"] == len(configs)
 
 
+def test_the_refine_pass_starts_from_the_layer_prices_the_search_had(gpt):
+    # A stack whose hidden tp communication slows the GEMMs it overlaps, and whose backward runs
+    # the up-projections again: the analytic price refine compares the ILP's with is the
+    # search's own, layer by layer (before, refine priced layers without either option).
+    model, graph = gpt
+    cluster = Cluster.from_profile("dgx_h100", num_devices=8)
+    options = CostOptions(
+        tp_comm_overlap=0.6, comm_interference=0.25, recompute_up_projections=True
+    )
+    tables = build_tables(graph)
+    recorder = RecordingEstimator(tables, cluster, options=options)
+    result = search(recorder, space_limits(model, graph, cluster, 32))
+    refined = refine(recorder, recorder.priced, graph, cluster, 32, result.best)
+    checked = 0
+    for c in refined.candidates:
+        cfg = c.analytic.config
+        times = recorder.layer_times(cfg, recorder.mesh(cfg))
+        for table in tables.layers:
+            if table.class_id in c.layer_s:
+                lt = times[table.name]
+                total = lt.compute_forward_s + lt.compute_backward_s
+                total += lt.tp_forward_s + lt.tp_backward_s
+                assert c.layer_s[table.class_id][0] == pytest.approx(total, rel=1e-12), cfg
+                checked += 1
+    assert checked and any(c.analytic.config.recompute == "none" for c in refined.candidates)
+
+
 def test_large_layer_on_nvlink_agrees_with_the_analytic_tp_rules_and_keeps_the_plan():
     # Llama 3 8B's layer (hidden 4096, 32 heads, 8 KV heads, seq 8192) on one DGX H100.
     model, graph = _traced("llama-8b", num_layers=4)
@@ -123,7 +150,7 @@ def test_large_layer_on_nvlink_agrees_with_the_analytic_tp_rules_and_keeps_the_p
     plans = {}
     for tp in (1, 2, 4, 8):
         cfg = ParallelConfig(dp=8 // tp, tp=tp, sequence_parallel=tp > 1)
-        analytic = refine_mod.layer_time(
+        analytic = layer_cost.layer_time(
             block, cfg, estimator.device, "bf16", estimator.act_scale,
             estimator.mesh(cfg).time, 0.0, cluster.profile.runtime_overhead_s,
         )  # fmt: skip
