@@ -100,9 +100,10 @@ def matrix(
     options = autopar.PlanOptions(sensitivity=False)
     for label in labels or list(MODELS):
         model, inputs = _model_and_inputs(label)
+        graph = autopar.trace(model, inputs)  # once per model: each style prices the same
         planned = {}
         if only is None or "auto" in only:
-            plan = autopar.parallelize(model, cluster, inputs, options=options, **_COMMON)
+            plan = autopar.parallelize(model, cluster, graph=graph, options=options, **_COMMON)
             planned["auto"] = (plan.config, plan)
         for style, config in styles(n).items():
             if only is not None and style not in only:
@@ -111,7 +112,7 @@ def matrix(
             try:
                 planned[style] = (
                     config,
-                    autopar.evaluate(model, cluster, config, inputs, **_COMMON),
+                    autopar.evaluate(model, cluster, config, graph=graph, **_COMMON),
                 )
             except ConfigError as e:
                 refused[(label, style)] = str(e)

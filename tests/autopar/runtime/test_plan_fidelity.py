@@ -182,11 +182,11 @@ def table(label: str, plan: Counter, got: Counter) -> str:
 
 def check(cases: list[Case], world_size: int) -> list[str]:
     # the projections the plan split by the trace, as the generated program gets them
-    cases = [replace(c, roles=plan_of(c).tensor_parallel_roles) for c in cases]
+    plans = [plan_of(c) for c in cases]  # priced once: the roles do not change the price
+    cases = [replace(c, roles=p.tensor_parallel_roles) for c, p in zip(cases, plans, strict=True)]
     per_rank = run_ranks(world_size, measure, cases)
     rows = []
-    for i, case in enumerate(cases):
-        plan = plan_of(case)
+    for i, (case, plan) in enumerate(zip(cases, plans, strict=True)):
         exact, loss = predicted(plan)
         plan_a2a = routed(exact)
         got = Counter(per_rank[0][i]["comm"])
