@@ -47,16 +47,21 @@ Public functions:
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from autopar.config import ParallelConfig
+
+if TYPE_CHECKING:
+    from autopar.tracing import ModelGraph
 
 Progress = Callable[[str], None]
 MODEL = "llama-tiny"
@@ -307,14 +312,12 @@ def predicted_s(
     or with ``part`` "optimizer_s" its gradient clipping and optimizer step."""
     from autopar.api import evaluate
     from autopar.hardware import Cluster
-    from autopar.models import zoo
 
     cfg = style_config(style, world_size)
-    model = zoo.build(MODEL, device="meta", num_layers=num_layers, **MODEL_OVERRIDES)
-    inputs, _ = zoo.example_batch(MODEL, model, batch_size=1)
+    model, graph = _traced(num_layers)
     cluster = Cluster(profile, 1, world_size)
     plan = evaluate(
-        model, cluster, cfg, inputs, global_batch_size=cfg.dp * cfg.fsdp, precision="fp32"
+        model, cluster, cfg, graph=graph, global_batch_size=cfg.dp * cfg.fsdp, precision="fp32"
     )
     b = plan.breakdown
     if part == "optimizer_s":
@@ -323,3 +326,16 @@ def predicted_s(
     if style in ("fsdp", "fsdp3"):
         keys.append("dp_comm")
     return sum(b[k] for k in keys)
+
+
+@functools.cache
+def _traced(num_layers: int) -> tuple[torch.nn.Module, ModelGraph]:
+    """The measured model of ``num_layers`` on the meta device and its trace: traced once per
+    depth, since every style and profile prices the same graph (a profile's fit prices each
+    style at each depth, 100 traces before)."""
+    from autopar.models import zoo
+    from autopar.tracing import trace
+
+    model = zoo.build(MODEL, device="meta", num_layers=num_layers, **MODEL_OVERRIDES)
+    inputs, _ = zoo.example_batch(MODEL, model, batch_size=1)
+    return model, trace(model, inputs)
