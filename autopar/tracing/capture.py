@@ -32,7 +32,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...]) -> torch.export.E
     """
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    with _training_mode(model):
+    with _training_mode(model), _without_stack_traces():
         try:
             return torch.export.export(model, example_inputs, strict=False)
         except Exception as export_error:
@@ -42,6 +42,24 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...]) -> torch.export.E
                 f"cannot trace {type(model).__name__}: {where or 'no single op found'}; "
                 f"torch.export said: {type(export_error).__name__}: {first_line}"
             ) from export_error
+
+
+@contextlib.contextmanager
+def _without_stack_traces() -> Iterator[None]:
+    """No Python stack trace recorded on each node: the planner never reads
+    ``node.meta["stack_trace"]``, and extracting and symbolizing one per op was a quarter of
+    a capture (Llama 3 8B: 3.8 s -> 2.8 s). A torch whose torch.fx.config lacks the switch
+    records them as before."""
+    config = getattr(torch.fx, "config", None)
+    if config is None or not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    was = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = was
 
 
 @contextlib.contextmanager
