@@ -39,7 +39,9 @@ policy's per-layer variants.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 
 from autopar.config import ParallelConfig
 from autopar.config.precision import Recipe, base_precision, check_recipe, recipe_of
@@ -298,17 +300,27 @@ class Estimator:
             self.memory.stage_phases(cfg, ls, inflight[i], frozenset(), m)
             for i, ls in enumerate(layers)
         ]
-        drop, peak = [0.0] * len(layers), [0.0] * len(layers)
-        for k in range(1, top + 1):
-            fits = True
-            for s in range(len(layers)):
-                drop[s] += dropped[s][k - 1] * max(1.0, inflight[s])
-                peak[s] = max(peak[s], transient[s][k - 1])
-                now = phases[s].peak(dropped=drop[s], transient=peak[s])
-                fits = fits and now.total_bytes <= capacity_bytes
-            if fits:
-                return k
-        return None
+        # per stage, for k = 1 .. top: the bytes the first k positions drop, and the largest
+        # block recomputed among them
+        drops = [
+            list(accumulate(d * max(1.0, f) for d in ds))
+            for ds, f in zip(dropped, inflight, strict=True)
+        ]
+        peaks = [list(accumulate(ts, max)) for ts in transient]
+
+        def fits(k: int) -> bool:
+            return all(
+                p.peak(dropped=drops[s][k - 1], transient=peaks[s][k - 1]).total_bytes
+                <= capacity_bytes
+                for s, p in enumerate(phases)
+            )
+
+        if min(by_class.values(), default=0.0) < 0:  # a block that keeps more recomputed
+            return next((k for k in range(1, top + 1) if fits(k)), None)
+        # each block recomputed drops at least the bytes it adds as the transient, so a
+        # stage's peak never grows with k: the smallest k that fits is found by bisection
+        k = bisect_left(range(1, top + 1), True, key=fits) + 1
+        return k if k <= top else None
 
     def as_run(self, cfg: ParallelConfig) -> ParallelConfig:
         """``cfg`` as the stack runs it: under a pipeline that keeps its stages gathered with
