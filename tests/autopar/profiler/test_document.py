@@ -157,3 +157,32 @@ def test_refit_reproduces_a_profile_from_its_measured_table(tmp_path):
         b["topology"]["levels"][0]["latency_s"], rel=1e-3
     )
     assert b["node"]["compute_slots"] == 2 and b["measured"] == a["measured"]
+
+
+def test_a_memory_point_slower_than_a_larger_one_is_timed_again_until_it_is_not():
+    """A stalled copy (every batch slowed by another process) is retimed, its best kept; a
+    point no slower than the larger ones is not measured again."""
+    from autopar.profiler.compute import _retime_stalls
+
+    def point(numel: int, seconds: float) -> ComputeMeasurement:
+        return ComputeMeasurement("copy", "fp32", str(numel), 0.0, 8.0 * numel, seconds)
+
+    true = {n: T0 + 8.0 * n / BANDWIDTH for n in (2**16, 2**20, 2**24)}
+    # the middle size stalled 30x, twice over; the smallest size a little slow, not stalled
+    measured = [point(2**16, true[2**16] * 1.5), point(2**20, true[2**20] * 30)]
+    measured.append(point(2**24, true[2**24]))
+    retimes = {2**20: [true[2**20] * 40, true[2**20] * 1.1]}
+    calls, notes = [], []
+
+    def measure(numel: int) -> ComputeMeasurement:
+        calls.append(numel)
+        return point(numel, retimes[numel].pop(0))
+
+    points = _retime_stalls(measured, measure, notes.append)
+    assert calls == [2**20, 2**20]  # a slower retime is not kept; the second one is
+    assert [p.time_s for p in points] == [true[2**16] * 1.5, true[2**20] * 1.1, true[2**24]]
+    assert notes == ["copy: retimed 1 size(s) slower than a larger one"] * 2
+    # a point that stays stalled is retimed at most `rounds` times, then kept as measured
+    stuck = [point(2**20, 1.0), point(2**24, true[2**24])]
+    again = _retime_stalls(stuck, lambda n: point(n, 2.0), notes.append, rounds=3)
+    assert [p.time_s for p in again] == [1.0, true[2**24]]

@@ -13,6 +13,7 @@ runs do not collide.
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import multiprocessing
 import os
@@ -33,6 +34,8 @@ from autopar.runtime.task import task_from_source
 from autopar.runtime.tensor_parallel import tp_plan
 from autopar.runtime.trainer import TrainOptions, reference_run, train
 
+# no collective of these tiny models waits minutes, even at a load of 10 on 2 cores
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 OPTIONS = TrainOptions(steps=3, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, log=False)
 
 
@@ -102,7 +105,11 @@ def _entry(rank: int, world_size: int, port: int, fn: Any, args: tuple, out_dir:
     # a file store in this run's own directory: a free TCP port found beforehand can be taken
     # by a test on another pytest-xdist worker before rank 0 listens on it (EADDRINUSE)
     store = f"file://{Path(out_dir, 'store')}"
-    dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world_size)
+    # a rank stuck in a collective (a plan the ranks disagree on) fails its test after
+    # COLLECTIVE_TIMEOUT, with gloo's message naming the op, not after gloo's 30 minutes
+    dist.init_process_group(
+        "gloo", init_method=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
+    )
     try:
         result = fn(*args)
     finally:
