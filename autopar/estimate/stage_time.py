@@ -62,6 +62,7 @@ from autopar.estimate.pipeline_timer import PipelineTimer
 from autopar.estimate.tables import LayerTable, ModelTables
 from autopar.hardware import Cluster
 from cost_models.compute import list_collective_time_s, op_time_s
+from cost_models.pipeline import step_lower_bound
 
 StageTimes = dict[str, float]
 # per-tensor hook events per micro-batch by ZeRO stage (CostOptions.param_hook_s): stage 2 the
@@ -217,6 +218,27 @@ class StageTimer:
         (`CostOptions.comm_interference`)."""
         covered = min(comm_s, compute_s)
         return comm_s - covered + self.options.comm_interference * covered
+
+    def step_lower_bound(self, cfg: ParallelConfig, m: int, per_stage: list[StageTimes]) -> float:
+        """A lower bound on `pipeline`'s time, without simulating (the search prunes by it):
+        the busiest stage's work, and under a pipeline the forwards that must run before each
+        stage starts and the backwards after it ends (`cost_models.pipeline.step_lower_bound`);
+        a time-shared stage runs at up to the full rate while others idle."""
+        if cfg.pp == 1:
+            return m * (per_stage[0]["forward"] + per_stage[0]["backward"])
+        split = cfg.schedule in SPLIT_BACKWARD
+        wgrad = tuple(s["weight_grad"] if split else 0.0 for s in per_stage)
+        b_in = tuple(s["backward"] - w for s, w in zip(per_stage, wgrad, strict=True))
+        bound = step_lower_bound(
+            cfg.schedule,  # type: ignore[arg-type]
+            cfg.pp,
+            m,
+            forward_s=tuple(s["forward"] for s in per_stage),
+            backward_input_s=b_in,
+            backward_weight_s=wgrad,
+            virtual_stages=cfg.virtual_stages,
+        )
+        return bound * self.cluster.compute_share
 
     def pipeline(
         self, cfg: ParallelConfig, m: int, per_stage: list[StageTimes], mesh: MeshGroups

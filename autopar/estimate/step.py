@@ -178,8 +178,8 @@ class Estimator:
     def evaluate(
         self, cfg: ParallelConfig, global_batch_size: int, *, time_bound_s: float | None = None
     ) -> Estimate | None:
-        """Price ``cfg``; with ``time_bound_s``, return None as soon as the busiest stage's
-        work alone (a lower bound on the step) exceeds it, before simulating the pipeline."""
+        """Price ``cfg``; with ``time_bound_s``, return None as soon as a lower bound on the
+        step (`StageTimer.step_lower_bound`) exceeds it, before simulating the pipeline."""
         cfg.validate(self.cluster)
         config, cfg = cfg, self.as_run(cfg)
         m = self.num_microbatches(cfg, global_batch_size)
@@ -189,12 +189,9 @@ class Estimator:
         layers = stage_layers(cfg, chunks)
         rec = recomputed_layers(cfg, chunks)
         per_stage = self._stage_times(cfg, mesh, layers, times, rec, chunks[0], m)
-        if time_bound_s is not None:
-            # a time-shared pipeline stage runs at up to the full rate while others idle
-            share = self.cluster.compute_share if cfg.pp > 1 else 1.0
-            busy = max(m * (s["forward"] + s["backward"]) for s in per_stage) * share
-            if busy > time_bound_s:
-                return None
+        bounded = time_bound_s is not None
+        if bounded and self.timer.step_lower_bound(cfg, m, per_stage) > time_bound_s:
+            return None
         pipe_s, inflight, busiest = self.timer.pipeline(cfg, m, per_stage, mesh)
         tail = [
             self.timer.step_tail(cfg, mesh, ls, st)

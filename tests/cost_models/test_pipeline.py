@@ -14,7 +14,12 @@ from itertools import pairwise
 
 import pytest
 
-from cost_models.pipeline import PipelineResult, PipelineTask, simulate_pipeline
+from cost_models.pipeline import (
+    PipelineResult,
+    PipelineTask,
+    simulate_pipeline,
+    step_lower_bound,
+)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "dualpipe_v")
 SPLIT_BACKWARD = {"zero_bubble", "dualpipe_v"}
@@ -246,6 +251,19 @@ def test_invariants_on_random_inputs(seed: int) -> None:
     busiest = max(result.busy_s)
     assert result.bubble_fraction == pytest.approx((result.step_time_s - busiest) / busiest)
     assert all(1 / v <= peak <= m for peak in result.peak_inflight_microbatches)
+    # the search's pruning bound never exceeds the step, and is at least the busiest rank's
+    bound = step_lower_bound(
+        schedule, p, m, forward_s=f, backward_input_s=bi, backward_weight_s=bw, virtual_stages=v
+    )
+    assert busiest - 1e-9 <= bound <= result.step_time_s + 1e-9
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 32)])
+def test_the_lower_bound_is_the_step_of_uniform_1f1b(p: int, m: int) -> None:
+    # the F chain before the last rank and the B chain after the first: (m + p - 1)(f + b)
+    result, kw = _uniform("1f1b", p, m), dict(forward_s=[1.0] * p, backward_weight_s=[0.0] * p)
+    bound = step_lower_bound("1f1b", p, m, backward_input_s=[2.0] * p, **kw)
+    assert bound == pytest.approx(result.step_time_s) == pytest.approx((m + p - 1) * 3.0)
 
 
 # ---- torch's schedules as the reference for the per-rank orders ----
