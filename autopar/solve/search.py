@@ -6,7 +6,9 @@
             skip if dominated, or memory lower bound > capacity   (`_Bounds`, no pricing)
             per-layer recompute: k = the fewest recomputed layers per chunk that fit
                 (Estimator.fewest_recomputed_layers, memory only); price k instead of all
-            skip if the busiest stage's work > best step so far   (branch and bound)
+            skip if a step lower bound > best step so far         (branch and bound:
+                the busiest stage's work, and a pipeline's fill and drain chains,
+                `StageTimer.step_lower_bound`, before the pipeline is simulated)
             estimate = Estimator.evaluate(config)                (cached classes, pipelines)
             feasible if estimate.peak_memory_bytes <= capacity
     best = min feasible by (step time, config text)               (deterministic ties)
