@@ -308,6 +308,25 @@ def _tasks(
 ) -> tuple[_ScheduleSpec, int, tuple, list[dict[str, float]]]:
     """Validated inputs of a simulation: (schedule spec, chunks per rank v, every rank's ops,
     per rank the duration of one F, B and W task); raises what `simulate_pipeline` says."""
+    spec, v, durations = _checked(
+        schedule, num_stages, num_microbatches, virtual_stages,
+        forward_s, backward_input_s, backward_weight_s, p2p_s,
+    )  # fmt: skip
+    return spec, v, _prepared(schedule, int(num_stages), int(num_microbatches), v), durations
+
+
+def _checked(
+    schedule: str,
+    num_stages: int,
+    num_microbatches: int,
+    virtual_stages: int | None,
+    forward_s: Sequence[float],
+    backward_input_s: Sequence[float],
+    backward_weight_s: Sequence[float],
+    p2p_s: float,
+) -> tuple[_ScheduleSpec, int, list[dict[str, float]]]:
+    """(schedule spec, chunks per rank v, per rank the duration of one F, B and W task), the
+    inputs validated; raises what `simulate_pipeline` says."""
     v = virtual_stages
     if v is None and schedule in _SCHEDULES:
         v = _SCHEDULES[schedule].default_virtual_stages
@@ -318,12 +337,21 @@ def _tasks(
     }
     spec = _validate(schedule, num_stages, num_microbatches, v, times, p2p_s)
     v = int(v)
-    prepared = _prepared(schedule, int(num_stages), int(num_microbatches), v)
-    durations = [  # an unsplit schedule's B is input and weight gradient together
+    return spec, v, _durations(spec, v, forward_s, backward_input_s, backward_weight_s)
+
+
+def _durations(
+    spec: _ScheduleSpec,
+    v: int,
+    forward_s: Sequence[float],
+    backward_input_s: Sequence[float],
+    backward_weight_s: Sequence[float],
+) -> list[dict[str, float]]:
+    """Per rank, the duration of one F, B and W task (module docstring)."""
+    return [  # an unsplit schedule's B is input and weight gradient together
         {"F": f / v, "B": (bi if spec.splits_backward else bi + bw) / v, "W": bw / v}
         for f, bi, bw in zip(forward_s, backward_input_s, backward_weight_s, strict=True)
     ]
-    return spec, v, prepared, durations
 
 
 def _links(
@@ -421,54 +449,6 @@ def _peak_held(schedule: str, p: int, m: int, v: int) -> tuple[float, ...]:
                 held -= 1
         peaks.append(peak / v)
     return tuple(peaks)
-
-
-@functools.lru_cache(maxsize=256)
-def _chains(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """Per rank, (the ranks of the virtual stages before its first task's, the ranks of those
-    before its last task's where that task is a B, else none): the F chain that must run
-    before the rank starts and the B chain that must run after it ends (a pure memo)."""
-    spec = _SCHEDULES[schedule]
-    rank_of = {spec.layout(s, k, p): s for s in range(p) for k in range(v)}
-    out = []
-    for ops in _prepared(schedule, p, m, v):
-        first, last = ops[0], ops[-1]
-        before = tuple(rank_of[j] for j in range(first[3]))
-        after = tuple(rank_of[j] for j in range(last[3])) if last[0] == "B" else ()
-        out.append((before, after))
-    return tuple(out)
-
-
-def step_lower_bound(
-    schedule: Schedule,
-    num_stages: int,
-    num_microbatches: int,
-    *,
-    forward_s: Sequence[float],
-    backward_input_s: Sequence[float],
-    backward_weight_s: Sequence[float],
-    virtual_stages: int | None = None,
-) -> float:
-    """A lower bound on `simulate_pipeline`'s step time (same arguments, p2p latency taken as
-    0), without simulating: the search prunes by it.
-
-    Rank s's first task is an F of some virtual stage j0, which waits for the same
-    micro-batch's F on stages 0 .. j0 - 1, one after another; where its last task is a B of
-    stage j, the same micro-batch's B on stages j - 1 .. 0 run after it, one after another.
-    So T >= sum of those F + rank s's busy time + sum of those B, for every s. For uniform
-    1F1B stages this is the step, (p - 1)(f + b) + m (f + b)."""
-    spec, v, _, durations = _tasks(
-        schedule, num_stages, num_microbatches, virtual_stages,
-        forward_s, backward_input_s, backward_weight_s, 0.0,
-    )  # fmt: skip
-    m = int(num_microbatches)
-    bound = 0.0
-    for s, (before, after) in enumerate(_chains(schedule, int(num_stages), m, v)):
-        d = durations[s]
-        busy = m * v * (d["F"] + d["B"] + (d["W"] if spec.splits_backward else 0.0))
-        chain = sum(durations[r]["F"] for r in before) + sum(durations[r]["B"] for r in after)
-        bound = max(bound, chain + busy)
-    return bound
 
 
 def _validate(

@@ -62,7 +62,7 @@ from autopar.estimate.pipeline_timer import PipelineTimer
 from autopar.estimate.tables import LayerTable, ModelTables
 from autopar.hardware import Cluster
 from cost_models.compute import list_collective_time_s, op_time_s
-from cost_models.pipeline import step_lower_bound
+from cost_models.pipeline_bound import step_lower_bound
 
 StageTimes = dict[str, float]
 # per-tensor hook events per micro-batch by ZeRO stage (CostOptions.param_hook_s): stage 2 the

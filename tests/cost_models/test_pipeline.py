@@ -14,12 +14,8 @@ from itertools import pairwise
 
 import pytest
 
-from cost_models.pipeline import (
-    PipelineResult,
-    PipelineTask,
-    simulate_pipeline,
-    step_lower_bound,
-)
+from cost_models.pipeline import PipelineResult, PipelineTask, simulate_pipeline
+from cost_models.pipeline_bound import step_lower_bound
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "dualpipe_v")
 SPLIT_BACKWARD = {"zero_bubble", "dualpipe_v"}
