@@ -296,25 +296,6 @@ def _prepared(
     )
 
 
-def _tasks(
-    schedule: str,
-    num_stages: int,
-    num_microbatches: int,
-    virtual_stages: int | None,
-    forward_s: Sequence[float],
-    backward_input_s: Sequence[float],
-    backward_weight_s: Sequence[float],
-    p2p_s: float,
-) -> tuple[_ScheduleSpec, int, tuple, list[dict[str, float]]]:
-    """Validated inputs of a simulation: (schedule spec, chunks per rank v, every rank's ops,
-    per rank the duration of one F, B and W task); raises what `simulate_pipeline` says."""
-    spec, v, durations = _checked(
-        schedule, num_stages, num_microbatches, virtual_stages,
-        forward_s, backward_input_s, backward_weight_s, p2p_s,
-    )  # fmt: skip
-    return spec, v, _prepared(schedule, int(num_stages), int(num_microbatches), v), durations
-
-
 def _checked(
     schedule: str,
     num_stages: int,
@@ -517,11 +498,12 @@ def simulate_pipeline(
         >>> r.step_time_s, r.bubble_fraction
         (33.0, 0.375)
     """
-    spec, v, prepared, durations = _tasks(
+    spec, v, durations = _checked(
         schedule, num_stages, num_microbatches, virtual_stages,
         forward_s, backward_input_s, backward_weight_s, p2p_s,
     )  # fmt: skip
     p, m = int(num_stages), int(num_microbatches)
+    prepared = _prepared(schedule, p, m, v)
     starts = _simulate(prepared, durations, spec, v, p2p_s)
     busy = tuple(sum(durations[s][op[0]] for op in prepared[s]) for s in range(p))
     step = max(

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cost_models.pipeline import _links, _tasks
+from cost_models.pipeline import _checked, _links, _prepared
 
 _EPS = 1e-12
 
@@ -63,11 +63,12 @@ def simulate_pipeline_shared(
         ...     backward_weight_s=[0, 0], node_of=[0, 0], weight=[1, 1], slots=1)
         12.0
     """
-    spec, v, prepared, work = _tasks(
+    spec, v, work = _checked(
         schedule, num_stages, num_microbatches, virtual_stages,
         forward_s, backward_input_s, backward_weight_s, p2p_s,
     )  # fmt: skip
     p = int(num_stages)
+    prepared = _prepared(schedule, p, int(num_microbatches), v)
     if len(node_of) != p or len(weight) != p:
         raise ValueError(f"node_of and weight need num_stages={p} entries each")
     if not slots > 0 or any(not w > 0 for w in weight):
