@@ -222,7 +222,7 @@ class StageTimer:
     def step_lower_bound(self, cfg: ParallelConfig, m: int, per_stage: list[StageTimes]) -> float:
         """A lower bound on `pipeline`'s time, without simulating (the search prunes by it):
         the busiest stage's work, and under a pipeline the forwards that must run before each
-        stage starts and the backwards after it ends (`cost_models.pipeline.step_lower_bound`);
+        stage starts and the backwards after it ends (`cost_models.pipeline_bound`);
         a time-shared stage runs at up to the full rate while others idle."""
         if cfg.pp == 1:
             return m * (per_stage[0]["forward"] + per_stage[0]["backward"])
