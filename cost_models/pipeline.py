@@ -318,21 +318,11 @@ def _checked(
     }
     spec = _validate(schedule, num_stages, num_microbatches, v, times, p2p_s)
     v = int(v)
-    return spec, v, _durations(spec, v, forward_s, backward_input_s, backward_weight_s)
-
-
-def _durations(
-    spec: _ScheduleSpec,
-    v: int,
-    forward_s: Sequence[float],
-    backward_input_s: Sequence[float],
-    backward_weight_s: Sequence[float],
-) -> list[dict[str, float]]:
-    """Per rank, the duration of one F, B and W task (module docstring)."""
-    return [  # an unsplit schedule's B is input and weight gradient together
+    durations = [  # an unsplit schedule's B is input and weight gradient together
         {"F": f / v, "B": (bi if spec.splits_backward else bi + bw) / v, "W": bw / v}
         for f, bi, bw in zip(forward_s, backward_input_s, backward_weight_s, strict=True)
     ]
+    return spec, v, durations
 
 
 def _links(

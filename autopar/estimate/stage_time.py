@@ -226,14 +226,12 @@ class StageTimer:
         a time-shared stage runs at up to the full rate while others idle."""
         if cfg.pp == 1:
             return m * (per_stage[0]["forward"] + per_stage[0]["backward"])
-        split = cfg.schedule in SPLIT_BACKWARD
-        wgrad = tuple(s["weight_grad"] if split else 0.0 for s in per_stage)
-        b_in = tuple(s["backward"] - w for s, w in zip(per_stage, wgrad, strict=True))
+        fwd, b_in, wgrad = _task_times(cfg, per_stage)
         bound = step_lower_bound(
             cfg.schedule,  # type: ignore[arg-type]
             cfg.pp,
             m,
-            forward_s=tuple(s["forward"] for s in per_stage),
+            forward_s=fwd,
             backward_input_s=b_in,
             backward_weight_s=wgrad,
             virtual_stages=cfg.virtual_stages,
@@ -258,10 +256,7 @@ class StageTimer:
         p2p = mesh.time("send_recv", sent, "pp")
         if gathered:  # the chunk's ends gather the sequence (one each way)
             p2p += mesh.time("all_gather", sent, "tp")
-        split = cfg.schedule in SPLIT_BACKWARD
-        fwd = tuple(s["forward"] for s in per_stage)
-        wgrad = tuple(s["weight_grad"] if split else 0.0 for s in per_stage)
-        bin_ = tuple(s["backward"] - w for s, w in zip(per_stage, wgrad, strict=True))
+        fwd, bin_, wgrad = _task_times(cfg, per_stage)
         step, inflight = self.pipeline_timer(
             cfg.schedule, cfg.pp, m, fwd, bin_, wgrad, p2p, cfg.virtual_stages
         )
@@ -395,3 +390,14 @@ class StageTimer:
         terms["pipeline_bubble"] = max(0.0, pipe_s - sum(terms.values()))
         terms.update(tail)
         return terms
+
+
+def _task_times(
+    cfg: ParallelConfig, per_stage: list[StageTimes]
+) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """Per stage, the forward, input-gradient and weight-gradient times the pipeline's tasks
+    take: the weight gradient apart only where the schedule splits the backward."""
+    split = cfg.schedule in SPLIT_BACKWARD
+    wgrad = tuple(s["weight_grad"] if split else 0.0 for s in per_stage)
+    b_in = tuple(s["backward"] - w for s, w in zip(per_stage, wgrad, strict=True))
+    return tuple(s["forward"] for s in per_stage), b_in, wgrad
