@@ -1,9 +1,9 @@
 """The ``autopar`` command line (also ``python -m autopar``).
 
 Verbs: ``demo`` (the README's main job), ``plan``, ``explain``, ``compare``, ``replan``,
-``generate``, ``export``, ``list-models``, ``list-profiles``, ``cluster``, ``profile``; each
-planning verb lives in a module of `autopar.cli` and is imported only when it runs.
-Every verb that sizes a cluster takes ``--nodes`` / ``--devices`` (``--num-nodes`` /
+``generate``, ``export``, ``export-hf``, ``list-models``, ``list-profiles``, ``cluster``,
+``profile``; each planning verb lives in a module of `autopar.cli` and is imported only when
+it runs. Every verb that sizes a cluster takes ``--nodes`` / ``--devices`` (``--num-nodes`` /
 ``--num-devices`` still work). Exit codes: 0 success, 2 a usage error (argparse), 1 a user
 error -- an autopar error (bad
 profile, unknown model, a config that does not fit, ...), a file that cannot be read or written,
@@ -187,6 +187,20 @@ def _add_planning_verbs(verbs: argparse._SubParsersAction) -> None:
     )
     export.add_argument("--trust-factory", action="store_true", help=TRUST_HELP)
 
+    weights = verbs.add_parser(
+        "export-hf",
+        help="write a training checkpoint as a Hugging Face checkpoint (safetensors)",
+        epilog="example: autopar export-hf ckpt/ --plan out/plan.json --out hf/  (then "
+        "AutoModelForCausalLM.from_pretrained('hf/'))",
+    )
+    weights.add_argument("checkpoint", help="train.py's --checkpoint-dir, or one step-N in it")
+    weights.add_argument("-o", "--out", required=True, help="directory for the weights")
+    weights.add_argument("--plan", help="the plan the run trained: its model's config is written")
+    weights.add_argument("--config", help="a config.json to write beside the weights instead")
+    weights.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    weights.add_argument("--max-shard-gb", type=float, default=5.0, help="largest file (GiB)")
+    weights.add_argument("--trust-factory", action="store_true", help=TRUST_HELP)
+
     verbs.add_parser(
         "list-models",
         help="list the zoo models and Hugging Face presets",
@@ -234,6 +248,7 @@ _PLANNING_VERBS = {
     "replan": "autopar.cli.replan:run_replan",
     "generate": "autopar.cli.generate:run_generate",
     "export": "autopar.cli.generate:run_export",
+    "export-hf": "autopar.cli.weights:run_export_hf",
 }
 
 

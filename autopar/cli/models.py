@@ -4,7 +4,8 @@
 In: the user's model argument (and the sequence length to plan for). Out: `LoadedModel`, the
 module on the meta device (nothing allocated), one sample's inputs and the factory a plan
 records so that `compare`, `generate` and the generated program can build the model again.
-Resolution order: zoo name, Hugging Face preset, a path to a ``.json`` file, ``module:function``.
+Resolution order: zoo name, Hugging Face preset, a checkpoint directory (its config.json), a
+path to a ``.json`` file, ``module:function``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def load_model(spec: str, seq_len: int | None = None) -> LoadedModel:
         model = _call(hf.build, spec, device="meta")
         inputs = hf.example_inputs(spec, model, seq_len=seq_len)
         return LoadedModel(model, inputs, None, f"Hugging Face preset {spec}")
+    if Path(spec).is_dir() and (Path(spec) / "config.json").is_file():
+        spec = str(Path(spec) / "config.json")  # a Hugging Face checkpoint directory
     if spec.endswith(".json") or Path(spec).is_file():
         path = str(Path(spec).resolve())
         model = hf.build_from_config(path, device="meta")
@@ -54,8 +57,8 @@ def load_model(spec: str, seq_len: int | None = None) -> LoadedModel:
         return LoadedModel(model, _token_ids(model, seq_len), (spec, {}), f"factory {spec}")
     raise AutoparError(
         f"unknown model {spec!r}: not a zoo model ({', '.join(zoo.names())}), not a Hugging "
-        f"Face preset ({', '.join(hf.names())}), not a config.json path, not module:factory "
-        "(see `autopar list-models`)"
+        f"Face preset ({', '.join(hf.names())}), not a config.json path or a directory holding "
+        "one, not module:factory (see `autopar list-models`)"
     )
 
 

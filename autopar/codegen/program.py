@@ -95,6 +95,12 @@ newest complete checkpoint in DIR, also one saved under another plan of this mod
 (`autopar replan`). To restart after a failure, launch with
 torchrun --max-restarts=K and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment
 (else a restarted group may read the failed group's addresses: pytorch/pytorch#135712).
+Weights: the model is built on the meta device and each rank makes only its own shards
+(autopar.runtime.startup): the factory's initialization, the same under every plan for a
+--seed, or --init-from DIR, a Hugging Face checkpoint (model.safetensors or an index) of which
+each rank reads only its shards' bytes; parameters train in fp32 whatever dtype the checkpoint
+or config stores. --save-hf DIR writes the trained model as a Hugging Face checkpoint
+(`autopar export-hf` converts any checkpoint of --checkpoint-dir the same way).
 """'''
 
 
@@ -178,7 +184,7 @@ def _mesh(plan: Plan) -> str:
 def _model(plan: Plan) -> str:
     s = plan.model_source
     assert s is not None
-    return f"""# ---- the model: built identically (seeded) on every rank, then sharded below
+    return f"""# ---- the model: built on meta, split below, then each rank makes only its shards
 FACTORY = {s.factory!r}
 FACTORY_KWARGS = {pprint.pformat(s.kwargs, sort_dicts=True, width=88)}
 FINGERPRINT = {s.fingerprint!r}  # parameter names and shapes: the factory's model is checked
@@ -360,6 +366,8 @@ def main() -> None:
         help="steps between checkpoints; 0: resume only; auto: the plan's best interval",
     )
     parser.add_argument("--async-checkpoint", action="store_true", help="save in the background")
+    parser.add_argument("--init-from", help="a Hugging Face checkpoint directory to start from")
+    parser.add_argument("--save-hf", help="write the trained model here (Hugging Face format)")
     parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
@@ -401,6 +409,8 @@ def main() -> None:
         metrics_path=args.metrics,
         tensorboard_dir=args.tensorboard,
         compile=args.compile,
+        init_from=args.init_from,
+        save_hf=args.save_hf,
     )
     train(
         task,

@@ -29,7 +29,8 @@ Invariants:
   expert stack's experts under ep, an expert's width under etp), are plain tensors DCP would
   take for replicas and save once: their keys, and their optimizer states', carry the slice
   (`@ep1of2`, `@tp0of2`), and a checkpoint resumes only under the same expert layout (meta.json
-  `expert_layout`; refused with both layouts named otherwise).
+  `expert_layout`; refused with both layouts named otherwise). meta.json `hand_slices` says
+  how each was cut, so `autopar.runtime.hf_export` can join them into the whole tensor.
 - Model and optimizer state go through `torch.distributed.checkpoint.state_dict.get_state_dict`
   / `set_state_dict`: keys are the original parameter names whatever the plan (FSDP2, TP,
   replicated), so a checkpoint saved under one plan loads under another (DCP reshards). A
@@ -64,7 +65,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,7 @@ from autopar.errors import AutoparError
 from autopar.estimate.goodput import goodput_interval
 from autopar.models.source import model_fingerprint
 from autopar.runtime.fused_pieces import restrided, unstrided
+from autopar.runtime.startup.regions import HandSlice
 
 FORMAT_VERSION = 1
 _FINAL = re.compile(r"^step-(\d{8})$")
@@ -239,8 +241,14 @@ class Checkpointer:
         fingerprint: str = "",
         sliced: Mapping[str, str] | None = None,
         expert_layout: str = "",
+        hand_slices: Mapping[str, Sequence[HandSlice]] | None = None,
     ) -> None:
         self.options = options
+        # how each sliced parameter was cut (rank-free), for joining it again (`hf_export`)
+        self.cuts = {
+            name: [[c.dim, c.pieces, c.num] for c in cuts]
+            for name, cuts in (hand_slices or {}).items()
+        }
         # parameter name -> the slice this rank holds of it by hand (module docstring)
         self.sliced = dict(sliced or {})
         self.expert_layout = expert_layout
@@ -465,6 +473,7 @@ class Checkpointer:
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "plan": self.plan_text,
             "expert_layout": self.expert_layout,
+            "hand_slices": self.cuts,
             "files": files,  # every shard, .metadata and RNG file: resume checks them
         }
         final = self.root / _name(step)
@@ -528,6 +537,7 @@ def open_checkpointer(
     fingerprint: str = "",
     sliced: Mapping[str, str] | None = None,
     expert_layout: str = "",
+    hand_slices: Mapping[str, Sequence[HandSlice]] | None = None,
 ) -> Checkpointer | None:
     """A `Checkpointer` when ``options`` asks for one, else None (the trainer's hook).
     ``sliced``: parameter name -> the slice this rank holds of it by hand; ``expert_layout``:
@@ -543,4 +553,5 @@ def open_checkpointer(
         fingerprint=fingerprint,
         sliced=sliced,
         expert_layout=expert_layout,
+        hand_slices=hand_slices,
     )

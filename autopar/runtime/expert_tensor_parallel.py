@@ -31,7 +31,7 @@ row counts that DTensor has no rules for.
 Public:
     expert_split_problem(module) -> str        # why an expert stack cannot be split, or ""
     apply_expert_tensor_parallel(model, group, sequence_parallel, required=True)
-        -> the names of the parameters it sliced
+        -> {name: HandSlice} of the parameters it sliced
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from autopar.runtime.collectives import all_gather_seq, gather_rows, reduce_scat
 from autopar.runtime.expert_parallel import is_moe_block
 from autopar.runtime.hf_experts import is_hf_experts
 from autopar.runtime.low_precision import wrapped_like
+from autopar.runtime.startup.regions import HandSlice
 
 
 class _CopyToTp(Function):  # Megatron's f: identity forward, all-reduce backward
@@ -123,9 +124,10 @@ def _slice(param: nn.Parameter, dim: int, pieces: int, rank: int, tp: int) -> nn
 
 def apply_expert_tensor_parallel(
     model: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool, required: bool = True
-) -> frozenset[str]:
+) -> dict[str, HandSlice]:
     """Split every expert of ``model`` over the ranks of ``group`` (module docstring), in place;
-    returns the names of the parameters now sliced. ``required``: whether ``model`` must hold
+    returns the parameters now sliced, each with its slice (what a rank's shard of the whole
+    tensor is: `autopar.runtime.startup.regions`). ``required``: whether ``model`` must hold
     an MoE layer (False for a pipeline chunk of dense layers).
 
     Raises:
@@ -133,7 +135,7 @@ def apply_expert_tensor_parallel(
             or tp does not divide an expert's intermediate width.
     """
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    names: set[str] = set()
+    names: dict[str, HandSlice] = {}
     for path, module in list(model.named_modules()):
         prefix = f"{path}." if path else ""
         if is_hf_experts(module):
@@ -143,9 +145,9 @@ def apply_expert_tensor_parallel(
             if width % tp:
                 raise ValueError(f"expert tensor parallelism: tp={tp} does not divide {path}'s "
                                  f"expert width {width}")  # fmt: skip
-            module.gate_up_proj = _slice(module.gate_up_proj, 1, 2, rank, tp)
-            module.down_proj = _slice(module.down_proj, 2, 1, rank, tp)
-            names.update(f"{prefix}{n}" for n in ("gate_up_proj", "down_proj"))
+            for proj, dim, pieces in (("gate_up_proj", 1, 2), ("down_proj", 2, 1)):
+                setattr(module, proj, _slice(getattr(module, proj), dim, pieces, rank, tp))
+                names[f"{prefix}{proj}"] = HandSlice(dim, pieces, rank, tp)
             module.forward = _SplitExperts(module.forward, group, sequence_parallel)
         elif is_moe_block(module):  # autopar's MoEBlock
             experts = module.experts
@@ -157,10 +159,10 @@ def apply_expert_tensor_parallel(
                 for proj, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
                     linear = getattr(expert, proj)
                     linear.weight = _slice(linear.weight, dim, 1, rank, tp)
-                    names.add(f"{prefix}experts.{key}.{proj}.weight")
+                    names[f"{prefix}experts.{key}.{proj}.weight"] = HandSlice(dim, 1, rank, tp)
             # ep = 1: the block's own dense combine (ep's dispatch keeps a dict of its experts)
             combine = module.dispatch or module.dense_combine
             module.dispatch = _SplitExperts(combine, group, sequence_parallel)
     if not names and required:
         raise ValueError(f"expert tensor parallelism: {type(model).__name__} has no MoE layer")
-    return frozenset(names)
+    return names

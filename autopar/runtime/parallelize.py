@@ -49,6 +49,7 @@ from autopar.runtime.parts import parts_of
 from autopar.runtime.pipeline import Pipeline, build_pipeline, layout_for
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.stages import build_stage_modules, even_layout
+from autopar.runtime.startup.regions import HandSlice
 from autopar.runtime.tensor_parallel import find_blocks, find_vocab_layers, tp_plan
 from autopar.runtime.tp_apply import apply_tensor_parallel
 
@@ -91,6 +92,9 @@ class ParallelModel:
     expert_parallel: ExpertParallel | None = None  # ep > 1: this rank's experts, their sync
     # etp > 1: the expert parameters sliced over tp (`expert_tensor_parallel`)
     split_experts: frozenset[str] = frozenset()
+    # the parameters sliced by hand (ep's expert stacks, etp's widths): what each rank holds
+    # of the whole tensor (`startup.regions`), in the order they were cut
+    hand_slices: dict[str, tuple[HandSlice, ...]] = field(default_factory=dict)
 
 
 class _Part(NamedTuple):
@@ -100,6 +104,7 @@ class _Part(NamedTuple):
     context: ContextParallel | None
     experts: ExpertParallel | None
     split_experts: frozenset[str]
+    hand_slices: dict[str, tuple[HandSlice, ...]]
 
 
 def parallelize_model(
@@ -150,7 +155,17 @@ def parallelize_model(
     names = [p for p, _ in blocks]
     dp = part.data_parallel
     return ParallelModel(
-        model, mesh, dp, plan, names, None, [dp], part.context, part.experts, part.split_experts
+        model,
+        mesh,
+        dp,
+        plan,
+        names,
+        None,
+        [dp],
+        part.context,
+        part.experts,
+        part.split_experts,
+        part.hand_slices,
     )
 
 
@@ -199,13 +214,20 @@ def _parallelize_part(
         experts = apply_expert_parallel(
             model, expert_groups, mesh.num_data_ranks, required=config.pp == 1
         )
+    hand: dict[str, tuple[HandSlice, ...]] = {}
     split: frozenset[str] = frozenset()
+    if experts is not None:  # a Hugging Face stack keeps its rank's experts under its name
+        cut = HandSlice(0, 1, experts.rank, experts.size)
+        hand.update({name: (cut,) for name in experts.stacked_names})
     if config.etp > 1:  # each expert's width over the tp ranks, around ep's dispatch
         from autopar.runtime.expert_tensor_parallel import apply_expert_tensor_parallel
 
-        split = apply_expert_tensor_parallel(
+        widths = apply_expert_tensor_parallel(
             model, mesh.group("tp"), config.sequence_parallel, required=config.pp == 1
         )
+        for name, cut in widths.items():
+            hand[name] = (*hand.get(name, ()), cut)
+        split = frozenset(widths)
     apply_recompute(blocks, config.recompute, config.recompute_layers)  # first k: the plan's
     if compile_blocks:  # after recompute (the checkpoint is compiled), before FSDP's hooks
         for _, block in blocks:
@@ -213,7 +235,7 @@ def _parallelize_part(
     data_parallel = apply_data_parallel(model, blocks, mesh, config, experts, param_dtype)
     if experts is not None:  # experts are synced by expert_parallel, not averaged over dp
         data_parallel.skip = experts.expert_names
-    return _Part(data_parallel, context, experts, split)
+    return _Part(data_parallel, context, experts, split, hand)
 
 
 def _parallelize_pipeline(
@@ -236,6 +258,7 @@ def _parallelize_pipeline(
     contexts: list[ContextParallel] = []  # one per chunk, all alike (the cp group)
     experts: list[ExpertParallel] = []  # one per chunk, each naming its own experts
     split: set[str] = set()  # etp > 1: the chunks' sliced expert parameters
+    hand: dict[str, tuple[HandSlice, ...]] = {}
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return contexts[0].loss(out, target) if contexts else spec.loss_fn(out, target)
@@ -260,6 +283,7 @@ def _parallelize_pipeline(
         contexts.extend([part.context] if part.context is not None else [])
         experts.extend([part.experts] if part.experts is not None else [])
         split.update(part.split_experts)
+        hand.update(part.hand_slices)
 
     pipe = build_pipeline(
         model,
@@ -293,6 +317,7 @@ def _parallelize_pipeline(
         context,
         expert,
         frozenset(split),
+        hand,
     )
 
 

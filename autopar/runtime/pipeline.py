@@ -372,7 +372,8 @@ def build_pipeline(
             "and one micro-batch of inputs (PipelineSpec.traced)"
         )
     else:
-        chunks, tied = traced_chunks(model, traced[0], traced[1], layout, mesh.pp_rank)
+        device = device or torch.device(mesh.mesh.device_type)
+        chunks, tied = traced_chunks(model, traced[0], traced[1], layout, mesh.pp_rank, device)
     for chunk in chunks:
         if parallelize_chunk is not None:
             parallelize_chunk(chunk)

@@ -1,10 +1,12 @@
 """What a training run trains: the model factory, its loss and its data, from a plan's record.
 
 In: a `module:function` factory path and its JSON keyword arguments (as `Plan.model_source`
-records them), optionally a `module:function` data hook. Out: a `Task` -- `build()` makes the
-model (seeded, identical on every rank), `forward(model, inputs)` gives the outputs the loss
-reads, `loss(outputs, targets)`, and `batch(step, start, stop)` the samples [start, stop) of
-step `step`'s global batch.
+records them), optionally a `module:function` data hook. Out: a `Task` -- `build_meta()` makes
+the model on the meta device (what each rank parallelises, then fills with only its shards:
+`autopar.runtime.startup`), `build()` the whole model in one process with the weights every
+plan starts from, `forward(model, inputs)` gives the outputs the loss reads,
+`loss(outputs, targets)`, and `batch(step, start, stop)` the samples [start, stop) of step
+`step`'s global batch.
 
 Known factories:
     autopar.models.zoo:build   kwargs {"name": preset, **overrides}: the zoo's loss and inputs
@@ -31,6 +33,7 @@ Public functions (the factory and fingerprint helpers come from `autopar.models.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -48,11 +51,21 @@ Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
 class Task:
     """A model to build, how to call it, its loss, and its data (see the module docstring)."""
 
-    build: Callable[[], nn.Module]
+    # the model on the meta device (no memory), as `autopar.runtime.startup` records it: a
+    # factory that takes ``device`` is given "meta", any other runs under torch.device("meta")
+    build_meta: Callable[[], nn.Module]
     forward: Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     batch: Callable[[int, int, int], Batch]  # (step, start, stop)
     description: str = ""
+
+    def build(self, seed: int = 0) -> nn.Module:
+        """The whole model on the CPU with the weights every plan starts from under ``seed``
+        (`startup.start.build_whole`: the factory's initialization replayed), for one process:
+        reference runs and tests."""
+        from autopar.runtime.startup.start import build_whole
+
+        return build_whole(self, seed)
 
 
 def _call(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -124,7 +137,7 @@ def _task(
     hook = resolve_callable(data) if isinstance(data, str) else data
     if factory == ZOO_FACTORY:
         name = kwargs["name"]
-        build = _zoo_builder(kwargs)
+        build_meta = _zoo_builder(kwargs)
         probe = _ConfigProbe(zoo.config(name, **_overrides(kwargs)))
 
         def zoo_batch(step: int, start: int, stop: int) -> Batch:
@@ -133,17 +146,21 @@ def _task(
             )
             return tuple(t[start:stop] for t in inputs), targets[start:stop]
 
-        return Task(build, _call, zoo.loss_fn(name), hook or zoo_batch, f"zoo {name}")
+        loss = zoo.loss_fn(name)
+        return Task(build_meta, _call, loss, hook or zoo_batch, f"zoo {name}")
     build_fn = resolve_callable(factory)
+    takes_device = "device" in inspect.signature(build_fn).parameters
 
-    def build() -> nn.Module:
-        return build_fn(**kwargs)
+    def build_meta() -> nn.Module:
+        if takes_device:  # its own device argument wins over a device context
+            return build_fn(**{**kwargs, "device": "meta"})
+        with torch.device("meta"):
+            return build_fn(**kwargs)
 
     forward = _logits if factory == HF_FACTORY else _call_any
     if hook is not None:
-        return Task(build, forward, zoo.lm_loss, hook, factory)
-    with torch.device("meta"):
-        config = getattr(build_fn(**kwargs), "config", None)
+        return Task(build_meta, forward, zoo.lm_loss, hook, factory)
+    config = getattr(build_meta(), "config", None)
     vocab = getattr(config, "vocab_size", None)
     if vocab is None or seq_len is None:
         raise ValueError(
@@ -151,9 +168,8 @@ def _task(
             "no sequence length); pass a data hook (--data module:fn, fn(step, start, stop) -> "
             "(inputs, targets))"
         )
-    return Task(
-        build, forward, zoo.lm_loss, _token_batch(vocab, seq_len, global_batch_size, seed), factory
-    )
+    batch = _token_batch(vocab, seq_len, global_batch_size, seed)
+    return Task(build_meta, forward, zoo.lm_loss, batch, factory)
 
 
 class _ConfigProbe(nn.Module):
@@ -176,7 +192,7 @@ def _zoo_builder(kwargs: dict[str, Any]) -> Callable[[], nn.Module]:
     name, seed = kwargs["name"], int(kwargs.get("seed", 0))
 
     def build() -> nn.Module:
-        return zoo.build(name, seed=seed, **_overrides(kwargs))
+        return zoo.build(name, seed=seed, device="meta", **_overrides(kwargs))
 
     return build
 

@@ -323,11 +323,15 @@ def traced_chunks(
     example: tuple[torch.Tensor, ...],
     layout: ChunkLayout,
     pp_rank: int,
+    device: torch.device | None = None,
 ) -> tuple[list[nn.Module], tuple[tuple[str, str], ...]]:
     """This pp rank's chunks of ``model`` cut from its traced graph, and the tied parameter
     pairs (last-chunk name, first-chunk name) the pipeline sums (see the module docstring).
 
     Every rank traces the whole model (the same graph everywhere) and keeps its own chunks.
+    ``device``: where the chunks will run, when the trace ran elsewhere (on the meta device,
+    before the rank's shards are made): the tensors the graph makes (a mask's `arange`) are
+    made there, not where the example was (`_retarget`).
 
     Raises:
         ValueError: no list of blocks, the trace does not cut into the layout's chunks (the
@@ -363,8 +367,28 @@ def traced_chunks(
     routes = _routes(pipe.split_gm)
     chunks = []
     for k in layout.chunks_on(pp_rank):
+        if device is not None:
+            _retarget(stages[k], example[0].device, device)
         chunks.append(_mark(stages[k], k, layout.num_chunks, path, tied, routes[k]))
     return chunks, tied
+
+
+def _retarget(stage: nn.Module, traced: torch.device, device: torch.device) -> None:
+    """Make the tensors ``stage``'s graphs create on ``device``: export writes the example's
+    device into each factory call (`arange(16, device=meta)`)."""
+    if traced == device:
+        return
+    for module in stage.modules():
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        changed = False
+        for node in graph.nodes:
+            if node.kwargs.get("device") == traced:
+                node.update_kwarg("device", device)
+                changed = True
+        if changed and hasattr(module, "recompile"):
+            module.recompile()
 
 
 def _mark(

@@ -48,6 +48,7 @@ Public functions:
     parallelize_model, ParallelModel, PipelineSpec    # from autopar.runtime.parallelize
     train(task, config, global_batch_size, ..., stage_layers=None) -> list[StepResult]
     reference_run(task, global_batch_size, options) -> list[StepResult]   # plain single process
+    reference_model(task, global_batch_size, options) -> (steps, the trained model)
 """
 
 from __future__ import annotations
@@ -69,15 +70,18 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar.config import ParallelConfig
 from autopar.config.precision import ALIASES
-from autopar.models.source import check_fingerprint, model_fingerprint
 from autopar.runtime.checkpoint import CheckpointOptions, open_checkpointer
 from autopar.runtime.collectives import ROUTED_ROWS
-from autopar.runtime.low_precision import RUNTIME_PRECISIONS, apply_low_precision
+from autopar.runtime.low_precision import RUNTIME_PRECISIONS
 from autopar.runtime.mesh import RuntimeMesh, build_mesh
 from autopar.runtime.metrics import Metrics
-from autopar.runtime.parallelize import ParallelModel, PipelineSpec, parallelize_model
+from autopar.runtime.parallelize import (  # noqa: F401  (parallelize_model: re-exported)
+    ParallelModel,
+    PipelineSpec,
+    parallelize_model,
+)
+from autopar.runtime.startup.start import WeightsFrom, build_whole, start_model
 from autopar.runtime.task import Task
-from autopar.runtime.tensor_parallel import find_blocks
 from autopar.runtime.tp_apply import loss_context, reduce_partial_grads
 
 MiB = 2**20
@@ -113,6 +117,12 @@ class TrainOptions:
     # torch.compile each block (`parallelize_model`'s compile_blocks; the "autopar-compile"
     # stack prices it)
     compile: bool = False
+    # a Hugging Face checkpoint directory to start from (`startup.hf_checkpoint`); None: the
+    # factory's initialization under `seed`
+    init_from: str | None = None
+    # write the trained model here as a Hugging Face checkpoint after the last step
+    # (`autopar.runtime.hf_export`)
+    save_hf: str | None = None
 
     def lr_at(self, step: int) -> float:
         """The learning rate of 0-based step ``step``."""
@@ -247,18 +257,29 @@ def train(
     per_rank = global_batch_size // num_data
     num_micro = per_rank // mbs
     device = torch.device(mesh.mesh.device_type)
-    model = task.build().to(device)
-    check_fingerprint(model, fingerprint)
-    fingerprint = fingerprint or model_fingerprint(model)  # the whole model's, before any cut
-    low = apply_low_precision(model, find_blocks(model), options.precision, config, device)
-    spec = None
-    if config.pp > 1:  # a model cut from its trace: how it is called, one micro-batch
-        example = tuple(t[:mbs].to(device) for t in task.batch(0, 0, mbs)[0])
-        spec = PipelineSpec(num_micro, task.loss, stage_layers, schedule, (task.forward, example))
-    # mixed precision: FSDP2 units gather and compute in bf16 over fp32 master shards
-    param_dtype = None if options.precision == "fp32" else torch.bfloat16
-    pm = parallelize_model(model, mesh, config, placements, tp, spec, options.compile, param_dtype)
-    model = pm.model  # pp > 1: this rank's chunks (the rest of the model is dropped)
+
+    def pipeline_spec(meta_model: nn.Module) -> PipelineSpec:
+        # a model cut from its trace: how it is called, one micro-batch (on meta, as the model)
+        example = tuple(t[:mbs].to("meta") for t in task.batch(0, 0, mbs)[0])
+        del meta_model
+        return PipelineSpec(num_micro, task.loss, stage_layers, schedule, (task.forward, example))
+
+    # STARTUP (autopar.runtime.startup): built on meta, parallelised, this rank's shards made
+    started = start_model(
+        task,
+        config,
+        mesh,
+        precision=options.precision,
+        placements=placements,
+        tp=tp,
+        pipeline=pipeline_spec if config.pp > 1 else None,
+        compile_blocks=options.compile,
+        fingerprint=fingerprint,
+        seed=options.seed,
+        weights=WeightsFrom(options.init_from) if options.init_from else None,
+    )
+    pm, low, fingerprint = started.model, started.low, started.fingerprint
+    model = pm.model  # pp > 1: this rank's chunks (the rest of the model was never made)
     optimizer = _make_optimizer(model, options)
     # CHECKPOINT (autopar.runtime.checkpoint): resume from the newest complete checkpoint
     ckpt = open_checkpointer(
@@ -274,6 +295,7 @@ def train(
     fewer = _held_fewer(pm, config)  # the gradient norm's weights: the parameters stay put
     world, start = dist.get_world_size(), mesh.data_rank * per_rank
     if options.log and mesh.rank == 0:
+        print(f"[autopar] {started.report.as_text()}", flush=True)
         print(f"[autopar] {mesh.as_text()}; {pm.data_parallel.as_text()}", flush=True)
         if pm.pipeline is not None:
             print(f"[autopar] {pm.pipeline.as_text()}", flush=True)
@@ -336,6 +358,8 @@ def train(
             ckpt.after_step(step + 1, mean_loss, grad_norm)
     if ckpt:
         ckpt.close()  # completes a pending asynchronous save
+    if options.save_hf:  # WEIGHTS OUT: through a checkpoint, exported by rank 0
+        _save_hf(ckpt, options, model, optimizer, pm, config, global_batch_size, started)
     if metrics is not None:
         metrics.close()
     if options.log and results:
@@ -418,7 +442,41 @@ def _sliced_by_hand(pm: ParallelModel, config: ParallelConfig) -> dict[str, Any]
         for name in pm.split_experts:
             sliced[name] = sliced.get(name, "") + f"@tp{r}of{config.tp}"
         layout.append(f"etp={config.etp}")
-    return {"sliced": sliced, "expert_layout": " ".join(layout)}
+    return {"sliced": sliced, "expert_layout": " ".join(layout), "hand_slices": pm.hand_slices}
+
+
+def _save_hf(
+    ckpt: Any,
+    options: TrainOptions,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    pm: ParallelModel,
+    config: ParallelConfig,
+    global_batch_size: int,
+    started: Any,
+) -> None:
+    """``options.save_hf``: the model after the last step as a Hugging Face checkpoint, saved
+    through the run's checkpointer (or one of its own beside the output, removed after)."""
+    from autopar.runtime.checkpoint import CheckpointOptions
+    from autopar.runtime.hf_export import save_hf_at_end
+
+    scratch = ckpt is None
+    if scratch:
+        where = CheckpointOptions(f"{options.save_hf}/.autopar-checkpoint", keep=1, resume=False)
+        ckpt = open_checkpointer(
+            where,
+            model,
+            optimizer,
+            global_batch_size=global_batch_size,
+            plan_text=config.as_text(),
+            fingerprint=started.fingerprint,
+            **_sliced_by_hand(pm, config),
+        )
+    report = save_hf_at_end(
+        ckpt, options.steps, options.save_hf, started.hf_config, scratch=scratch
+    )
+    if report is not None and options.log:
+        print(f"[autopar] Hugging Face checkpoint: {report.as_text()}", flush=True)
 
 
 def _held_fewer(pm: ParallelModel, config: ParallelConfig) -> dict[int, int]:
@@ -495,9 +553,17 @@ def reference_run(
     task: Task, global_batch_size: int, options: TrainOptions | None = None
 ) -> list[StepResult]:
     """The single-process run the sharded ones must match: the whole global batch at once,
-    plain torch, AdamW, `clip_grad_norm_`."""
+    plain torch, AdamW, `clip_grad_norm_`; the model made whole as `start_model` makes each
+    shard (the same weights under the same seed or checkpoint)."""
+    return reference_model(task, global_batch_size, options)[0]
+
+
+def reference_model(
+    task: Task, global_batch_size: int, options: TrainOptions | None = None
+) -> tuple[list[StepResult], nn.Module]:
+    """`reference_run`'s steps and the model they leave."""
     options = options or TrainOptions()
-    model = task.build()
+    model = build_whole(task, options.seed, weights=WeightsFrom(options.init_from))
     optimizer = _make_optimizer(model, options)
     results = []
     for step in range(options.steps):
@@ -519,4 +585,4 @@ def reference_run(
                 memory_of(model, optimizer),
             )
         )
-    return results
+    return results, model

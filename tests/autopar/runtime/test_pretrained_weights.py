@@ -1,0 +1,146 @@
+"""Pretrained weights in and out (issue 44): a Hugging Face checkpoint, written on the spot
+with `save_pretrained`, starts a sharded run (`TrainOptions.init_from`, `train.py
+--init-from`), and the trained model goes back out as a Hugging Face checkpoint
+(`TrainOptions.save_hf`) that transformers loads.
+
+Models: tiny Llama, Qwen3 with tied embeddings (saved in bf16: the run trains fp32 master
+weights from it), Mixtral (its checkpoint keeps one tensor per expert, the model a stack) and
+GPT-2 (a fused Conv1D projection). Styles on 4 gloo ranks: FSDP2 x TP2 (+SP), PP2 x DP2, and
+EP2 x FSDP2 for Mixtral. Checked against one process:
+- the first step's loss equals transformers' `from_pretrained` and one forward, within 1e-5;
+- the 3 steps' losses and gradient norms equal the single-process run's from the same
+  checkpoint (`reference_model`), within 1e-5;
+- the exported checkpoint loads with `from_pretrained`, and its logits equal those of the
+  single-process run's trained model, within 1e-5 of their largest magnitude.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from harness import max_rel_error, run_ranks
+
+from autopar.config import ParallelConfig as C
+from autopar.models import hf
+from autopar.models.source import HF_CONFIG_FACTORY
+from autopar.runtime.task import task_from_source
+from autopar.runtime.trainer import TrainOptions, reference_model, train
+
+transformers = pytest.importorskip("transformers")
+
+GLOBAL_BATCH, SEQ = 8, 16
+OPTIONS = TrainOptions(steps=3, lr=1e-3, log=False)
+
+
+def _qwen3_tied() -> torch.nn.Module:
+    config = transformers.Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+        max_position_embeddings=64, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _saved(name: str, root: Path) -> Path:
+    """A checkpoint written by transformers itself; Qwen3's in bf16."""
+    model = _qwen3_tied() if name == "qwen3" else hf.build(f"{name}-tiny-hf", seed=1)
+    if name == "qwen3":
+        model = model.to(torch.bfloat16)
+    path = root / name
+    model.save_pretrained(path)
+    return path
+
+
+@dataclass(frozen=True)
+class Run:
+    model: str
+    config: C
+
+
+RUNS = [
+    Run("llama", C(fsdp=2, tp=2, sequence_parallel=True)),
+    Run("llama", C(pp=2, dp=2)),
+    Run("qwen3", C(fsdp=2, tp=2)),
+    Run("qwen3", C(pp=2, dp=2)),
+    Run("mixtral", C(fsdp=2, ep=2)),
+    Run("mixtral", C(fsdp=2, tp=2)),
+    Run("gpt2", C(fsdp=2, tp=2)),
+    Run("gpt2", C(pp=2, dp=2)),
+]
+
+
+def _task(checkpoint: Path):
+    return task_from_source(
+        HF_CONFIG_FACTORY,
+        {"path": str(checkpoint / "config.json")},
+        global_batch_size=GLOBAL_BATCH,
+        seq_len=SEQ,
+    )
+
+
+def _options(checkpoint: Path, out: Path | None = None) -> TrainOptions:
+    return TrainOptions(
+        steps=3, lr=1e-3, log=False, init_from=str(checkpoint), save_hf=str(out) if out else None
+    )
+
+
+def _ranks(runs: list[Run], root: str) -> list[list[tuple[float, float]]]:
+    out = []
+    for i, run in enumerate(runs):
+        checkpoint = Path(root, run.model)
+        steps = train(
+            _task(checkpoint),
+            run.config,
+            GLOBAL_BATCH,
+            options=_options(checkpoint, Path(root, f"out{i}")),
+        )
+        out.append([(r.loss, r.grad_norm) for r in steps])
+    return out
+
+
+def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_hugging_face_checkpoint_trains_sharded_and_goes_back_out(tmp_path):
+    for name in dict.fromkeys(r.model for r in RUNS):
+        _saved(name, tmp_path)
+    per_rank = run_ranks(4, _ranks, RUNS, str(tmp_path))
+    for i, run in enumerate(RUNS):
+        checkpoint = tmp_path / run.model
+        task = _task(checkpoint)
+        want, trained = reference_model(task, GLOBAL_BATCH, _options(checkpoint))
+        (ids,), targets = task.batch(0, 0, GLOBAL_BATCH)
+        pretrained = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).float()
+        first = task.loss(pretrained(ids).logits, targets).item()
+        label = f"{run.model} {run.config.as_text()}"
+        assert abs(per_rank[0][i][0][0] - first) <= 1e-5 * abs(first), (label, first)
+        err = max(max_rel_error(results[i], want) for results in per_rank)
+        assert err <= 1e-5, f"{label}: {err:.2e} ({per_rank[0][i]} vs {want})"
+        exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"out{i}")
+        got, ref = _logits(exported, ids), _logits(trained, ids)
+        scale = ref.abs().max().item()
+        assert (got - ref).abs().max().item() <= 1e-5 * scale, label
+        saved = json.loads((tmp_path / f"out{i}" / "config.json").read_text())
+        assert saved.get("dtype", saved.get("torch_dtype")) == "float32"
+
+
+def test_precision_is_the_plans_whatever_the_checkpoint_stores(tmp_path):
+    """A bf16 checkpoint (and config) starts fp32 master weights: the parameters' bytes are
+    fp32's, as the plan prices them."""
+    checkpoint = _saved("qwen3", tmp_path)
+    assert json.loads((checkpoint / "config.json").read_text())["dtype"] == "bfloat16"
+    _, model = reference_model(_task(checkpoint), GLOBAL_BATCH, TrainOptions(
+        steps=0, init_from=str(checkpoint)))  # fmt: skip
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    pretrained = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    for (name, p), q in zip(model.named_parameters(), pretrained.parameters(), strict=True):
+        assert torch.equal(p, q.float()), name
