@@ -22,6 +22,7 @@ Public functions:
     export_hf(checkpoint, out, config, dtype=torch.float32, max_shard_bytes=5 GiB) -> ExportReport
     resolve_checkpoint(path) -> a complete checkpoint directory (a run's newest, or itself)
     save_hf_at_end(checkpointer, step, out, config, scratch) -> ExportReport  # collective
+    save_run_as_hf(checkpointer | None, open_scratch, step, out, config)       # collective
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import json
 import re
 import shutil
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from autopar.runtime.checkpoint import (
     Checkpointer,
     CheckpointError,
+    CheckpointOptions,
     checkpoint_problem,
     latest_checkpoint,
     read_meta,
@@ -239,3 +242,24 @@ def save_hf_at_end(
     if dist.is_initialized():
         dist.barrier()
     return report
+
+
+def save_run_as_hf(
+    checkpointer: Checkpointer | None,
+    open_scratch: Callable[[CheckpointOptions], Checkpointer],
+    step: int,
+    out: str,
+    config: Any,
+    *,
+    log: bool = True,
+) -> None:
+    """`TrainOptions.save_hf`: the model after ``step`` steps as a Hugging Face checkpoint in
+    ``out``, saved through the run's ``checkpointer``, or through one ``open_scratch`` opens
+    beside the output (removed after). Collective."""
+    scratch = checkpointer is None
+    if checkpointer is None:
+        where = CheckpointOptions(f"{out}/.autopar-checkpoint", keep=1, resume=False)
+        checkpointer = open_scratch(where)
+    report = save_hf_at_end(checkpointer, step, out, config, scratch=scratch)
+    if report is not None and log:
+        print(f"[autopar] Hugging Face checkpoint: {report.as_text()}", flush=True)

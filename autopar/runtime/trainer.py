@@ -56,7 +56,6 @@ from __future__ import annotations
 import contextlib
 import math
 import resource
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +71,7 @@ from autopar.config import ParallelConfig
 from autopar.config.precision import ALIASES
 from autopar.runtime.checkpoint import CheckpointOptions, open_checkpointer
 from autopar.runtime.collectives import ROUTED_ROWS
+from autopar.runtime.hf_export import save_run_as_hf
 from autopar.runtime.low_precision import RUNTIME_PRECISIONS
 from autopar.runtime.mesh import RuntimeMesh, build_mesh
 from autopar.runtime.metrics import Metrics
@@ -80,7 +80,13 @@ from autopar.runtime.parallelize import (  # noqa: F401  (parallelize_model: re-
     PipelineSpec,
     parallelize_model,
 )
-from autopar.runtime.startup.start import WeightsFrom, build_whole, start_model
+from autopar.runtime.run_report import print_rank_summary, step_line
+from autopar.runtime.startup.start import (
+    WeightsFrom,
+    build_whole,
+    process_age_s,
+    start_model,
+)
 from autopar.runtime.task import Task
 from autopar.runtime.tp_apply import loss_context, reduce_partial_grads
 
@@ -304,6 +310,7 @@ def train(
         if options.compile:  # the first step includes compiling: expect it slow
             print(f"[autopar] torch.compile: each of the {len(pm.blocks)} blocks", flush=True)
     results = []
+    first_step_s = None
     metrics = Metrics.open(options, prediction) if mesh.rank == 0 else None
     for step in range(first_step, options.steps):
         t0 = time.perf_counter()
@@ -350,8 +357,10 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         routed = ROUTED_ROWS.take()
         results.append(StepResult(step + 1, mean_loss, grad_norm, step_time, memory, routed))
+        if first_step_s is None:  # time to first step: from the process's start
+            first_step_s = process_age_s()
         if options.log and mesh.rank == 0:
-            print(_step_line(results[-1], options.steps, prediction, mesh.pp_rank), flush=True)
+            print(step_line(results[-1], options.steps, prediction, mesh.pp_rank), flush=True)
         if metrics is not None:
             metrics.write(results[-1], lr)
         if ckpt:  # CHECKPOINT: log the step, save when due
@@ -359,11 +368,26 @@ def train(
     if ckpt:
         ckpt.close()  # completes a pending asynchronous save
     if options.save_hf:  # WEIGHTS OUT: through a checkpoint, exported by rank 0
-        _save_hf(ckpt, options, model, optimizer, pm, config, global_batch_size, started)
+        save_run_as_hf(
+            ckpt,
+            lambda where: open_checkpointer(
+                where,
+                model,
+                optimizer,
+                global_batch_size=global_batch_size,
+                plan_text=config.as_text(),
+                fingerprint=started.fingerprint,
+                **_sliced_by_hand(pm, config),
+            ),
+            options.steps,
+            options.save_hf,
+            started.hf_config,
+            log=options.log,
+        )
     if metrics is not None:
         metrics.close()
     if options.log and results:
-        _print_rank_summary(results, mesh, prediction)
+        print_rank_summary(results, mesh, prediction, started.report, first_step_s)
     return results
 
 
@@ -445,40 +469,6 @@ def _sliced_by_hand(pm: ParallelModel, config: ParallelConfig) -> dict[str, Any]
     return {"sliced": sliced, "expert_layout": " ".join(layout), "hand_slices": pm.hand_slices}
 
 
-def _save_hf(
-    ckpt: Any,
-    options: TrainOptions,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    pm: ParallelModel,
-    config: ParallelConfig,
-    global_batch_size: int,
-    started: Any,
-) -> None:
-    """``options.save_hf``: the model after the last step as a Hugging Face checkpoint, saved
-    through the run's checkpointer (or one of its own beside the output, removed after)."""
-    from autopar.runtime.checkpoint import CheckpointOptions
-    from autopar.runtime.hf_export import save_hf_at_end
-
-    scratch = ckpt is None
-    if scratch:
-        where = CheckpointOptions(f"{options.save_hf}/.autopar-checkpoint", keep=1, resume=False)
-        ckpt = open_checkpointer(
-            where,
-            model,
-            optimizer,
-            global_batch_size=global_batch_size,
-            plan_text=config.as_text(),
-            fingerprint=started.fingerprint,
-            **_sliced_by_hand(pm, config),
-        )
-    report = save_hf_at_end(
-        ckpt, options.steps, options.save_hf, started.hf_config, scratch=scratch
-    )
-    if report is not None and options.log:
-        print(f"[autopar] Hugging Face checkpoint: {report.as_text()}", flush=True)
-
-
 def _held_fewer(pm: ParallelModel, config: ParallelConfig) -> dict[int, int]:
     """Parameter id -> how many times fewer ranks hold it than a replicated one: expert
     parallelism's experts ep (each ep rank its own), expert tensor parallelism's slices tp
@@ -499,54 +489,6 @@ def _autocast(device: torch.device, precision: str) -> Any:
         # bf16 around their FP8 linears ("fp8" is an alias of fp8-tensorwise)
         return torch.autocast(device.type, dtype=torch.bfloat16)
     raise ValueError(f"precision must be one of {', '.join(RUNTIME_PRECISIONS)}, got {precision!r}")
-
-
-def _mib(x: float | None) -> str:
-    return "-" if x is None else f"{x / MiB:.2f}"
-
-
-def _step_line(r: StepResult, steps: int, pred: Prediction, stage: int) -> str:
-    m = r.memory_bytes
-    plan_mem = pred.stage_memory_bytes[stage] if pred.stage_memory_bytes else {}
-    plan_time = f" (plan {pred.step_time_s:.4f} s)" if pred.step_time_s else ""
-    return (
-        f"step {r.step}/{steps}  loss {r.loss:.6f}  grad_norm {r.grad_norm:.6f}  "
-        f"time {r.step_time_s:.4f} s{plan_time}  rank0 MiB params {_mib(m['parameters'])}"
-        f"/{_mib(plan_mem.get('parameters'))} grads {_mib(m['gradients'])}"
-        f"/{_mib(plan_mem.get('gradients'))} optim {_mib(m['optimizer'])}"
-        f"/{_mib(plan_mem.get('optimizer'))} (measured/plan)"
-    )
-
-
-def _print_rank_summary(results: list[StepResult], mesh: RuntimeMesh, pred: Prediction) -> None:
-    """Every rank's memory, gathered to rank 0 and printed one line each; under expert
-    parallelism, the busiest rank's routed rows over the mean against the plan's assumption."""
-    memory = results[-1].memory_bytes
-    sent = sum(r.routed_rows[0] for r in results)
-    received = sum(r.routed_rows[1] for r in results)
-    rows: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, (mesh.rank, mesh.pp_rank, memory, sent, received))
-    if mesh.rank != 0:
-        return
-    loads = {rank: got / out for rank, _, _, out, got in rows if out}
-    if loads:
-        busiest = max(loads, key=loads.get)
-        planned = f"{pred.moe_imbalance:.2f}" if pred.moe_imbalance else "-"
-        print(
-            f"[autopar] expert rows: the busiest rank ({busiest}) received {loads[busiest]:.2f}x "
-            f"the mean over {len(results)} steps (plan {planned}: CostOptions.moe_imbalance)",
-            file=sys.stdout,
-            flush=True,
-        )
-    for rank, stage, mem, _, _ in rows:
-        plan_peak = pred.stage_peak_bytes[stage] if pred.stage_peak_bytes else None
-        print(
-            f"[autopar] rank {rank} memory MiB: params {_mib(mem['parameters'])} grads "
-            f"{_mib(mem['gradients'])} optim {_mib(mem['optimizer'])} peak {_mib(mem['peak'])}"
-            f" (plan peak {_mib(plan_peak)})",
-            file=sys.stdout,
-            flush=True,
-        )
 
 
 def reference_run(

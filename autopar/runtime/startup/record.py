@@ -185,6 +185,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.storages: dict[StorageWeakRef, Storage] = {}
         self.random_calls = 0
+        self.last_seed: int | None = None  # the seed the last random call drew under
 
     def storage_of(self, t: torch.Tensor) -> Storage | None:
         return self.storages.get(StorageWeakRef(t.untyped_storage()))
@@ -206,6 +207,7 @@ class _Recorder(TorchDispatchMode):
             return None
         generator = kwargs.get("generator")
         seed = generator.initial_seed() if generator is not None else torch.initial_seed()
+        self.last_seed = seed
         self.random_calls += 1
         return mix_key(seed, self.random_calls)
 
@@ -359,6 +361,9 @@ def record_build(build: Callable[[], nn.Module], seed: int = 0) -> tuple[nn.Modu
         with recorder:
             with torch.device("meta"), _TensorsOnCpuFirst():
                 model = build()
+            # under the seed the factory's build drew with (hf.build seeds its own and
+            # restores the caller's RNG after): its seed argument decides these draws too
+            torch.manual_seed(recorder.last_seed if recorder.last_seed is not None else seed)
             with torch.no_grad():
                 for module in _outermost_transformers(model):
                     module.initialize_weights()

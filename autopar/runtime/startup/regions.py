@@ -8,7 +8,9 @@ cols[j], ...].
 
 Slices compose in the order they were made: the hand slices first (expert parallelism, then
 expert tensor parallelism, on the whole tensor), then the DTensor's placements, mesh dimension
-by mesh dimension, on what the hand slices left (as `distribute_tensor` applies them). Each
+by mesh dimension, on what the hand slices left (as `distribute_tensor` applies them) -- but
+FSDP2 over tensor parallelism of the same dimension last: it chunks the tensor TP left
+(`_cuts_by_dim`). Each
 cut of a dimension's index list is torch's own: `Shard._split_tensor` (torch.chunk's sizes,
 empty tails) and `_StridedShard._split_tensor` (FSDP over TP's right-to-left order), applied to
 the index list instead of the data; a hand slice of `pieces` equal blocks, each cut over n
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -85,6 +88,23 @@ def _cut(index: torch.Tensor, placement: Shard | _StridedShard, num: int, rank: 
     return shards[rank]
 
 
+def _cuts_by_dim(placements: Sequence[Any]) -> dict[int, list[tuple[int, Any]]]:
+    """Per tensor dimension, the (mesh dim, placement) cuts in the order the local tensor was
+    made. In mesh order, except FSDP2 over a split of the same dimension: FSDP marks its cut
+    `_StridedShard` (split factor: the later mesh dims' count) and makes it last -- a plain
+    chunk of the tensor the later cuts left, which may itself be a piece-by-piece split (a
+    fused projection's) that the strided mark does not describe."""
+    by_dim: dict[int, list[tuple[int, Any]]] = {}
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Shard | _StridedShard):
+            by_dim.setdefault(placement.dim, []).append((mesh_dim, placement))
+    for d, cuts in by_dim.items():
+        first_dim, first = cuts[0]
+        if len(cuts) > 1 and isinstance(first, _StridedShard):
+            by_dim[d] = [*cuts[1:], (first_dim, Shard(d))]
+    return by_dim
+
+
 def region_of(
     tensor: torch.Tensor, whole_shape: Sequence[int], hand: Sequence[HandSlice] = ()
 ) -> Region:
@@ -99,11 +119,10 @@ def region_of(
         placement = _StridedShard(cut.dim, split_factor=cut.pieces)
         indices[cut.dim] = _cut(indices[cut.dim], placement, cut.num, cut.rank)
     if isinstance(tensor, DTensor):
-        coordinate = tensor.device_mesh.get_coordinate()
-        for mesh_dim, placement in enumerate(tensor.placements):
-            if isinstance(placement, Shard | _StridedShard):
-                num = tensor.device_mesh.size(mesh_dim)
-                d = placement.dim
+        mesh, coordinate = tensor.device_mesh, tensor.device_mesh.get_coordinate()
+        for d, cuts in _cuts_by_dim(tensor.placements).items():
+            for mesh_dim, placement in cuts:
+                num = mesh.size(mesh_dim)
                 indices[d] = _cut(indices[d], placement, num, coordinate[mesh_dim])
         local_shape = tuple(tensor.to_local().shape)
     else:

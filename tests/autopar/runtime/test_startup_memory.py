@@ -2,7 +2,7 @@
 
 Models of a few hundred MB of fp32 weights (zoo Llama, 101 M parameters, 405 MB; zoo MoE,
 8 experts, 86 M, 344 MB), on 4 gloo ranks started afresh (spawn: each process's peak is its
-own), under FSDP4, TP2 x PP2 and EP2 x FSDP2. Each rank reads its peak resident set (VmHWM)
+own), under FSDP4, TP2 x PP2 and EP2 over DP2 x FSDP2. Each rank reads its peak resident set (VmHWM)
 when its first module forward begins (a global forward pre-hook), and the test bounds it:
 
     peak <= resident set after imports and the process group + the plan's parameter bytes
@@ -40,7 +40,7 @@ MOE = {"hidden": 512, "num_heads": 8, "num_kv_heads": 4, "num_experts": 8,
 CASES = [
     Case("llama-tiny", C(fsdp=4, zero_stage=3), global_batch_size=4, overrides=LLAMA),
     Case("llama-tiny", C(tp=2, pp=2), global_batch_size=4, overrides=LLAMA),
-    Case("moe-tiny", C(fsdp=2, ep=2), global_batch_size=4, overrides=MOE),
+    Case("moe-tiny", C(dp=2, fsdp=2, ep=2, zero_stage=3), global_batch_size=4, overrides=MOE),
 ]
 
 

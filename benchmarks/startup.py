@@ -1,0 +1,104 @@
+"""Startup of a generated program: time to first step and each rank's peak memory (issue 44).
+
+    python3 benchmarks/startup.py                       # ~1B Llama, FSDP8 on 8 CPU ranks
+    python3 benchmarks/startup.py --size small --nproc 4 --config "fsdp=4"   # a quick look
+    python3 benchmarks/startup.py --config "tp=2 pp=2 | mbs=1" --nproc 4 --size small
+
+In: a Llama-shaped zoo model (`llama-tiny` with the overrides of ``--size``: "1b" is hidden
+2048, 16 blocks, FFN 5632, GQA 16/8 heads, vocabulary 32000, 0.89 B parameters, 3.5 GB of
+fp32 weights; "small" 0.10 B), a plan of ``--config`` priced on ``local_cpu`` x ``--nproc``
+(`autopar.evaluate`), written with `plan.save`, and its train.py run under
+`torchrun --standalone` for ``--steps`` steps (sequence ``--seq``, global batch ``--batch``).
+
+Out: per rank, as the program prints them (`autopar.runtime.run_report`): the startup's
+seconds (build on meta, parallelise, make the rank's shards), the rank's peak resident bytes
+when its shards were made (VmHWM) beside the plan's parameter bytes for it, and when its
+first step ended (seconds since the process started); and what building the whole model on
+every rank first would have held: nproc x the fp32 weights.
+
+Measure at low load (`uptime` is printed before and after): the ranks share this machine's
+cores, and the first step of a 1B model on 2 cores takes minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SIZES = {
+    "1b": {"hidden": 2048, "num_layers": 16, "ffn_hidden": 5632, "num_heads": 16,
+           "num_kv_heads": 8, "vocab_size": 32000},
+    "small": {"hidden": 768, "num_layers": 8, "ffn_hidden": 2048, "num_heads": 12,
+              "num_kv_heads": 6, "vocab_size": 32000},
+}  # fmt: skip
+RANK_LINE = re.compile(
+    r"rank (\d+) memory MiB: .*?startup ([\d.]+) s, peak MiB host ([\d.]+).*?"
+    r"\(plan's parameters ([\d.-]+)\); first step done ([\d.]+) s"
+)
+
+
+def _load() -> str:
+    return Path("/proc/loadavg").read_text().split()[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="1b")
+    parser.add_argument("--nproc", type=int, default=8)
+    parser.add_argument("--config", default="fsdp=8", help="ParallelConfig text")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--out", help="keep the plan and program here (default: a temp dir)")
+    args = parser.parse_args()
+
+    import autopar
+    from autopar.config.text import parse_config
+    from autopar.models import zoo
+
+    overrides = dict(SIZES[args.size], seq_len=args.seq)
+    model = zoo.build("llama-tiny", device="meta", **overrides)
+    n_params = sum(p.numel() for p in model.parameters())
+    cluster = autopar.Cluster.from_profile("local_cpu", num_devices=args.nproc)
+    config = parse_config(args.config)
+    (ids,) = zoo.example_inputs("llama-tiny", model, seq_len=args.seq)
+    # the zoo's build records its factory and overrides: the program builds the same model
+    plan = autopar.evaluate(
+        model, cluster, config, (ids,), global_batch_size=args.batch, precision="fp32"
+    )
+    out = Path(args.out or tempfile.mkdtemp(prefix="autopar-startup-"))
+    plan.save(out)
+    print(f"model: llama-tiny {args.size}, {n_params / 1e9:.3f} B parameters, "
+          f"{n_params * 4 / 2**30:.2f} GiB fp32; plan {plan.config.as_text()} on "
+          f"{args.nproc} CPU ranks; load {_load()}")  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = ["torchrun", "--standalone", f"--nproc-per-node={args.nproc}", str(out / "train.py"),
+           "--steps", str(args.steps)]  # fmt: skip
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    text = done.stdout + done.stderr
+    rows = sorted((int(m[0]), *map(float, m[1:])) for m in RANK_LINE.findall(text))
+    if done.returncode or not rows:
+        print(text[-4000:])
+        sys.exit(f"the program failed (exit {done.returncode})")
+    print(f"{'rank':>4} {'startup s':>10} {'host peak MiB':>14} {'plan params MiB':>16} "
+          f"{'first step s':>13}")  # fmt: skip
+    for rank, startup, host, planned, first in rows:
+        print(f"{rank:>4} {startup:>10.1f} {host:>14.0f} {planned:>16.0f} {first:>13.1f}")
+    peaks = [r[2] for r in rows]
+    print(f"all ranks: host peak {sum(peaks) / 1024:.2f} GiB in all (max {max(peaks):.0f} MiB "
+          f"a rank); the whole model on every rank would hold {args.nproc} x "
+          f"{n_params * 4 / 2**30:.2f} = {args.nproc * n_params * 4 / 2**30:.1f} GiB of weights "
+          f"before sharding; time to first step {max(r[4] for r in rows):.1f} s; wall "
+          f"{wall:.1f} s; load {_load()}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
