@@ -107,8 +107,10 @@ def test_startup_holds_the_plans_share_of_the_parameters(case):
     for rank, (before, peak, stage) in enumerate(_spawn(case)):
         grew = peak - before
         bound = planned[stage] + SLACK
-        print(f"{case.label} rank {rank}: +{grew / MiB:.0f} MiB at the first forward (plan's "
-              f"parameters {planned[stage] / MiB:.0f} MiB, whole model {whole / MiB:.0f} MiB)")
+        print(
+            f"{case.label} rank {rank}: +{grew / MiB:.0f} MiB at the first forward (plan's "
+            f"parameters {planned[stage] / MiB:.0f} MiB, whole model {whole / MiB:.0f} MiB)"
+        )
         assert grew <= bound, (
             f"rank {rank} grew {grew / MiB:.0f} MiB before its first forward; the plan's share "
             f"is {planned[stage] / MiB:.0f} MiB (+{SLACK / MiB:.0f} slack)"
