@@ -1,23 +1,31 @@
 """Startup of a generated program: time to first step and each rank's peak memory (issue 44).
 
     python3 benchmarks/startup.py                       # ~1B Llama, FSDP8 on 8 CPU ranks
-    python3 benchmarks/startup.py --size small --nproc 4 --config "fsdp=4"   # a quick look
+    python3 benchmarks/startup.py --size small --nproc 4 --config "fsdp=4 | zero=3"  # quick
     python3 benchmarks/startup.py --config "tp=2 pp=2 | mbs=1" --nproc 4 --size small
+    python3 benchmarks/startup.py --steps 0      # the 1B model's startup alone (see below)
+    python3 benchmarks/startup.py --size 0.5b    # 0.5 B: FSDP8 training fits in 24 GB
 
 In: a Llama-shaped zoo model (`llama-tiny` with the overrides of ``--size``: "1b" is hidden
 2048, 16 blocks, FFN 5632, GQA 16/8 heads, vocabulary 32000, 0.89 B parameters, 3.5 GB of
-fp32 weights; "small" 0.10 B), a plan of ``--config`` priced on ``local_cpu`` x ``--nproc``
+fp32 weights; "0.5b" hidden 1536, 16 blocks, FFN 4096, 0.50 B; "small" 0.10 B), a plan of
+``--config`` priced on ``local_cpu`` x ``--nproc``
 (`autopar.evaluate`), written with `plan.save`, and its train.py run under
 `torchrun --standalone` for ``--steps`` steps (sequence ``--seq``, global batch ``--batch``).
 
 Out: per rank, as the program prints them (`autopar.runtime.run_report`): the startup's
 seconds (build on meta, parallelise, make the rank's shards), the rank's peak resident bytes
-when its shards were made (VmHWM) beside the plan's parameter bytes for it, and when its
-first step ended (seconds since the process started); and what building the whole model on
-every rank first would have held: nproc x the fp32 weights.
+when its shards were made (VmHWM) beside the plan's parameter bytes for it, when its first
+step ended (seconds since the process started), and its peak resident bytes over the run
+beside the plan's peak; and what building the whole model on every rank first would have
+held: nproc x the fp32 weights. (The resident set counts Python and torch, about 350 MiB a
+rank, which the plan's device memory does not.)
 
 Measure at low load (`uptime` is printed before and after): the ranks share this machine's
-cores, and the first step of a 1B model on 2 cores takes minutes.
+cores, and the first step of a 1B model on 2 cores takes minutes. ``--steps 0`` starts the
+program and stops before the first step: on a 24 GB machine the 1B model's FSDP8 training
+does not fit (its plan prices 3.3 GB a rank, 26 GB for 8: AdamW's fp32 moments, FSDP2's
+gathered blocks and root unit), while its startup takes a rank's share only.
 """
 
 from __future__ import annotations
@@ -34,12 +42,14 @@ from pathlib import Path
 SIZES = {
     "1b": {"hidden": 2048, "num_layers": 16, "ffn_hidden": 5632, "num_heads": 16,
            "num_kv_heads": 8, "vocab_size": 32000},
+    "0.5b": {"hidden": 1536, "num_layers": 16, "ffn_hidden": 4096, "num_heads": 12,
+             "num_kv_heads": 4, "vocab_size": 32000},
     "small": {"hidden": 768, "num_layers": 8, "ffn_hidden": 2048, "num_heads": 12,
               "num_kv_heads": 6, "vocab_size": 32000},
 }  # fmt: skip
 RANK_LINE = re.compile(
-    r"rank (\d+) memory MiB: .*?startup ([\d.]+) s, peak MiB host ([\d.]+).*?"
-    r"\(plan's parameters ([\d.-]+)\); first step done ([\d.]+) s"
+    r"rank (\d+) memory MiB: .*? peak ([\d.]+) \(plan peak ([\d.-]+)\); startup ([\d.]+) s, "
+    r"peak MiB host ([\d.]+).*?\(plan's parameters ([\d.-]+)\); first step done ([\d.]+ s|-)"
 )
 
 
@@ -51,7 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="1b")
     parser.add_argument("--nproc", type=int, default=8)
-    parser.add_argument("--config", default="fsdp=8", help="ParallelConfig text")
+    parser.add_argument("--config", default="fsdp=8 | zero=3", help="ParallelConfig text")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
@@ -84,19 +94,24 @@ def main() -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     text = done.stdout + done.stderr
-    rows = sorted((int(m[0]), *map(float, m[1:])) for m in RANK_LINE.findall(text))
+    rows = sorted(
+        (int(m[0]), *(float(x) if x != "-" else float("nan") for x in m[1:6]),
+         float(m[6][:-2]) if m[6] != "-" else float("nan"))
+        for m in RANK_LINE.findall(text)
+    )  # fmt: skip
     if done.returncode or not rows:
         print(text[-4000:])
         sys.exit(f"the program failed (exit {done.returncode})")
-    print(f"{'rank':>4} {'startup s':>10} {'host peak MiB':>14} {'plan params MiB':>16} "
-          f"{'first step s':>13}")  # fmt: skip
-    for rank, startup, host, planned, first in rows:
-        print(f"{rank:>4} {startup:>10.1f} {host:>14.0f} {planned:>16.0f} {first:>13.1f}")
-    peaks = [r[2] for r in rows]
+    print(f"{'rank':>4} {'startup s':>10} {'startup peak MiB':>17} {'plan params MiB':>16} "
+          f"{'first step s':>13} {'run peak MiB':>13} {'plan peak MiB':>14}")  # fmt: skip
+    for rank, run_peak, plan_peak, startup, host, planned, first in rows:
+        print(f"{rank:>4} {startup:>10.1f} {host:>17.0f} {planned:>16.0f} {first:>13.1f} "
+              f"{run_peak:>13.0f} {plan_peak:>14.0f}")  # fmt: skip
+    peaks = [r[4] for r in rows]
     print(f"all ranks: host peak {sum(peaks) / 1024:.2f} GiB in all (max {max(peaks):.0f} MiB "
           f"a rank); the whole model on every rank would hold {args.nproc} x "
           f"{n_params * 4 / 2**30:.2f} = {args.nproc * n_params * 4 / 2**30:.1f} GiB of weights "
-          f"before sharding; time to first step {max(r[4] for r in rows):.1f} s; wall "
+          f"before sharding; time to first step {max(r[6] for r in rows):.1f} s; wall "
           f"{wall:.1f} s; load {_load()}")  # fmt: skip
 
 

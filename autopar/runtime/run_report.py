@@ -8,7 +8,7 @@ step), plus the busiest expert rank's routed rows under expert parallelism.
 
 Public functions:
     step_line(result, steps, prediction, stage) -> str
-    print_rank_summary(results, mesh, prediction, startup, first_step_s)   # collective
+    print_rank_summary(results, mesh, prediction, startup, first_step_s, memory)  # collective
     mib(bytes) -> str
 """
 
@@ -50,11 +50,11 @@ def print_rank_summary(
     pred: Prediction,
     startup: StartupReport,
     first_step_s: float | None,
+    memory: dict[str, float],
 ) -> None:
-    """Every rank's memory and startup, gathered to rank 0 and printed one line each; under
-    expert parallelism, the busiest rank's routed rows over the mean against the plan's
-    assumption."""
-    memory = results[-1].memory_bytes
+    """Every rank's memory (``memory``: after the last step, or after startup when there was
+    none) and startup, gathered to rank 0 and printed one line each; under expert parallelism,
+    the busiest rank's routed rows over the mean against the plan's assumption."""
     sent = sum(r.routed_rows[0] for r in results)
     received = sum(r.routed_rows[1] for r in results)
     rows: list[Any] = [None] * dist.get_world_size()

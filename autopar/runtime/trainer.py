@@ -264,11 +264,11 @@ def train(
     num_micro = per_rank // mbs
     device = torch.device(mesh.mesh.device_type)
 
-    def pipeline_spec(meta_model: nn.Module) -> PipelineSpec:
-        # a model cut from its trace: how it is called, one micro-batch (on meta, as the model)
+    spec = None
+    if config.pp > 1:  # a model cut from its trace: how it is called, one micro-batch (on
+        # the meta device, as the model is when it is cut)
         example = tuple(t[:mbs].to("meta") for t in task.batch(0, 0, mbs)[0])
-        del meta_model
-        return PipelineSpec(num_micro, task.loss, stage_layers, schedule, (task.forward, example))
+        spec = PipelineSpec(num_micro, task.loss, stage_layers, schedule, (task.forward, example))
 
     # STARTUP (autopar.runtime.startup): built on meta, parallelised, this rank's shards made
     started = start_model(
@@ -278,7 +278,7 @@ def train(
         precision=options.precision,
         placements=placements,
         tp=tp,
-        pipeline=pipeline_spec if config.pp > 1 else None,
+        pipeline=spec,
         compile_blocks=options.compile,
         fingerprint=fingerprint,
         seed=options.seed,
@@ -386,8 +386,9 @@ def train(
         )
     if metrics is not None:
         metrics.close()
-    if options.log and results:
-        print_rank_summary(results, mesh, prediction, started.report, first_step_s)
+    if options.log:  # with --steps 0 too: what the startup alone left on each rank
+        memory = results[-1].memory_bytes if results else memory_of(model, optimizer)
+        print_rank_summary(results, mesh, prediction, started.report, first_step_s, memory)
     return results
 
 

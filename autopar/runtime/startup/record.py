@@ -213,6 +213,16 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not any(_is_meta(t) for t in tree_leaves((args, kwargs))):
+            # real tensors only (a rotary table computed on the CPU): nothing of the model's,
+            # unless it makes a meta tensor from them (a factory under the meta device, a
+            # copy to meta), which does not write its real inputs: read them after
+            out = func(*args, **kwargs)
+            if not any(_is_meta(t) for t in tree_leaves(out)):
+                return out
+            read_args, read_kwargs = tree_map(self.read, (tuple(args), dict(kwargs)))
+            self._made(func, out, read_args, read_kwargs, self._key(func, kwargs))
+            return out
         read_args, read_kwargs = tree_map(self.read, (tuple(args), dict(kwargs)))
         key = self._key(func, kwargs)
         out = func(*args, **kwargs)
@@ -228,14 +238,22 @@ class _Recorder(TorchDispatchMode):
                         raise InitRecordError(f"{func} wrote a meta tensor made before the build")
                     write = Write(func, Layout.of(t), read_args, read_kwargs, where, key)
                     storage.writes.append(write)
+        self._made(func, out, read_args, read_kwargs, key)
+        return out
+
+    def _made(self, func: Any, out: Any, args: tuple, kwargs: dict, key: int | None) -> None:
+        """A storage per output of ``func`` on a meta storage not seen before."""
         for j, o in enumerate(tree_leaves(out)):
-            if isinstance(o, torch.Tensor) and o.is_meta and self.storage_of(o) is None:
+            if _is_meta(o) and self.storage_of(o) is None:
                 numel = o.untyped_storage().nbytes() // max(1, o.element_size())
-                node = Node(func, read_args, read_kwargs, j, key)
+                node = Node(func, args, kwargs, j, key)
                 storage = Storage(len(self.storages), o.dtype, numel, node, Layout.of(o))
                 storage.anchor = o
                 self.storages[StorageWeakRef(o.untyped_storage())] = storage
-        return out
+
+
+def _is_meta(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_meta
 
 
 class _TensorsOnCpuFirst(TorchFunctionMode):

@@ -34,7 +34,6 @@ from __future__ import annotations
 import os
 import resource
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,7 +118,7 @@ def start_model(
     precision: str = "fp32",
     placements: dict | None = None,
     tp: dict[str, str] | None = None,
-    pipeline: Callable[[nn.Module], PipelineSpec] | None = None,
+    pipeline: PipelineSpec | None = None,
     compile_blocks: bool = False,
     fingerprint: str = "",
     seed: int = 0,
@@ -127,8 +126,8 @@ def start_model(
 ) -> Startup:
     """Build, parallelise and materialize the task's model on this rank (module docstring).
 
-    ``pipeline``: pp > 1, the `PipelineSpec` given the meta model (its traced cut reads one
-    micro-batch on meta).
+    ``pipeline``: pp > 1, the `PipelineSpec` (a traced cut's micro-batch on the meta device,
+    as the model is when it is cut).
 
     Raises:
         ValueError: the model's fingerprint differs from the plan's.
@@ -146,9 +145,10 @@ def start_model(
     low = apply_low_precision(model, find_blocks(model), precision, config, device)
     # the source reads the whole model's names (a checkpoint's conversions), before any cut
     source, described = _source(weights, model, record, device, seed)
-    spec = pipeline(model) if pipeline is not None else None
     param_dtype = None if precision == "fp32" else torch.bfloat16
-    pm = parallelize_model(model, mesh, config, placements, tp, spec, compile_blocks, param_dtype)
+    pm = parallelize_model(
+        model, mesh, config, placements, tp, pipeline, compile_blocks, param_dtype
+    )
     filled = materialize(pm.model, source, device, pm.hand_slices)
     device_peak = None
     if device.type == "cuda":

@@ -25,6 +25,8 @@ def files(tmp_path: Path) -> dict[str, Path]:
     out = {"file": tmp_path / "a-file", "profile": tmp_path / "bin.toml"}
     out |= {"plan": tmp_path / "bin.json", "config": tmp_path / "config.json"}
     out["file"].write_text("not a directory\n")
+    out["empty"] = tmp_path / "empty"
+    out["empty"].mkdir()
     for key in ("profile", "plan", "config"):
         out[key].write_bytes(BINARY)
     return out
@@ -41,6 +43,12 @@ CASES = {
     "bad slice": (["cluster", "tpu_v5p", "--slice", "4x4xq"], "--slice wants dims like 4x4x4"),
     "negative devices": (["plan", "gpt-tiny", "--profile", "local_cpu", "--devices", "-2"],
                          "num_devices"),
+    "no checkpoint to export": (["export-hf", "{empty}", "-o", "{empty}/hf"],
+                                "no complete autopar checkpoint"),
+    "export-hf --config missing": (["export-hf", "{empty}", "-o", "{empty}/hf", "--config",
+                                    "{empty}/nope.json"], "no such file"),
+    "a directory without config.json": (["plan", "{empty}", "--profile", "local_cpu"],
+                                        "unknown model"),
 }  # fmt: skip
 
 

@@ -5,8 +5,9 @@ with `save_pretrained`, starts a sharded run (`TrainOptions.init_from`, `train.p
 
 Models: tiny Llama, Qwen3 with tied embeddings (saved in bf16: the run trains fp32 master
 weights from it), Mixtral (its checkpoint keeps one tensor per expert, the model a stack) and
-GPT-2 (a fused Conv1D projection). Styles on 4 gloo ranks: FSDP2 x TP2 (+SP), PP2 x DP2, and
-EP2 over FSDP4 for Mixtral. Checked against one process:
+GPT-2 (a fused Conv1D projection). Styles on 4 gloo ranks: FSDP2 x TP2 (+SP), PP2 x DP2, CP2 x
+DP2, and for Mixtral EP2 over FSDP4 and EP2 x ETP2 (each expert's width over the tp ranks).
+Checked against one process:
 - the first step's loss equals transformers' `from_pretrained` and one forward, within 1e-5;
 - the 3 steps' losses and gradient norms equal the single-process run's from the same
   checkpoint (`reference_model`), within 1e-5;
@@ -18,7 +19,7 @@ EP2 over FSDP4 for Mixtral. Checked against one process:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from autopar.config import ParallelConfig as C
 from autopar.models import hf
 from autopar.models.source import HF_CONFIG_FACTORY
 from autopar.runtime.checkpoint import CheckpointOptions
+from autopar.runtime.startup.hf_checkpoint import CheckpointFormatError
 from autopar.runtime.task import task_from_source
 from autopar.runtime.trainer import TrainOptions, reference_model, train
 
@@ -74,6 +76,8 @@ RUNS = [
     Run("qwen3", C(pp=2, dp=2)),
     Run("mixtral", C(fsdp=4, ep=2, zero_stage=3)),
     Run("mixtral", C(fsdp=2, tp=2, zero_stage=3)),
+    Run("mixtral", C(dp=2, tp=2, ep=2, etp=2, sequence_parallel=True)),
+    Run("llama", C(cp=2, dp=2)),
     Run("gpt2", C(fsdp=2, tp=2, zero_stage=3)),
     Run("gpt2", C(pp=2, dp=2)),
 ]
@@ -215,3 +219,18 @@ def test_a_bf16_config_trains_the_plans_bytes(tmp_path):
                     measured[part],
                     planned[part],
                 )
+
+
+def test_a_checkpoint_of_another_shape_is_refused_naming_the_tensor(tmp_path):
+    checkpoint = _saved("llama", tmp_path)
+    other = hf.build("llama-tiny-hf", intermediate_size=96)  # the MLP's width differs
+    other.save_pretrained(tmp_path / "other")
+    options = TrainOptions(steps=0, init_from=str(tmp_path / "other"))
+    with pytest.raises(
+        CheckpointFormatError, match=r"mlp\.\w+_proj\.weight is \((96, 64|64, 96)\)"
+    ):
+        reference_model(_task(checkpoint), GLOBAL_BATCH, options)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointFormatError, match="no Hugging Face checkpoint here"):
+        reference_model(_task(checkpoint), GLOBAL_BATCH, replace(options, init_from=str(
+            tmp_path / "empty")))  # fmt: skip
