@@ -4,7 +4,7 @@ In: the model after `parallelize_model` ran on the meta device (DTensors of TP a
 expert slices cut by hand, pipeline chunks), the hand slices (`regions.HandSlice` by name), a
 `WeightSource` and the device. Out: the same modules with every parameter and buffer on the
 device, each holding exactly its shard's values of the whole model's tensor; a
-`Materialized` record (elements filled, per source, and the peak bytes of one block).
+`Materialized` record (tensors and elements filled).
 
     model.to_empty(device)                    # this rank's shards, uninitialized (FSDP2 too;
                                               # swapped in place: tied parameters stay tied)
@@ -12,8 +12,9 @@ device, each holding exactly its shard's values of the whole model's tensor; a
         region = regions.region_of(local tensor, whole shape, hand slices)
         source.fill(name, local tensor, region)   # the init replay, or a checkpoint's bytes
 
-Tied parameters are filled once (their module's first name); buffers too, so a rotary table
-that the meta build left empty is computed (`record`'s replay of its making).
+Tied parameters are filled once (their module's first name); buffers under every name (each
+module's slot is its own tensor after `to_empty`), so a rotary table that the meta build left
+empty is computed (`record`'s replay of its making).
 
 Public functions:
     WeightSource                 (protocol) .whole_shape(name), .fill(name, local, region)

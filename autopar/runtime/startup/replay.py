@@ -14,7 +14,7 @@ view covers p, in order:
     uniform_ / normal_    the draw at p with the write's key, scaled
     fill_ / zero_ / copy_ the value, or the source at the view's coordinates
     pointwise in place    op_(old value, arguments at the view's coordinates)
-    anything else         the whole tensor, made once (`_full`, cached per evaluator),
+    anything else         the whole tensor, made once (`_full_storage`, cached per tensor),
                           then read at p: correct for any op, at the memory of that tensor
 
 Writes before the last one that overwrites the whole storage without reading it (a linear's
@@ -46,8 +46,6 @@ from autopar.runtime.startup.record import (
     Write,
     op_name,
 )
-
-aten = torch.ops.aten
 
 _ZERO_FACTORIES = frozenset(
     {"zeros", "zeros_like", "new_zeros", "empty", "empty_like", "new_empty", "empty_strided",
@@ -99,7 +97,8 @@ def decompose(positions: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, Co
 
 
 def positions_of(layout: Layout, coords: Coords) -> torch.Tensor:
-    pos = torch.full_like(coords[0], layout.offset) if coords else None
+    """The storage positions of ``coords`` in the view ``layout``."""
+    pos = torch.full_like(coords[0], layout.offset)
     for c, s in zip(coords, layout.stride, strict=True):
         pos = pos + c * s
     return pos
