@@ -47,6 +47,9 @@ from torch.distributed.tensor.parallel import (
 
 from autopar.models import zoo
 from autopar.models.layers import rope_cos_sin
+from autopar.models.source import ZOO_FACTORY
+from autopar.runtime.startup.start import build_whole
+from autopar.runtime.task import task_from_source
 
 MODEL = "llama-tiny"
 
@@ -136,7 +139,11 @@ def run(
         dist.init_process_group("gloo")
     names = ("pp", "dp", "tp")
     mesh = init_device_mesh("cpu", (shape.pp, shape.dp, shape.tp), mesh_dim_names=names)
-    model = zoo.build(MODEL, **overrides)
+    # the weights autopar's programs start from (its init, replayed: `autopar.runtime.startup`),
+    # so that the two programs' losses can be compared; built whole, as a hand-written
+    # program of this size does
+    model = build_whole(task_from_source(ZOO_FACTORY, {"name": MODEL, **overrides},
+                                         global_batch_size=batch))  # fmt: skip
     num_layers = model.config.num_layers
     pp_rank = mesh.get_local_rank("pp")
     per_rank = batch // shape.dp
