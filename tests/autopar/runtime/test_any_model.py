@@ -129,7 +129,8 @@ def _model_and_inputs(label: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, 
         source["factory"], {}, global_batch_size=GLOBAL_BATCH, seq_len=SEQ,
         data=source["data"], loss=source["loss"],
     )  # fmt: skip
-    return task.build(), tuple(t[:1] for t in task.batch(0, 0, 1)[0])
+    # planning traces the model on the meta device: no weights made
+    return task.build_meta(), tuple(t[:1].to("meta") for t in task.batch(0, 0, 1)[0])
 
 
 def _case(label: str, style: str, priced: autopar.Plan) -> Case:
