@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 
+from autopar.codegen.export.common import one_line
 from autopar.hardware import load_profile
 from autopar.plan.types import Plan
 
@@ -44,8 +45,10 @@ def slurm_script(plan: Plan) -> str:
     gpus = [f"#SBATCH --gpus-per-node={per_node}"] if _uses_gpus(plan) else []
     lines = [
         "#!/bin/bash",
-        f"# Slurm launcher written by autopar for {plan.model} on {plan.cluster} x "
-        f"{plan.num_nodes}: {plan.config.as_text()}",
+        one_line(
+            f"# Slurm launcher written by autopar for {plan.model} on {plan.cluster} x "
+            f"{plan.num_nodes}: {plan.config.as_text()}"
+        ),
         "# Submit from this directory: sbatch launch.sbatch [train.py options, e.g. --steps 1000]",
         f"#SBATCH --job-name={_job_name(plan)}",
         f"#SBATCH --nodes={plan.num_nodes}",
@@ -101,8 +104,10 @@ def pytorchjob_manifest(plan: Plan) -> str:
         ]
 
     lines = [
-        f"# Kubernetes (Kubeflow training operator) job written by autopar for {plan.model} on "
-        f"{plan.cluster} x {plan.num_nodes}: {plan.config.as_text()}",
+        one_line(
+            f"# Kubernetes (Kubeflow training operator) job written by autopar for {plan.model} "
+            f"on {plan.cluster} x {plan.num_nodes}: {plan.config.as_text()}"
+        ),
         "# Set the image (one holding this directory at /workspace), then: "
         "kubectl apply -f pytorchjob.yaml",
         "apiVersion: kubeflow.org/v1",

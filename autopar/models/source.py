@@ -13,6 +13,7 @@ Public names:
     model_fingerprint(model) -> str
     check_fingerprint(model, expected)      ValueError when they differ
     refuse_untrusted(factory, trusted)      a factory a plan file names runs only with consent
+    refuse_untrusted_source(source, trusted)   ... and its loss and import root too
     build_from_source(factory, kwargs, device="meta", trusted=False) -> nn.Module
 """
 
@@ -62,6 +63,32 @@ def refuse_untrusted(factory: str, trusted: bool) -> None:
         "you made this plan or trust its source, pass trust_factory=True (command line: "
         "--trust-factory); or plan the model again from your own factory"
     )
+
+
+def refuse_untrusted_source(source: Any, trusted: bool) -> None:
+    """`refuse_untrusted` for everything of a plan's `model_source` that would make a program
+    import code: the factory, and -- outside autopar's own -- the loss it names and the
+    directory it puts on the import path (`import_root`: a ``transformers/`` there would run
+    in place of the real one). Raises `UntrustedFactoryError` naming what and why."""
+    refuse_untrusted(source.factory, trusted)
+    if trusted:
+        return
+    loss = getattr(source, "loss", None)
+    if loss and not loss.startswith("autopar."):
+        raise UntrustedFactoryError(
+            f"the plan names the loss {loss!r}, which a program would import; autopar does "
+            "not import code named in a plan file without your consent: pass "
+            "trust_factory=True (command line: --trust-factory) if you trust the plan, or give "
+            "the loss on the program's command line (train.py --loss module:fn)"
+        )
+    root = getattr(source, "import_root", None)
+    if root:
+        raise UntrustedFactoryError(
+            f"the plan puts {root!r} on the program's import path, where any module (a "
+            "transformers/ directory) would run in place of the installed one; autopar does "
+            "not do that for a plan file without your consent: pass trust_factory=True "
+            "(command line: --trust-factory) if you trust the plan"
+        )
 
 
 def resolve_callable(path: str) -> Any:

@@ -13,12 +13,16 @@ Checked:
   ranks; there is one stage per pipeline rank, each with its layers, and the plan's peak
   memory is its fullest stage's;
 - on a shipped hardware profile, the config against the cluster the plan names (its nodes
-  and devices per node: `ParallelConfig.validate`).
+  and devices per node: `ParallelConfig.validate`);
+- every string and key is one printable line of at most `MAX_TEXT` characters (a newline in a
+  model's name would end a comment of the generated program or a line of an exported shell
+  script), and the stack is a name.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from autopar.config import ParallelConfig
@@ -29,6 +33,9 @@ from autopar.hardware import Cluster, shipped_profile_names
 _INTEGERS = {"num_params": 0, "seq_len": 1, "num_nodes": 1, "world_size": 1}
 _INTEGERS |= {"global_batch_size": 1, "num_microbatches": 1, "schema_version": 1}
 _STRINGS = ("model", "cluster", "optimizer", "cluster_fingerprint", "stack")
+# the longest string a plan file may hold (a model's name, a layer's path, a note)
+MAX_TEXT = 4096
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 # number fields: the smallest value allowed, and whether it must be exceeded
 _NUMBERS = {"memory_capacity_bytes": True, "step_time_s": True}
 _NUMBERS |= {"peak_memory_bytes": False, "mfu": False}
@@ -67,7 +74,32 @@ def plan_problems(data: dict[str, Any]) -> list[str]:
     for name in ("report", "placements", "tensor_parallel_roles"):
         if name in data and not isinstance(data[name], dict):
             out.append(f"{name} must be an object, got {type(data[name]).__name__}")
+    out += free_text_problems(data)
+    if isinstance(data.get("stack"), str) and not _NAME.fullmatch(data["stack"]):
+        out.append(f"stack must be a stack's name (letters, digits, . _ -), got {data['stack']!r}")
     return out
+
+
+def free_text_problems(value: Any, path: str = "plan") -> list[str]:
+    """Every string (and key) in ``value`` that is not one printable line of at most
+    `MAX_TEXT` characters: what a plan file may carry into a generated program's comments and
+    docstring, an exported shell script, TOML or YAML (each also escapes what it writes)."""
+    if isinstance(value, str):
+        if len(value) > MAX_TEXT:
+            return [f"{path} is {len(value)} characters long; at most {MAX_TEXT}"]
+        if not value.isprintable():
+            bad = next(c for c in value if not c.isprintable())
+            return [f"{path} holds the control character {bad!r}: one printable line only"]
+        return []
+    if isinstance(value, dict):
+        return [
+            p
+            for k, v in value.items()
+            for p in free_text_problems(k, f"{path} key") + free_text_problems(v, f"{path}.{k}")
+        ]
+    if isinstance(value, list | tuple):
+        return [p for i, v in enumerate(value) for p in free_text_problems(v, f"{path}[{i}]")]
+    return []
 
 
 def non_finite_fields(value: Any, path: str = "plan") -> list[str]:

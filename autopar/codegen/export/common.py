@@ -76,7 +76,8 @@ def model_shape(config: Any) -> ModelShape | None:
 
 
 def header_lines(plan: Plan, target: str, gaps: list[str], priced: Priced | None) -> list[str]:
-    """Comment lines (without the comment marker) that open every exported file."""
+    """Comment lines (without the comment marker) that open every exported file, each one
+    printable line (`one_line`)."""
     c = plan.config
     lines = [
         f"{target} configuration exported by autopar from the plan for {plan.model} on "
@@ -95,7 +96,13 @@ def header_lines(plan: Plan, target: str, gaps: list[str], priced: Priced | None
         lines += [f"  - {gap}" for gap in gaps]
     else:
         lines.append(f"{target} expresses every decision of the plan")
-    return lines
+    return [one_line(line) for line in lines]
+
+
+def one_line(text: str) -> str:
+    """``text`` as one printable line (a control character written as its escape): what a
+    comment of a shell script, TOML or YAML file may hold without ending early."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def toml_value(value: object) -> str:

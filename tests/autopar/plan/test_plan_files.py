@@ -6,10 +6,15 @@
   a train.py refuses a plan.json other than the one it was generated from.
 - A plan.json that names a factory of its own does not get it imported or called without
   the user's consent (`trust_factory` / `--trust-factory`); autopar's own factories need none.
+  Nor a loss it names, nor a directory it would put on the program's import path.
+- A plan's strings never become code: every string is one printable line (a newline would
+  end a comment or a shell line), the stack is a name, and the program's docstring escapes
+  quotes and backslashes (issue 45's four marker cases).
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import math
@@ -220,3 +225,78 @@ def test_autopars_own_factories_and_the_users_own_plans_need_no_consent(saved, t
 
 def tiny_factory(device: str = "cpu"):
     return autopar.models.zoo.build("gpt-tiny", device=device)
+
+
+# ------------------------------------------- no code from a plan's strings (issue 45, 1-4)
+
+
+def _marker_plan(saved: Path, tmp_path: Path, edit) -> tuple[Path, Path]:
+    path = _edited(saved, tmp_path, edit)
+    return path, tmp_path / "MARKER"
+
+
+def _program_help(program: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(program), "--help"], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+
+
+def test_a_stack_holding_python_is_refused_and_never_runs(saved, tmp_path, capsys):
+    marker = tmp_path / "MARKER"
+    stack = f'autopar" + str(__import__("os").system("touch {marker}")) + "'
+    path, _ = _marker_plan(saved, tmp_path, lambda d: d.update(stack=stack))
+    assert main(["generate", str(path), "-o", str(tmp_path / "out")]) == 1
+    said = capsys.readouterr().err
+    assert "stack must be a stack's name" in said and said.count("\n") == 1
+    assert not marker.exists()
+
+
+def test_quotes_and_backslashes_in_a_name_stay_in_the_docstring(saved, tmp_path):
+    """A model name may hold any printable text: the program's docstring escapes it, so the
+    program parses, says it, and runs nothing of it."""
+    marker = tmp_path / "MARKER"
+    name = f'GPT """\nimport os; os.system("touch {marker}")\n""" \\'.replace("\n", " ")
+    path, _ = _marker_plan(saved, tmp_path, lambda d: d.update(model=name))
+    assert main(["generate", str(path), "-o", str(tmp_path / "out")]) == 0
+    program = tmp_path / "out" / "train.py"
+    tree = ast.parse(program.read_text())
+    assert name in ast.get_docstring(tree, clean=False)
+    done = _program_help(program)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("field", ["model", "cluster_fingerprint"])
+def test_a_newline_in_any_string_is_refused_at_load(saved, tmp_path, field, capsys):
+    marker = tmp_path / "MARKER"
+    value = f"gpt\ntouch {marker}"
+    path, _ = _marker_plan(saved, tmp_path, lambda d: d.update({field: value}))
+    for argv in (["export", str(path), "--to", "megatron", "-o", str(tmp_path / "x")],
+                 ["generate", str(path), "-o", str(tmp_path / "y")]):  # fmt: skip
+        assert main(argv) == 1
+        said = capsys.readouterr().err
+        assert f"plan.{field} holds the control character '\\n'" in said, said
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_an_import_root_or_a_loss_a_plan_file_names_needs_consent(saved, tmp_path, capsys):
+    marker = tmp_path / "MARKER"
+    evil = tmp_path / "evil"
+    (evil / "transformers").mkdir(parents=True)
+    payload = f"open({str(marker)!r}, 'w').close()\n"
+    (evil / "transformers" / "__init__.py").write_text(payload)
+    (evil / "evilloss.py").write_text(payload + "def loss(out, target):\n    return out.sum()\n")
+    edits = {
+        "import_root": lambda d: d["model_source"].update(import_root=str(evil)),
+        "loss": lambda d: d["model_source"].update(import_root=str(evil), loss="evilloss:loss"),
+    }
+    for what, edit in edits.items():
+        path, _ = _marker_plan(saved, tmp_path, edit)
+        out = tmp_path / f"out-{what}"
+        assert main(["generate", str(path), "-o", str(out)]) == 1
+        said = capsys.readouterr().err
+        assert "--trust-factory" in said and "Traceback" not in said, said
+        assert ("evilloss:loss" if what == "loss" else str(evil)) in said
+        assert not out.exists() and not marker.exists()
+    # with consent the plan is the user's: its program puts the root on the path as asked
+    assert main(["generate", str(path), "-o", str(tmp_path / "ok"), "--trust-factory"]) == 0
+    assert (tmp_path / "ok" / "train.py").is_file()
