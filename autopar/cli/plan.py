@@ -57,7 +57,10 @@ def run_plan(args: argparse.Namespace) -> str:
 
     cluster = cluster_from_args(args.profile, args.nodes, args.devices)
     loaded = load_model(args.model, args.seq_len)
-    options = PlanOptions(progress=ProgressBar(), time_limit_s=args.time_limit)
+    try:
+        options = PlanOptions(progress=ProgressBar(), time_limit_s=args.time_limit)
+    except ValueError as e:
+        raise AutoparError(f"--time-limit: {e}") from None
     stack = args.stack
     if args.moe_imbalance is not None:  # the stack's options with the load measured or assumed
         cost = load_stack(stack or DEFAULT_STACK).options

@@ -200,10 +200,12 @@ class CostOptions:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        if not (math.isfinite(self.moe_imbalance) and self.moe_imbalance >= 1.0):
+        if not (math.isfinite(self.moe_imbalance) and 1.0 <= self.moe_imbalance <= 1024):
+            # the busiest of ep ranks receives at most every row: ep times the mean, and no
+            # expert-parallel degree is above 1,024
             raise ValueError(
-                f"moe_imbalance must be a finite number >= 1 (the busiest ep rank's routed rows "
-                f"over the mean), got {self.moe_imbalance}"
+                f"moe_imbalance must be a finite number in [1, 1024] (the busiest ep rank's "
+                f"routed rows over the mean, at most ep), got {self.moe_imbalance}"
             )
         for name in (
             "logit_copies", "logit_fp32_copies", "loss_parallel_fp32_copies",

@@ -123,6 +123,13 @@ class Estimator:
             check_recipe(self.recipe, profile.name, profile.device.name, profile.kind,
                          profile.device.peak_flops_per_s)  # fmt: skip
         precision = base_precision(precision)
+        peaks = cluster.profile.device.peak_flops_per_s
+        if cluster.profile.kind == "gpu" and precision not in peaks:
+            raise ConfigError(
+                f"precision {precision} cannot run on {cluster.profile.name} "
+                f"({cluster.profile.device.name}): it has no {precision} tensor cores (peak "
+                f"FLOP/s given for {', '.join(sorted(peaks))}); use one of those"
+            )
         if (optimizer, True) not in OPTIMIZER_BYTES:
             known = sorted({k for k, _ in OPTIMIZER_BYTES})
             raise ConfigError(f"optimizer must be one of {', '.join(known)}, got {optimizer!r}")

@@ -153,18 +153,59 @@ def build_from_config(path: str, *, device: str = "cpu", seed: int = 0) -> Any:
     transformers = _transformers()
     if "model_type" not in data:
         raise AutoparError(f"{path}: config.json has no model_type field")
+    if problems := config_problems(data):
+        raise AutoparError(f"{path}: {'; '.join(problems)}")
     kwargs = {k: v for k, v in data.items() if k != "model_type"}
     kwargs.setdefault("use_cache", False)
     kwargs.setdefault("attn_implementation", "sdpa")
     if any(k in data for k in ("num_local_experts", "num_experts", "n_routed_experts")):
         kwargs.setdefault("experts_implementation", "grouped_mm")
-    try:
+    try:  # transformers raises what it will on a bad value (its strict dataclasses included)
         config = transformers.AutoConfig.for_model(data["model_type"], **kwargs)
-    except (ValueError, KeyError) as e:
-        raise AutoparError(f"{path}: transformers cannot read this config: {e}") from None
+    except Exception as e:  # noqa: BLE001 -- one line for the user, whatever the kind
+        raise AutoparError(f"{path}: transformers cannot read this config: {_first(e)}") from None
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
-        return transformers.AutoModelForCausalLM.from_config(config)
+        try:
+            return transformers.AutoModelForCausalLM.from_config(config)
+        except Exception as e:  # noqa: BLE001 -- as above
+            raise AutoparError(
+                f"{path}: transformers cannot build a causal LM of this config: {_first(e)}"
+            ) from None
+
+
+# the shape fields of published configs (each family's own names): a whole number >= 1 where
+# given; None allowed where transformers derives the value (a head size, an MLP width)
+_SIZES = ("num_hidden_layers", "n_layer", "num_layers", "hidden_size", "n_embd", "d_model",
+          "num_attention_heads", "n_head", "vocab_size", "max_position_embeddings",
+          "n_positions", "num_local_experts", "num_experts", "n_routed_experts",
+          "num_experts_per_tok")  # fmt: skip
+_OPTIONAL_SIZES = ("num_key_value_heads", "intermediate_size", "n_inner", "head_dim")
+
+
+def config_problems(data: dict[str, Any]) -> list[str]:
+    """What in a config.json's shape no model can be built from, each naming the field: a
+    size that is not a whole number >= 1, a hidden size the heads do not divide (where no
+    head_dim is given)."""
+    out = []
+    for key in (*_SIZES, *_OPTIONAL_SIZES):
+        if key not in data or (data[key] is None and key in _OPTIONAL_SIZES):
+            continue
+        value = data[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            out.append(f"{key} must be a whole number >= 1, got {value!r}")
+    hidden = next((data[k] for k in ("hidden_size", "n_embd", "d_model") if k in data), None)
+    heads = next((data[k] for k in ("num_attention_heads", "n_head") if k in data), None)
+    if not out and hidden and heads and data.get("head_dim") is None and hidden % heads:
+        out.append(f"the hidden size {hidden} is not a multiple of the {heads} attention heads")
+    return out
+
+
+def _first(error: BaseException) -> str:
+    """An exception as one line: its kind and the last line of its message that says
+    something (transformers' validation errors put the reason last)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1] if lines else ''}"
 
 
 def example_inputs(

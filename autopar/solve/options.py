@@ -3,6 +3,7 @@ own knobs), passed in as one frozen dataclass."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,3 +32,10 @@ class PlanOptions:
     refine: RefineOptions = field(default_factory=RefineOptions)
     # device failures and checkpoint bandwidth for the plan's goodput; None: the profile's
     reliability: Reliability | None = None
+
+    def __post_init__(self) -> None:
+        limit = self.time_limit_s
+        if limit is not None and not (
+            isinstance(limit, int | float) and math.isfinite(limit) and limit >= 0
+        ):  # 0: the first plan that fits
+            raise ValueError(f"time_limit_s must be a finite number of seconds >= 0, got {limit!r}")

@@ -49,7 +49,46 @@ CASES = {
                                     "{empty}/nope.json"], "no such file"),
     "a directory without config.json": (["plan", "{empty}", "--profile", "local_cpu"],
                                         "unknown model"),
+    # issue 45: options out of range, precision the device lacks
+    "negative time limit": (["plan", "gpt-tiny", "--profile", "local_cpu", "--devices", "2",
+                             "--time-limit", "-5"], "time_limit_s must be a finite number"),
+    "nan time limit": (["plan", "gpt-tiny", "--profile", "local_cpu", "--devices", "2",
+                        "--time-limit", "nan"], "time_limit_s must be a finite number"),
+    "huge moe imbalance": (["plan", "moe-tiny", "--profile", "local_cpu", "--devices", "2",
+                            "--moe-imbalance", "1e9"], "moe_imbalance must be a finite number"),
+    "bf16 on V100": (["plan", "gpt-tiny", "--profile", "dgx_v100", "--precision", "bf16",
+                      "--batch", "8"], "it has no bf16 tensor cores"),
 }  # fmt: skip
+
+# issue 45: a hostile config.json's shape, refused naming the field
+_LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+HOSTILE = {
+    "zero heads": ({"num_attention_heads": 0}, "num_attention_heads must be a whole number"),
+    "heads do not divide": ({"hidden_size": 65}, "65 is not a multiple of the 4 attention"),
+    "string hidden size": ({"hidden_size": "64"}, "hidden_size must be a whole number"),
+    "float layer count": ({"num_hidden_layers": 2.5}, "num_hidden_layers must be a whole"),
+    "zero layers": ({"num_hidden_layers": 0}, "num_hidden_layers must be a whole number"),
+    "negative layers": ({"num_hidden_layers": -2}, "num_hidden_layers must be a whole number"),
+    "negative vocabulary": ({"vocab_size": -5}, "vocab_size must be a whole number"),
+    "null vocabulary": ({"vocab_size": None}, "vocab_size must be a whole number"),
+    "unknown activation": ({"hidden_act": "nope"}, "transformers cannot"),
+}
+
+
+@pytest.mark.parametrize("label", sorted(HOSTILE))
+def test_a_hostile_config_json_is_one_line(label: str, tmp_path, capsys) -> None:
+    import json
+
+    change, fragment = HOSTILE[label]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**_LLAMA, **change}))
+    argv = ["plan", str(path), "--profile", "local_cpu", "--devices", "2", "--batch", "4",
+            "-o", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("autopar: error: ") and fragment in err, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("label", sorted(CASES))

@@ -165,4 +165,4 @@ def test_moe_imbalance_is_priced_and_stated_or_refused(tmp_path: Path, capsys) -
     assert even["experts"]["imbalance"] == 1.0 and skewed["experts"]["imbalance"] == 1.5
     assert main([*args, "-o", str(tmp_path), "--moe-imbalance", "0.5"]) == 1
     err = capsys.readouterr().err
-    assert "--moe-imbalance: moe_imbalance must be a finite number >= 1" in err
+    assert "--moe-imbalance: moe_imbalance must be a finite number in [1, 1024]" in err
