@@ -69,6 +69,13 @@ def plan_problems(data: dict[str, Any]) -> list[str]:
             out.append(f"{name} must be a list, got {type(data[name]).__name__}")
     if data.get("goodput"):
         out += _mapping_of_numbers("goodput", data["goodput"])
+        for key, value in data["goodput"].items():  # a checkpoint interval is whole steps
+            if (
+                key.endswith("interval_steps")
+                and isinstance(value, int | float)
+                and not (value >= 1 and float(value).is_integer())
+            ):
+                out.append(f"goodput.{key} must be a whole number of steps >= 1, got {value!r}")
     if data.get("experts"):
         out += _mapping_of_numbers("experts", data["experts"])
     for name in ("report", "placements", "tensor_parallel_roles"):

@@ -298,6 +298,14 @@ def train(
         **_sliced_by_hand(pm, config),
     )
     first_step = ckpt.resume() if ckpt else 0
+    every = options.checkpoint.every if options.checkpoint else 0
+    remaining = options.steps - first_step
+    if every and 0 < remaining < every and options.log and mesh.rank == 0:
+        print(
+            f"[autopar] checkpoints every {every} steps: steps {first_step + 1}-{options.steps} "
+            "save none (a shorter --checkpoint-every, or more --steps, to save)",
+            flush=True,
+        )
     fewer = _held_fewer(pm, config)  # the gradient norm's weights: the parameters stay put
     world, start = dist.get_world_size(), mesh.data_rank * per_rank
     if options.log and mesh.rank == 0:

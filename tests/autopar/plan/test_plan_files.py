@@ -69,6 +69,11 @@ CASES = [
     ("unknown precision", lambda d: d.update(precision="fp4"), "precision must be one of"),
     ("negative term", lambda d: d["breakdown"].update(optimizer=-1), "breakdown.optimizer"),
     ("factory not a path", lambda d: d["model_source"].update(factory="os.system"), "factory"),
+    (
+        "fractional checkpoint interval",
+        lambda d: d["goodput"].update(sync_interval_steps=0.4),
+        "a whole number of steps >= 1",
+    ),
 ]
 
 
