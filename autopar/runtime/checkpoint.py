@@ -19,8 +19,10 @@ Invariants:
   previous complete checkpoints or one more; resume takes the newest complete one.
 - Resume verifies before it loads (`checkpoint_problem`): meta.json readable, every file
   meta.json lists present at its recorded size (a truncated or missing shard, `.metadata` or
-  RNG file), DCP's metadata readable. A damaged checkpoint is skipped with a message naming
-  what is wrong, and the newest intact one resumed; none intact is a `CheckpointError`.
+  RNG file), every file's content its recorded SHA-256 (a flipped block, its size unchanged:
+  `checkpoint_digest`), DCP's metadata readable. A damaged checkpoint is skipped with a
+  message naming what is wrong, and the newest intact one resumed; none intact is a
+  `CheckpointError`.
 - A save that fails (a full or read-only disk) raises `CheckpointError` naming the directory,
   the bytes this rank had to write and the bytes free; its partial directory is removed, and
   the checkpoints before it stay as they were.
@@ -85,6 +87,9 @@ from torch.distributed.checkpoint.state_dict import (
 from autopar.errors import AutoparError
 from autopar.estimate.goodput import goodput_interval
 from autopar.models.source import model_fingerprint
+from autopar.runtime.checkpoint_digest import collect as collect_digests
+from autopar.runtime.checkpoint_digest import problem as digest_problem
+from autopar.runtime.checkpoint_digest import write_rank_digests
 from autopar.runtime.fused_pieces import restrided, unstrided
 from autopar.runtime.startup.regions import HandSlice
 
@@ -177,6 +182,9 @@ def checkpoint_problem(path: str | Path) -> str | None:
             return f"{name} is missing"
         if size is not None and file.stat().st_size != size:
             return f"{name} holds {file.stat().st_size:,} bytes, but {size:,} were written"
+    changed = digest_problem(path, meta.get("sha256") or {})
+    if changed is not None:
+        return changed
     try:
         dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001 -- any unpickling or I/O error means: unreadable
@@ -416,9 +424,13 @@ class Checkpointer:
                 future = dcp.async_save(
                     state, checkpoint_id=str(partial), process_group=self._group
                 )
+                rank = self.rank
+                future.add_done_callback(lambda f: f.exception() or write_rank_digests(
+                    partial, rank))  # fmt: skip
                 self._pending = (step, future, _bytes_of(state))  # type: ignore[assignment]
                 return
             dcp.save(state, checkpoint_id=str(partial))
+            write_rank_digests(partial, self.rank)
         except (Exception, CheckpointException) as e:  # any rank's write error, on every rank
             self._failed(step, e, state)
         self._complete(step)
@@ -463,6 +475,8 @@ class Checkpointer:
         if self.rank != 0:
             return
         partial = self.root / f".partial-{_name(step)}"
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        digests = collect_digests(partial, world)  # every rank's, as it wrote its files
         files = {p.name: p.stat().st_size for p in partial.iterdir() if p.is_file()}
         meta = {
             "format": FORMAT_VERSION,
@@ -475,6 +489,7 @@ class Checkpointer:
             "expert_layout": self.expert_layout,
             "hand_slices": self.cuts,
             "files": files,  # every shard, .metadata and RNG file: resume checks them
+            "sha256": digests,  # and their content (`checkpoint_digest.problem`)
         }
         final = self.root / _name(step)
         try:

@@ -2,7 +2,8 @@
 
 A 4-step FSDP2 run saves after steps 2 and 4. Then, each on a copy of that directory:
 - the step-4 checkpoint damaged (a shard truncated, `.metadata` truncated, a rank's RNG file
-  deleted): resume skips it, names what is wrong, and continues from step 2 with the losses
+  deleted, 4 KiB of a shard flipped with its size unchanged): resume skips it, names what is
+  wrong, and continues from step 2 with the losses
   of the uninterrupted run;
 - both checkpoints damaged: resume refuses with `CheckpointError` naming both;
 - the disk full at the step-4 save (the rank processes' file size limit, RLIMIT_FSIZE, below
@@ -53,13 +54,19 @@ def _damage(root: Path, label: str, how: str) -> Path:
             meta.write_bytes(meta.read_bytes()[:40])
         elif how == "rng":
             (path / "rng-rank1.pt").unlink()
+        elif how == "flip":  # 4 KiB inverted in the middle, the size unchanged
+            shard = sorted(path.glob("*.distcp"))[-1]
+            data = bytearray(shard.read_bytes())
+            middle = len(data) // 2
+            data[middle : middle + 4096] = bytes(b ^ 0xFF for b in data[middle : middle + 4096])
+            shard.write_bytes(bytes(data))
     return copy
 
 
 def _ranks(root_text: str) -> dict[str, object]:
     root = Path(root_text)
     out: dict[str, object] = {"straight": _train(4, str(root / "run"))}
-    for how in ("shard", "metadata", "rng", "both"):
+    for how in ("shard", "metadata", "rng", "flip", "both"):
         if dist.get_rank() == 0:
             _damage(root, how, how)
         dist.barrier()
@@ -95,7 +102,8 @@ def test_damaged_checkpoints_are_skipped_and_a_full_disk_is_named(tmp_path):
     got = run_ranks(2, _ranks, str(tmp_path))[0]
     straight = got["straight"]
     for how, what in (("shard", ".distcp holds"), ("metadata", ".metadata holds"),
-                      ("rng", "rng-rank1.pt is missing")):  # fmt: skip
+                      ("rng", "rng-rank1.pt is missing"),
+                      ("flip", ".distcp holds other bytes than were written")):  # fmt: skip
         assert got[how] == straight[2:], how  # resumed after step 2: steps 3 and 4, the same
         assert "step-00000004" in got[f"{how} said"] and what in got[f"{how} said"], got
         assert "damaged" in got[f"{how} said"]

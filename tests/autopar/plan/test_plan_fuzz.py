@@ -1,0 +1,105 @@
+"""A plan file is data whatever it holds (issue 45): strings with quotes, newlines and shell
+metacharacters and numbers of any size in its fields, through every verb that writes from it.
+
+Each example edits a real saved plan.json (gpt-tiny on 2 local_cpu ranks) and runs `generate`
+and `export --to torchtitan|megatron|deepspeed|accelerate` on it, in process. Either the verb
+refuses in one line (exit 1, no traceback), or what it wrote parses with its own parser --
+train.py with `ast`, megatron_args.sh with `bash -n`, the TOML with `tomllib`, the YAML with
+`yaml`, the launchers likewise -- and nothing the strings say ran (no marker file). Bounded:
+a few dozen examples, seconds each.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import tomllib
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import autopar
+from autopar.cli import main
+
+MARKER = "/tmp/autopar-fuzz-marker"
+PAYLOADS = [
+    f'"; touch {MARKER}; "',
+    f"$(touch {MARKER})",
+    f"`touch {MARKER}`",
+    f'""" + __import__("os").system("touch {MARKER}") + """',
+    f"\ntouch {MARKER}\n",
+    "'\n[job]\nx = 1\n#",
+    "\\",
+    "\x00",
+]
+TEXT = st.one_of(st.sampled_from(PAYLOADS), st.text(max_size=40))
+NUMBER = st.one_of(st.integers(-(2**40), 2**40), st.floats(allow_nan=True, allow_infinity=True))
+FIELDS = ["model", "stack", "cluster", "cluster_fingerprint", "optimizer", "precision"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("fuzzplan")
+    model = autopar.models.zoo.build("gpt-tiny", device="meta")
+    cluster = autopar.Cluster.from_profile("local_cpu", num_devices=2)
+    config = autopar.ParallelConfig(dp=2, micro_batch_size=2)
+    inputs = autopar.models.zoo.example_inputs("gpt-tiny", model)
+    autopar.evaluate(model, cluster, config, inputs, global_batch_size=8).save(out, program=False)
+    return json.loads((out / "plan.json").read_text())
+
+
+def _check_outputs(out: Path) -> None:
+    for path in out.iterdir():
+        text = path.read_text()
+        if path.suffix == ".py":
+            ast.parse(text)
+        elif path.suffix in (".sh", ".sbatch"):
+            done = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+            assert done.returncode == 0, (path.name, done.stderr)
+        elif path.suffix == ".toml":
+            tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            list(yaml.safe_load_all(text))
+        elif path.suffix == ".json":
+            json.loads(text)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(field=st.sampled_from(FIELDS + ["stages[0].layers[0]", "seq_len", "step_time_s"]),
+       text=TEXT, number=NUMBER, data=st.data())  # fmt: skip
+def test_no_field_of_a_plan_file_runs_or_breaks_what_is_written(
+    saved, tmp_path_factory, capsys, field, text, number, data
+):
+    marker = Path(MARKER)
+    marker.unlink(missing_ok=True)
+    plan = json.loads(json.dumps(saved))
+    if field == "stages[0].layers[0]":
+        plan["stages"][0]["layers"][0] = text
+    elif field in ("seq_len", "step_time_s"):
+        plan[field] = number
+    else:
+        plan[field] = text
+    root = tmp_path_factory.mktemp("fuzz")
+    (root / "plan.json").write_text(json.dumps(plan))
+    verb = data.draw(st.sampled_from(["generate", "torchtitan", "megatron", "deepspeed",
+                                      "accelerate"]))  # fmt: skip
+    out = root / "out"
+    if verb == "generate":
+        argv = ["generate", str(root / "plan.json"), "-o", str(out)]
+    else:
+        argv = ["export", str(root / "plan.json"), "--to", verb, "-o", str(out), "--no-price"]
+    code = main(argv)
+    said = capsys.readouterr()
+    assert code in (0, 1), (argv, said.err)
+    if code == 1:
+        assert said.err.startswith("autopar: error: ") and said.err.count("\n") == 1, said.err
+        assert "Traceback" not in said.err
+    else:
+        _check_outputs(out)
+    assert not marker.exists(), (field, text)
