@@ -134,8 +134,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from autopar.config import ParallelConfig
+from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.runtime.checkpoint import CheckpointOptions, checkpoint_interval
+from autopar.runtime.preflight import check_options
 from autopar.runtime.data import TokenFile
 from autopar.runtime.hf_data import node_token_file
 from autopar.runtime.mesh import build_mesh, init_distributed, shutdown_distributed
@@ -387,24 +389,9 @@ def main() -> None:
         default={compiled!r},
         help={f"torch.compile each block (default: as the plan's stack, {plan.stack})"!r},
     )
-    args = parser.parse_args()
+    # --traceback: an error shows where it came from (`_fail`), not one line
+    args = parser.parse_args([a for a in sys.argv[1:] if a != "--traceback"])
 
-    owns_group = not dist.is_initialized()  # False when a launcher runs main() in its ranks
-    init_distributed(args.device)  # RANK, WORLD_SIZE, ... from torchrun; gloo or nccl
-    mesh = build_mesh(CONFIG, args.device)  # refuses a world size other than {plan.world_size}
-    tokens, dtype = args.tokens, args.tokens_dtype
-    if args.hf_dataset:  # tokenized once per node into a cached token file, then read as one
-        hf = (args.hf_dataset, args.hf_split, args.hf_column, args.tokenizer)
-        tokens, dtype = node_token_file(*hf)
-    task = task_from_source(
-        FACTORY,
-        FACTORY_KWARGS,
-        global_batch_size=GLOBAL_BATCH_SIZE,
-        seq_len=PLAN.seq_len,
-        data=TokenFile(tokens, PLAN.seq_len, GLOBAL_BATCH_SIZE, dtype) if tokens else args.data,
-        seed=args.seed,
-        loss=args.loss,
-    )
     checkpoint = None
     if args.checkpoint_dir:
         every = checkpoint_interval(args.checkpoint_every, args.async_checkpoint, PLAN.goodput)
@@ -425,6 +412,28 @@ def main() -> None:
         init_from=args.init_from,
         save_hf=args.save_hf,
     )
+    # the options, the paths, the loss and the data hooks checked before any collective: a
+    # bad one stops every rank alike, before one waits on another (autopar.runtime.preflight)
+    check_options(options)
+
+    def make_task(tokens: str | None, dtype: str):
+        return task_from_source(
+            FACTORY,
+            FACTORY_KWARGS,
+            global_batch_size=GLOBAL_BATCH_SIZE,
+            seq_len=PLAN.seq_len,
+            data=TokenFile(tokens, PLAN.seq_len, GLOBAL_BATCH_SIZE, dtype) if tokens else args.data,
+            seed=args.seed,
+            loss=args.loss,
+        )
+
+    task = None if args.hf_dataset else make_task(args.tokens, args.tokens_dtype)
+    owns_group = not dist.is_initialized()  # False when a launcher runs main() in its ranks
+    init_distributed(args.device)  # RANK, WORLD_SIZE, ... from torchrun; gloo or nccl
+    mesh = build_mesh(CONFIG, args.device)  # refuses a world size other than {plan.world_size}
+    if args.hf_dataset:  # tokenized once per node into a cached token file, then read as one
+        hf = (args.hf_dataset, args.hf_split, args.hf_column, args.tokenizer)
+        task = make_task(*node_token_file(*hf))
     train(
         task,
         CONFIG,
@@ -440,8 +449,23 @@ def main() -> None:
         shutdown_distributed()  # every rank done (no send still in flight), then the group freed
 
 
+def _fail(error: BaseException) -> None:
+    # a run that cannot start or go on: one line from rank 0 (every rank stops alike at the
+    # same check), exit 1; --traceback shows where it came from
+    if "--traceback" in sys.argv:
+        raise error
+    if os.environ.get("RANK", "0") == "0":
+        text = " ".join(str(error).split()) or type(error).__name__
+        print(f"train.py: error: {{text}}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (AutoparError, ImportError, OSError, ValueError, TypeError) as error:
+        _fail(error)
     # gloo's process groups outlive destroy_process_group (their worker threads still run
     # after it: something keeps the groups referenced) and die in interpreter finalization,
     # which once aborted rank 0 of a 2-rank FSDP2 run ("terminate called without an active

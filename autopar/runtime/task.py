@@ -123,7 +123,13 @@ def task_from_source(
     if loss is None:
         return task
     fn = resolve_callable(loss) if isinstance(loss, str) else loss
+    _callable("--loss", loss, fn)
     return replace(task, loss=fn, description=f"{task.description}, loss {loss}")
+
+
+def _callable(option: str, name: Any, fn: Any) -> None:
+    if not callable(fn):
+        raise ValueError(f"{option} {name}: a {type(fn).__name__}, not a function to call")
 
 
 def _task(
@@ -135,6 +141,8 @@ def _task(
     seed: int,
 ) -> Task:
     hook = resolve_callable(data) if isinstance(data, str) else data
+    if hook is not None:
+        _callable("--data", data, hook)
     if factory == ZOO_FACTORY:
         name = kwargs["name"]
         build_meta = _zoo_builder(kwargs)

@@ -80,6 +80,7 @@ from autopar.runtime.parallelize import (  # noqa: F401  (parallelize_model: re-
     PipelineSpec,
     parallelize_model,
 )
+from autopar.runtime.preflight import check_batch, check_finite, check_loss, check_options
 from autopar.runtime.run_report import print_rank_summary, step_line
 from autopar.runtime.startup.start import (
     WeightsFrom,
@@ -263,6 +264,7 @@ def train(
     per_rank = global_batch_size // num_data
     num_micro = per_rank // mbs
     device = torch.device(mesh.mesh.device_type)
+    check_options(options)  # a bad option or path stops every rank before the startup
 
     spec = None
     if config.pp > 1:  # a model cut from its trace: how it is called, one micro-batch (on
@@ -308,6 +310,7 @@ def train(
         )
     fewer = _held_fewer(pm, config)  # the gradient norm's weights: the parameters stay put
     world, start = dist.get_world_size(), mesh.data_rank * per_rank
+    check_batch(task, start, start + per_rank, _reads_token_ids(model))
     if options.log and mesh.rank == 0:
         print(f"[autopar] {started.report.as_text()}", flush=True)
         print(f"[autopar] {mesh.as_text()}; {pm.data_parallel.as_text()}", flush=True)
@@ -349,6 +352,8 @@ def train(
         # a tied embedding's copy on the last stage is counted once (pipeline.norm_parameters)
         counted = model.parameters() if pm.pipeline is None else pm.pipeline.norm_parameters()
         grad_norm, mean_loss = _global_norm_and_loss(counted, loss_sum, mesh, world, fewer)
+        where = options.checkpoint.directory if options.checkpoint else None
+        check_finite(step + 1, mean_loss, grad_norm, where)  # every rank: the same numbers
         coef = min(1.0, options.max_grad_norm / (grad_norm + 1e-6))
         with torch.no_grad():
             for p in model.parameters():
@@ -425,7 +430,10 @@ def _accumulate(
             else:
                 with _autocast(device, options.precision):
                     out = task.forward(pm.model, x)
-                loss = task.loss(out, y) / num_micro
+                loss = task.loss(out, y)
+                if i == 0:  # what a user's loss returned: a scalar backward can start from
+                    check_loss(loss, f"the loss ({task.description})")
+                loss = loss / num_micro
             # the outputs (the logits) are not needed by backward: freed before it, they are
             # not held beside the loss's fp32 copies at its peak (`CostOptions.logit_copies`)
             del out
@@ -476,6 +484,15 @@ def _sliced_by_hand(pm: ParallelModel, config: ParallelConfig) -> dict[str, Any]
             sliced[name] = sliced.get(name, "") + f"@tp{r}of{config.tp}"
         layout.append(f"etp={config.etp}")
     return {"sliced": sliced, "expert_layout": " ".join(layout), "hand_slices": pm.hand_slices}
+
+
+def _reads_token_ids(model: nn.Module) -> bool:
+    """Whether the first module holding parameters is an embedding: the model's first input
+    is token ids (what `preflight.check_batch` asks of the data)."""
+    for module in model.modules():
+        if next(module.parameters(recurse=False), None) is not None:
+            return isinstance(module, nn.Embedding)
+    return False
 
 
 def _held_fewer(pm: ParallelModel, config: ParallelConfig) -> dict[int, int]:

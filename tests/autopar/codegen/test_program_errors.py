@@ -1,0 +1,101 @@
+"""The generated program's own options and hooks: a bad one stops every rank before a step
+with one line from rank 0 and exit status 1, no traceback (issue 45).
+
+A gpt-tiny DP2 program, its 2 ranks started as torchrun starts them (RANK, WORLD_SIZE,
+MASTER_ADDR/PORT in each process's environment; torchrun itself prints its own summary of a
+failed child, which is not the program's), once per case: a learning rate NaN or negative, a
+loss that is not a function, names a missing module, returns a vector, an int or a value
+without gradient, or turns NaN (the run stops at the step, naming where to resume); a data
+hook returning None or float token ids; a checkpoint directory or metrics log that cannot be
+written. `--traceback` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar.runtime.mesh import free_port
+
+HOOKS = """
+import torch
+def vector(out, target): return out.float().sum(-1).flatten()
+def integer(out, target): return 3
+def nograd(out, target): return out.detach().float().mean()
+def nan(out, target): return out.float().mean() * float("nan")
+def none(step, start, stop): return None
+def floats(step, start, stop):
+    x = torch.rand(stop - start, 16)
+    return (x,), x.long()
+"""
+CASES = {
+    "lr nan": (["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
+    "lr negative": (["--lr", "-1"], "--lr must be a finite number >= 0, got -1.0"),
+    "loss not a function": (["--loss", "os:sep"], "--loss os:sep: a str, not a function"),
+    "loss module missing": (["--loss", "nomodule:fn"], "cannot import 'nomodule'"),
+    "loss a vector": (["--loss", "hooks:vector"], "returned a tensor of shape (32,)"),
+    "loss an int": (["--loss", "hooks:integer"], "returned int, not a tensor"),
+    "loss without gradient": (["--loss", "hooks:nograd"], "a value without gradient"),
+    "loss NaN": (["--loss", "hooks:nan"], "step 1: the loss is nan"),
+    "data None": (["--data", "hooks:none"], "must return (inputs, targets), got NoneType"),
+    "data float ids": (["--data", "hooks:floats"], "inputs[0] holds torch.float32 values"),
+    "checkpoint dir": (["--checkpoint-dir", "/proc/autopar"], "--checkpoint-dir /proc/autopar"),
+    "metrics": (["--metrics", "/proc/x/m.jsonl"], "--metrics /proc/x: cannot write there"),
+}
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("program")
+    model = autopar.models.zoo.build("gpt-tiny", device="meta")
+    cluster = autopar.Cluster.from_profile("local_cpu", num_devices=2)
+    inputs = autopar.models.zoo.example_inputs("gpt-tiny", model)
+    plan = autopar.evaluate(model, cluster, autopar.ParallelConfig(dp=2), inputs,
+                            global_batch_size=8)  # fmt: skip
+    plan.save(out)
+    (out / "hooks.py").write_text(HOOKS)
+    return out / "train.py"
+
+
+def _run(program: Path, args: list[str]) -> list[subprocess.CompletedProcess]:
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                   LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   PYTHONPATH=str(program.parent), OMP_NUM_THREADS="1")  # fmt: skip
+        cmd = [sys.executable, str(program), "--steps", "1", *args]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("label", sorted(CASES))
+def test_a_bad_option_or_hook_stops_every_rank_with_one_line(program, label):
+    args, fragment = CASES[label]
+    ranks = _run(program, args)
+    assert [r.returncode for r in ranks] == [1, 1], [r.stderr[-2000:] for r in ranks]
+    said = [line for line in ranks[0].stderr.splitlines() if line.startswith("train.py:")]
+    assert len(said) == 1 and fragment in said[0], ranks[0].stderr[-2000:]
+    for r in ranks:
+        assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert not any(line.startswith("train.py:") for line in ranks[1].stderr.splitlines())
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_traceback_on_request(program):
+    ranks = _run(program, ["--lr", "nan", "--traceback"])
+    assert ranks[0].returncode != 0 and "Traceback" in ranks[0].stderr
+    assert "RunError: --lr must be a finite number" in ranks[0].stderr
