@@ -9,6 +9,7 @@ over the slice shape (the last dim varies fastest), as torchrun and the TPU runt
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -224,6 +225,13 @@ class Cluster:
                 f"devices{partial} = world size {self.world_size}"
             )
         return head + "\n" + self.profile.as_text()
+
+
+def cluster_fingerprint(profile_name: str, num_nodes: int, devices_per_node: int) -> str:
+    """16 hex digits naming a cluster's profile and size: what a plan records of the cluster
+    it was priced on, checked when the plan file is read (`autopar.plan.check`)."""
+    where = f"{profile_name}|{num_nodes}|{devices_per_node}|{num_nodes * devices_per_node}"
+    return hashlib.sha256(where.encode()).hexdigest()[:16]
 
 
 def _time_shared(profile: HardwareProfile, used: int) -> HardwareProfile:

@@ -18,7 +18,6 @@ Invariant: a plan's values are JSON values (tuples for lists), so `Plan.from_jso
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, replace
 from typing import Any
@@ -31,6 +30,7 @@ from autopar.estimate.goodput import estimate_goodput
 from autopar.estimate.layout import mesh_axes
 from autopar.estimate.memory import sequence_ends_gathered, vocab_whole
 from autopar.hardware import Cluster, Reliability
+from autopar.hardware.cluster import cluster_fingerprint
 from autopar.models.source import import_root, model_fingerprint, resolve_callable
 from autopar.plan.types import ModelSource, Plan, StagePlan
 from autopar.solve import Solution
@@ -159,8 +159,9 @@ def with_sources(
     Raises:
         ValueError: the factory is not "module:function" or its kwargs are not JSON values.
     """
-    where = f"{cluster.profile.name}|{cluster.num_nodes}|{cluster.devices_per_node}"
-    cluster_fp = hashlib.sha256(f"{where}|{cluster.world_size}".encode()).hexdigest()[:16]
+    cluster_fp = cluster_fingerprint(
+        cluster.profile.name, cluster.num_nodes, cluster.devices_per_node
+    )
     if factory is None:
         recorded = getattr(model, "autopar_factory", None)
         factory = (recorded["factory"], recorded["kwargs"]) if recorded else None

@@ -29,6 +29,7 @@ from autopar.config import ParallelConfig
 from autopar.config.precision import PRECISIONS
 from autopar.errors import AutoparError
 from autopar.hardware import Cluster, shipped_profile_names
+from autopar.hardware.cluster import cluster_fingerprint
 
 _INTEGERS = {"num_params": 0, "seq_len": 1, "num_nodes": 1, "world_size": 1}
 _INTEGERS |= {"global_batch_size": 1, "num_microbatches": 1, "schema_version": 1}
@@ -181,6 +182,19 @@ def _against_plan(data: dict[str, Any], config: ParallelConfig) -> list[str]:
             out += [f"config on {data['cluster']}: {p}" for p in config.problems(cluster)]
         except AutoparError as e:
             out.append(f"cluster {data['cluster']} x {nodes} nodes of {world // nodes}: {e}")
+    recorded = data.get("cluster_fingerprint")
+    named = data.get("cluster")
+    if (
+        not out
+        and recorded
+        and isinstance(named, str)
+        and cluster_fingerprint(named, nodes, world // nodes) != recorded
+    ):
+        out.append(
+            f"cluster {named!r} x {nodes} nodes of {world // nodes} is not the cluster the "
+            f"plan was priced on (cluster_fingerprint {recorded!r}): re-plan for it (autopar "
+            "replan, or autopar plan)"
+        )
     return out
 
 
