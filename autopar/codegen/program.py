@@ -102,6 +102,10 @@ Weights: the model is built on the meta device and each rank makes only its own 
 each rank reads only its shards' bytes; parameters train in fp32 whatever dtype the checkpoint
 or config stores. --save-hf DIR writes the trained model as a Hugging Face checkpoint
 (`autopar export-hf` converts any checkpoint of --checkpoint-dir the same way).
+Errors: options, paths, hooks and the first batch are checked before the first step; a bad one
+stops every rank with one line (--traceback: the traceback). A loss or gradient norm that is
+not finite stops the run naming the step and the newest checkpoint; --skip-nonfinite N skips up
+to N such steps instead (no optimizer step; autopar.runtime.preflight).
 """
     return '#!/usr/bin/env python3\n"""' + _in_docstring(body) + '"""'
 
@@ -384,6 +388,12 @@ def main() -> None:
     parser.add_argument("--init-from", help="a Hugging Face checkpoint directory to start from")
     parser.add_argument("--save-hf", help="write the trained model here (Hugging Face format)")
     parser.add_argument(
+        "--skip-nonfinite",
+        type=int,
+        default=0,
+        help="skip up to N steps whose loss or gradient norm is not finite (default 0: stop)",
+    )
+    parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
         default={compiled!r},
@@ -411,6 +421,7 @@ def main() -> None:
         compile=args.compile,
         init_from=args.init_from,
         save_hf=args.save_hf,
+        skip_nonfinite=args.skip_nonfinite,
     )
     # the options, the paths, the loss and the data hooks checked before any collective: a
     # bad one stops every rank alike, before one waits on another (autopar.runtime.preflight)

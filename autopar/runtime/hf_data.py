@@ -19,6 +19,10 @@ are tokenized and appended in turn, so the dataset need not fit in memory.
 This is not `datasets`' own map-and-cache: that caches Arrow tables of ids per document, where
 the program reads a flat memory-mapped array by window.
 
+A source, split, column or tokenizer that cannot be read is refused with one line naming the
+option (`preflight.RunError`), whatever `datasets` or `transformers` raised: a malformed data
+file, a Hub name the machine cannot reach, a tokenizer directory that does not load.
+
 Public: hf_token_file(source, split, column, tokenizer, cache_dir=None) -> (path, dtype),
         node_token_file(...) the same on every rank of a process group
 """
@@ -32,6 +36,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
+
+from autopar.runtime.preflight import RunError
 
 FILE_BUILDERS = {
     ".json": "json",
@@ -54,7 +60,7 @@ def hf_token_file(
     the cache does not hold it yet; returns its path and id type ("uint16" or "uint32")."""
     dataset = _load(source, split)
     if column not in dataset.column_names:
-        raise ValueError(
+        raise RunError(
             f"{source} ({split}) has no column {column!r}: its columns are "
             f"{', '.join(dataset.column_names)} (--hf-column)"
         )
@@ -72,7 +78,7 @@ def hf_token_file(
         count = _write(dataset.iter(batch_size=BATCH), column, encode, eos, np.dtype(dtype), tmp)
         if count == 0:
             tmp.unlink()
-            raise ValueError(f"{source} ({split}, column {column!r}) holds no tokens")
+            raise RunError(f"{source} ({split}, column {column!r}) holds no tokens")
         os.replace(tmp, path)  # whole or absent: a reader never sees a partial file
     return path, dtype
 
@@ -80,21 +86,26 @@ def hf_token_file(
 def node_token_file(*args, **kwargs) -> tuple[Path, str]:
     """`hf_token_file` on every rank of the default process group: the first rank of each node
     (LOCAL_RANK 0) writes the file, the others wait for it (a collective). A refusal there
-    (a missing column, an unreadable source) reaches the barrier first, so no rank waits on a
-    writer that has failed; the others then meet the same refusal themselves."""
+    (a missing column, an unreadable source) is gathered by every rank, so every rank stops
+    with it and none tries the source again (a Hub name offline would time out once per rank)."""
     import torch.distributed as dist
 
     first = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    failed: BaseException | None = None
+    failed: Exception | None = None
     if first:
         try:
             found = hf_token_file(*args, **kwargs)
-        except Exception as e:  # re-raised after the barrier
+        except Exception as e:  # re-raised once every rank knows
             failed = e
+    said = [None if failed is None else str(failed)]
     if dist.is_initialized():
-        dist.barrier()
+        said = [None] * dist.get_world_size()
+        dist.all_gather_object(said, None if failed is None else str(failed))
     if failed is not None:
         raise failed
+    elsewhere = next((s for s in said if s), None)
+    if elsewhere is not None:
+        raise RunError(f"on another node: {elsewhere}")
     if not first:
         found = hf_token_file(*args, **kwargs)  # in the cache now: only reads the dataset
     return found
@@ -109,18 +120,44 @@ def _load(source: str, split: str):
             "token file with --tokens)"
         ) from err
     path = Path(source).expanduser()
-    if path.is_dir():  # save_to_disk's: a DatasetDict of splits, or one Dataset
-        saved = datasets.load_from_disk(str(path))
-        return saved[split] if isinstance(saved, datasets.DatasetDict) else saved
     if path.is_file():
         builder = FILE_BUILDERS.get(path.suffix)
         if builder is None:
-            raise ValueError(
-                f"{source}: not a data file datasets reads by extension "
+            raise RunError(
+                f"--hf-dataset {source}: not a data file datasets reads by extension "
                 f"({', '.join(FILE_BUILDERS)}) nor a save_to_disk directory"
             )
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
-    return datasets.load_dataset(source, split=split)
+        if split != "train":  # a single data file is read as one split, "train"
+            raise RunError(
+                f"--hf-split {split!r}: {source} is one data file, read as the split 'train'; "
+                "name a directory or a Hub dataset for other splits"
+            )
+    try:
+        if path.is_dir():  # save_to_disk's: a DatasetDict of splits, or one Dataset
+            saved = datasets.load_from_disk(str(path))
+            if not isinstance(saved, datasets.DatasetDict):
+                return saved
+            if split not in saved:
+                raise RunError(f"--hf-split {split!r}: {source} holds the splits "
+                               f"{', '.join(saved)}")  # fmt: skip
+            return saved[split]
+        if path.is_file():
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        return datasets.load_dataset(source, split=split)
+    except RunError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- whatever datasets raises: one line naming it
+        raise RunError(f"--hf-dataset {source}: cannot be read ({_reason(e)})") from None
+
+
+def _reason(error: BaseException, limit: int = 400) -> str:
+    """An exception and the one it was raised from, in one line: datasets wraps a parse
+    error in "An error occurred while generating the dataset"."""
+    parts = [f"{type(error).__name__}: {error}"]
+    if error.__cause__ is not None:
+        parts.append(f"{type(error.__cause__).__name__}: {error.__cause__}")
+    text = " ".join("; ".join(parts).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _encoder(
@@ -131,7 +168,7 @@ def _encoder(
     if _holds_ids(feature):
         return (lambda batch: batch), [], 2**32
     if tokenizer is None:
-        raise ValueError(
+        raise RunError(
             f"column {column!r} of {source} holds text: name a tokenizer (--tokenizer: a local "
             "tokenizer directory, or 'bytes' for UTF-8 bytes as ids)"
         )
@@ -139,7 +176,10 @@ def _encoder(
         return (lambda batch: [list(text.encode("utf-8")) for text in batch]), [10], 256
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tokenizer)
+    try:
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+    except Exception as e:  # noqa: BLE001 -- whatever transformers raises: one line naming it
+        raise RunError(f"--tokenizer {tokenizer}: does not load ({_reason(e)})") from None
     eos = [] if tok.eos_token_id is None else [tok.eos_token_id]
 
     def encode(batch: list[str]) -> list[list[int]]:
@@ -168,7 +208,7 @@ def _write(
             ids = [token for doc in encode(batch[column]) for token in (*doc, *eos)]
             array = np.asarray(ids, dtype=np.int64)
             if array.size and (array.min() < 0 or array.max() > np.iinfo(dtype).max):
-                raise ValueError(f"token ids outside {dtype} in column {column!r}")
+                raise RunError(f"token ids outside {dtype} in column {column!r}")
             array.astype(dtype).tofile(f)
             count += array.size
     return count

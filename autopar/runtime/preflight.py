@@ -6,7 +6,8 @@ waits on one that did not: a generated program prints it once, from rank 0, and 
 (`codegen.program`'s entry point).
 
 Before the startup (`check_options`) and the first step (`check_batch`):
-- options in range: steps >= 0, a learning rate finite and >= 0, warmup >= 0, clipping > 0;
+- options in range: steps >= 0, a learning rate finite and >= 0, warmup >= 0, clipping > 0,
+  skips allowed >= 0;
 - the paths it will write (checkpoint directory, metrics log, Hugging Face output) writable:
   a file made and removed in each;
 - the data: one batch of the step-0 samples this rank reads, through the task's data (a
@@ -15,7 +16,10 @@ Before the startup (`check_options`) and the first step (`check_batch`):
 On the first loss (`check_loss`): a scalar floating tensor that autograd can differentiate
 (a `--loss` returning a vector, an int or a detached value is named).
 After every step (`check_finite`): a loss or gradient norm that is NaN or infinite stops the
-run, naming the step and the newest checkpoint to resume from.
+run, naming the step and the newest checkpoint to resume from -- or, where the user allowed
+some (`--skip-nonfinite N`, `skip_nonfinite`), the step is skipped: no optimizer step, its
+gradients dropped, its samples not read again (as large runs skip a bad batch), said on rank 0.
+The allowance counts within one process: a resumed run starts it afresh.
 
 Public functions:
     RunError
@@ -23,6 +27,7 @@ Public functions:
     check_batch(task, start, stop, token_ids)
     check_loss(loss, where)
     check_finite(step, loss, grad_norm, checkpoint_dir)
+    skip_nonfinite(step, loss, grad_norm, left, log)
 """
 
 from __future__ import annotations
@@ -61,6 +66,9 @@ def _check_numbers(options: Any) -> None:
         raise RunError(f"--steps must be a whole number >= 0, got {options.steps!r}")
     if not (math.isfinite(options.lr) and options.lr >= 0):
         raise RunError(f"--lr must be a finite number >= 0, got {options.lr!r}")
+    if not isinstance(options.skip_nonfinite, int) or options.skip_nonfinite < 0:
+        raise RunError(f"--skip-nonfinite must be a whole number >= 0, got "
+                       f"{options.skip_nonfinite!r}")  # fmt: skip
     if options.warmup_steps < 0:
         raise RunError(f"--warmup-steps must be >= 0, got {options.warmup_steps!r}")
     if not (math.isfinite(options.max_grad_norm) and options.max_grad_norm > 0):
@@ -121,6 +129,17 @@ def check_loss(loss: Any, where: str) -> None:
     if not loss.requires_grad:
         raise RunError(f"{where} returned a value without gradient (computed under no_grad, "
                        "detached, or not from the model's outputs)")  # fmt: skip
+
+
+def skip_nonfinite(step: int, loss: float, grad_norm: float, left: int, log: bool) -> bool:
+    """True where the step's numbers are not finite and ``left`` more skips are allowed."""
+    if left <= 0 or (math.isfinite(loss) and math.isfinite(grad_norm)):
+        return False
+    if log:
+        said = f"the loss is {loss} and the gradient norm {grad_norm}"
+        print(f"[autopar] step {step} skipped: {said}; no optimizer step ({left - 1} more "
+              "skips allowed)", flush=True)  # fmt: skip
+    return True
 
 
 def check_finite(step: int, loss: float, grad_norm: float, checkpoint_dir: str | None) -> None:

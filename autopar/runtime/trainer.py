@@ -80,7 +80,13 @@ from autopar.runtime.parallelize import (  # noqa: F401  (parallelize_model: re-
     PipelineSpec,
     parallelize_model,
 )
-from autopar.runtime.preflight import check_batch, check_finite, check_loss, check_options
+from autopar.runtime.preflight import (
+    check_batch,
+    check_finite,
+    check_loss,
+    check_options,
+    skip_nonfinite,
+)
 from autopar.runtime.run_report import print_rank_summary, step_line
 from autopar.runtime.startup.start import (
     WeightsFrom,
@@ -130,6 +136,9 @@ class TrainOptions:
     # write the trained model here as a Hugging Face checkpoint after the last step
     # (`autopar.runtime.hf_export`)
     save_hf: str | None = None
+    # skip up to this many steps whose loss or gradient norm is not finite (no optimizer step,
+    # their gradients dropped, their samples consumed); 0: the first such step stops the run
+    skip_nonfinite: int = 0
 
     def lr_at(self, step: int) -> float:
         """The learning rate of 0-based step ``step``."""
@@ -323,6 +332,7 @@ def train(
     results = []
     first_step_s = None
     metrics = Metrics.open(options, prediction) if mesh.rank == 0 else None
+    skipped = 0  # non-finite steps skipped so far (options.skip_nonfinite allows how many)
     for step in range(first_step, options.steps):
         t0 = time.perf_counter()
         ROUTED_ROWS.take()  # this step's rows only
@@ -352,6 +362,11 @@ def train(
         # a tied embedding's copy on the last stage is counted once (pipeline.norm_parameters)
         counted = model.parameters() if pm.pipeline is None else pm.pipeline.norm_parameters()
         grad_norm, mean_loss = _global_norm_and_loss(counted, loss_sum, mesh, world, fewer)
+        log = options.log and mesh.rank == 0
+        if skip_nonfinite(step + 1, mean_loss, grad_norm, options.skip_nonfinite - skipped, log):
+            optimizer.zero_grad(set_to_none=True)
+            skipped += 1
+            continue
         where = options.checkpoint.directory if options.checkpoint else None
         check_finite(step + 1, mean_loss, grad_norm, where)  # every rank: the same numbers
         coef = min(1.0, options.max_grad_norm / (grad_norm + 1e-6))

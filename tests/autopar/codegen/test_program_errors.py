@@ -7,11 +7,14 @@ failed child, which is not the program's), once per case: a learning rate NaN or
 loss that is not a function, names a missing module, returns a vector, an int or a value
 without gradient, or turns NaN (the run stops at the step, naming where to resume); a data
 hook returning None or float token ids; a checkpoint directory or metrics log that cannot be
-written. `--traceback` shows the traceback instead.
+written; a --hf-dataset file that does not parse, a --tokenizer that does not load. A NaN step
+is skipped where --skip-nonfinite allows it. `--traceback` shows the traceback instead.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -28,6 +31,10 @@ def vector(out, target): return out.float().sum(-1).flatten()
 def integer(out, target): return 3
 def nograd(out, target): return out.detach().float().mean()
 def nan(out, target): return out.float().mean() * float("nan")
+CALLS = [0]
+def nan_once(out, target):  # step 1's first micro-batch only
+    CALLS[0] += 1
+    return out.float().mean() * (float("nan") if CALLS[0] == 1 else 1.0)
 def none(step, start, stop): return None
 def floats(step, start, stop):
     x = torch.rand(stop - start, 16)
@@ -46,6 +53,15 @@ CASES = {
     "data float ids": (["--data", "hooks:floats"], "inputs[0] holds torch.float32 values"),
     "checkpoint dir": (["--checkpoint-dir", "/proc/autopar"], "--checkpoint-dir /proc/autopar"),
     "metrics": (["--metrics", "/proc/x/m.jsonl"], "--metrics /proc/x: cannot write there"),
+    "skips negative": (["--skip-nonfinite", "-1"], "--skip-nonfinite must be a whole number"),
+    "hf-dataset malformed": (
+        ["--hf-dataset", "{dir}/broken.jsonl", "--tokenizer", "bytes"],
+        "broken.jsonl: cannot be read (DatasetGenerationError",
+    ),
+    "tokenizer": (
+        ["--hf-dataset", "{dir}/good.jsonl", "--tokenizer", "{dir}"],
+        "does not load",
+    ),
 }
 
 
@@ -59,6 +75,8 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             global_batch_size=8)  # fmt: skip
     plan.save(out)
     (out / "hooks.py").write_text(HOOKS)
+    (out / "broken.jsonl").write_text('{"text": "fine"}\n{"text": no quotes}\n')
+    (out / "good.jsonl").write_text('{"text": "fine"}\n')
     return out / "train.py"
 
 
@@ -68,7 +86,9 @@ def _run(program: Path, args: list[str]) -> list[subprocess.CompletedProcess]:
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                    LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                   PYTHONPATH=str(program.parent), OMP_NUM_THREADS="1")  # fmt: skip
+                   PYTHONPATH=str(program.parent), OMP_NUM_THREADS="1",
+                   AUTOPAR_CACHE=str(program.parent / "cache"))  # fmt: skip
+        args = [a.format(dir=program.parent) for a in args]
         cmd = [sys.executable, str(program), "--steps", "1", *args]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))  # fmt: skip
@@ -99,3 +119,17 @@ def test_traceback_on_request(program):
     ranks = _run(program, ["--lr", "nan", "--traceback"])
     assert ranks[0].returncode != 0 and "Traceback" in ranks[0].stderr
     assert "RunError: --lr must be a finite number" in ranks[0].stderr
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_nan_step_is_skipped_where_allowed_and_the_run_goes_on(program, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    args = ["--loss", "hooks:nan_once", "--skip-nonfinite", "1", "--steps", "3"]
+    ranks = _run(program, [*args, "--metrics", str(metrics)])
+    assert [r.returncode for r in ranks] == [0, 0], [r.stderr[-2000:] for r in ranks]
+    assert "step 1 skipped: the loss is nan" in ranks[0].stdout
+    assert "0 more skips allowed" in ranks[0].stdout
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [s["step"] for s in steps] == [2, 3]  # step 1 took no optimizer step
+    assert all(math.isfinite(s["loss"]) for s in steps)

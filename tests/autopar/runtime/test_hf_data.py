@@ -20,6 +20,7 @@ from autopar.errors import ConfigError
 from autopar.models import hf
 from autopar.runtime.data import TokenFile, write_tokens
 from autopar.runtime.hf_data import hf_token_file
+from autopar.runtime.preflight import RunError
 from autopar.runtime.task import task_from_source
 from autopar.runtime.trainer import TrainOptions, reference_run
 
@@ -81,6 +82,35 @@ def test_what_it_cannot_read_is_refused_by_name(tmp_path):
     odd.write_text("x")
     with pytest.raises(ValueError, match="not a data file datasets reads by extension"):
         hf_token_file(str(odd), tokenizer="bytes", cache_dir=tmp_path)
+
+
+def test_what_datasets_and_transformers_raise_becomes_one_line_naming_the_option(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # this machine reaches no Hub: say so at once
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "fine"}\n{"text": no quotes}\n')
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"text": "fine"}\n')
+    (tmp_path / "empty-tokenizer").mkdir()
+    splits = tmp_path / "splits"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(
+        str(splits)
+    )
+    cases = [
+        ((str(broken), "train", "bytes"), f"--hf-dataset {broken}: cannot be read"),
+        (("nobody/no-such-dataset", "train", "bytes"), "--hf-dataset nobody/no-such-dataset"),
+        ((str(good), "train", str(tmp_path / "empty-tokenizer")), "--tokenizer "),
+        ((str(good), "validation", "bytes"), "is one data file, read as the split 'train'"),
+        ((str(splits), "test", "bytes"), "--hf-split 'test': "),
+    ]
+    for (source, split, tok), fragment in cases:
+        with pytest.raises(RunError) as caught:
+            hf_token_file(source, split=split, tokenizer=tok, cache_dir=tmp_path / "cache")
+        said = str(caught.value)
+        assert fragment in said and "\n" not in said and len(said) < 700, said
+    assert "holds the splits train" in said
 
 
 def _plan(config: autopar.ParallelConfig, stack: str):
