@@ -158,12 +158,12 @@ def build_from_config(path: str, *, device: str = "cpu", seed: int = 0) -> Any:
     kwargs = {k: v for k, v in data.items() if k != "model_type"}
     kwargs.setdefault("use_cache", False)
     kwargs.setdefault("attn_implementation", "sdpa")
-    if any(k in data for k in ("num_local_experts", "num_experts", "n_routed_experts")):
-        kwargs.setdefault("experts_implementation", "grouped_mm")
     try:  # transformers raises what it will on a bad value (its strict dataclasses included)
         config = transformers.AutoConfig.for_model(data["model_type"], **kwargs)
     except Exception as e:  # noqa: BLE001 -- one line for the user, whatever the kind
         raise AutoparError(f"{path}: transformers cannot read this config: {_first(e)}") from None
+    if "experts_implementation" not in data and _takes_grouped_experts(transformers, config):
+        config._experts_implementation = "grouped_mm"
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
         try:
@@ -174,19 +174,32 @@ def build_from_config(path: str, *, device: str = "cpu", seed: int = 0) -> Any:
             ) from None
 
 
+def _takes_grouped_experts(transformers, config) -> bool:
+    """Whether the config's causal LM has experts whose implementation can be chosen (a key
+    like num_local_experts in a dense family's config is ignored, as transformers ignores it)."""
+    model_class = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
+    can_set = getattr(model_class, "_can_set_experts_implementation", None)
+    return can_set is not None and can_set()
+
+
 # the shape fields of published configs (each family's own names): a whole number >= 1 where
 # given; None allowed where transformers derives the value (a head size, an MLP width)
 _SIZES = ("num_hidden_layers", "n_layer", "num_layers", "hidden_size", "n_embd", "d_model",
           "num_attention_heads", "n_head", "vocab_size", "max_position_embeddings",
           "n_positions", "num_local_experts", "num_experts", "n_routed_experts",
           "num_experts_per_tok")  # fmt: skip
-_OPTIONAL_SIZES = ("num_key_value_heads", "intermediate_size", "n_inner", "head_dim")
+_OPTIONAL_SIZES = ("num_key_value_heads", "intermediate_size", "n_inner", "head_dim",
+                   "sliding_window")  # fmt: skip
+_LAYERS = ("num_hidden_layers", "n_layer", "num_layers")
+# the deepest published transformers have about 1,000 layers (DeepNet's 1,000-layer model);
+# past that a config is a typo or hostile, and building and tracing it would take hours
+MAX_LAYERS = 1024
 
 
 def config_problems(data: dict[str, Any]) -> list[str]:
     """What in a config.json's shape no model can be built from, each naming the field: a
-    size that is not a whole number >= 1, a hidden size the heads do not divide (where no
-    head_dim is given)."""
+    size that is not a whole number >= 1, more than `MAX_LAYERS` layers, a hidden size the
+    heads do not divide (where no head_dim is given)."""
     out = []
     for key in (*_SIZES, *_OPTIONAL_SIZES):
         if key not in data or (data[key] is None and key in _OPTIONAL_SIZES):
@@ -194,6 +207,9 @@ def config_problems(data: dict[str, Any]) -> list[str]:
         value = data[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             out.append(f"{key} must be a whole number >= 1, got {value!r}")
+        elif key in _LAYERS and value > MAX_LAYERS:
+            out.append(f"{key} is {value:,}: autopar plans models of at most {MAX_LAYERS:,} "
+                       "layers (the deepest published)")  # fmt: skip
     hidden = next((data[k] for k in ("hidden_size", "n_embd", "d_model") if k in data), None)
     heads = next((data[k] for k in ("num_attention_heads", "n_head") if k in data), None)
     if not out and hidden and heads and data.get("head_dim") is None and hidden % heads:

@@ -73,6 +73,8 @@ HOSTILE = {
     "negative vocabulary": ({"vocab_size": -5}, "vocab_size must be a whole number"),
     "null vocabulary": ({"vocab_size": None}, "vocab_size must be a whole number"),
     "unknown activation": ({"hidden_act": "nope"}, "transformers cannot"),
+    "a million layers": ({"num_hidden_layers": 10**6}, "at most 1,024 layers"),
+    "a list window": ({"sliding_window": [1, 2]}, "sliding_window must be a whole number"),
 }
 
 

@@ -1,12 +1,14 @@
 """A plan file is data whatever it holds (issue 45): strings with quotes, newlines and shell
 metacharacters and numbers of any size in its fields, through every verb that writes from it.
 
-Each example edits a real saved plan.json (gpt-tiny on 2 local_cpu ranks) and runs `generate`
-and `export --to torchtitan|megatron|deepspeed|accelerate` on it, in process. Either the verb
-refuses in one line (exit 1, no traceback), or what it wrote parses with its own parser --
-train.py with `ast`, megatron_args.sh with `bash -n`, the TOML with `tomllib`, the YAML with
-`yaml`, the launchers likewise -- and nothing the strings say ran (no marker file). Bounded:
-a few dozen examples, seconds each.
+Each example edits a real saved plan.json (gpt-tiny on 2 local_cpu ranks) and runs `generate`,
+`export --to torchtitan|megatron|deepspeed|accelerate`, `explain`, `compare` or `replan` on
+it, in process. Either the verb refuses in one line (exit 1, no traceback), or what it wrote
+parses with its own parser -- train.py with `ast`, megatron_args.sh with `bash -n`, the TOML
+with `tomllib`, the YAML with `yaml`, the launchers likewise -- and nothing the strings say ran
+(no marker file). A config.json is fuzzed the same way through `autopar plan`: its fields set
+to numbers of any size, strings, nulls, lists and objects. Bounded: a few dozen examples,
+seconds each.
 """
 
 from __future__ import annotations
@@ -88,10 +90,15 @@ def test_no_field_of_a_plan_file_runs_or_breaks_what_is_written(
     root = tmp_path_factory.mktemp("fuzz")
     (root / "plan.json").write_text(json.dumps(plan))
     verb = data.draw(st.sampled_from(["generate", "torchtitan", "megatron", "deepspeed",
-                                      "accelerate"]))  # fmt: skip
+                                      "accelerate", "explain", "compare", "replan"]))  # fmt: skip
     out = root / "out"
-    if verb == "generate":
-        argv = ["generate", str(root / "plan.json"), "-o", str(out)]
+    if verb in ("generate", "explain"):
+        argv = [verb, str(root / "plan.json"), *(["-o", str(out)] if verb == "generate" else [])]
+    elif verb == "compare":
+        argv = ["compare", str(root / "plan.json"), "--config", "dp=2"]
+    elif verb == "replan":
+        argv = ["replan", str(root / "plan.json"), "--devices", "2", "--config", "dp=2",
+                "-o", str(out)]  # fmt: skip
     else:
         argv = ["export", str(root / "plan.json"), "--to", verb, "-o", str(out), "--no-price"]
     code = main(argv)
@@ -100,6 +107,50 @@ def test_no_field_of_a_plan_file_runs_or_breaks_what_is_written(
     if code == 1:
         assert said.err.startswith("autopar: error: ") and said.err.count("\n") == 1, said.err
         assert "Traceback" not in said.err
-    else:
+    elif out.is_dir():
         _check_outputs(out)
     assert not marker.exists(), (field, text)
+
+
+LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+CONFIG_FIELDS = [*LLAMA, "head_dim", "max_position_embeddings", "rope_theta", "rms_norm_eps",
+                 "torch_dtype", "tie_word_embeddings", "hidden_act", "rope_scaling",
+                 "sliding_window", "eos_token_id", "num_local_experts", "auto_map"]  # fmt: skip
+ANY = st.one_of(
+    st.integers(-3, 3),
+    st.sampled_from([2**31, 2**40, 2**63, 10**6]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    TEXT,
+    st.none(),
+    st.booleans(),
+    st.lists(st.integers(-2, 2), max_size=3),
+    st.dictionaries(st.sampled_from(["type", "rope_type", "factor"]), TEXT, max_size=2),
+)
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(changes=st.dictionaries(st.sampled_from(CONFIG_FIELDS), ANY, min_size=1, max_size=2))
+def test_no_field_of_a_config_json_breaks_the_planner(tmp_path_factory, capsys, changes):
+    marker = Path(MARKER)
+    marker.unlink(missing_ok=True)
+    root = tmp_path_factory.mktemp("fuzzconfig")
+    try:
+        (root / "config.json").write_text(json.dumps({**LLAMA, **changes}))
+    except ValueError:  # a value JSON cannot hold (a NUL is fine; this is a float overflow)
+        return
+    argv = ["plan", str(root / "config.json"), "--profile", "local_cpu", "--devices", "2",
+            "--batch", "4", "--seq-len", "32", "--time-limit", "5",
+            "-o", str(root / "out")]  # fmt: skip
+    code = main(argv)
+    said = capsys.readouterr()
+    assert code in (0, 1), (changes, said.err)
+    if code == 1:  # transformers may warn first ("[transformers] Model config: ..."), one line
+        lines = said.err.splitlines()
+        assert lines[-1].startswith("autopar: error: ") and "Traceback" not in said.err, said.err
+        assert all(line.startswith("[transformers]") for line in lines[:-1]), said.err
+    else:
+        json.loads((root / "out" / "plan.json").read_text())
+    assert not marker.exists(), changes
