@@ -199,7 +199,8 @@ MAX_LAYERS = 1024
 def config_problems(data: dict[str, Any]) -> list[str]:
     """What in a config.json's shape no model can be built from, each naming the field: a
     size that is not a whole number >= 1, more than `MAX_LAYERS` layers, a hidden size the
-    heads do not divide (where no head_dim is given)."""
+    heads do not divide (where no head_dim is given), query heads the key-value heads do not
+    divide."""
     out = []
     for key in (*_SIZES, *_OPTIONAL_SIZES):
         if key not in data or (data[key] is None and key in _OPTIONAL_SIZES):
@@ -214,6 +215,10 @@ def config_problems(data: dict[str, Any]) -> list[str]:
     heads = next((data[k] for k in ("num_attention_heads", "n_head") if k in data), None)
     if not out and hidden and heads and data.get("head_dim") is None and hidden % heads:
         out.append(f"the hidden size {hidden} is not a multiple of the {heads} attention heads")
+    kv_heads = data.get("num_key_value_heads")
+    if not out and heads and kv_heads and heads % kv_heads:
+        out.append(f"the {heads} attention heads are not a multiple of the {kv_heads} "
+                   "key-value heads (num_key_value_heads)")  # fmt: skip
     return out
 
 

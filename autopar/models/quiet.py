@@ -1,10 +1,15 @@
-"""Importing torchao without its noise on a CPU-only torch.
+"""Importing torchao without its noise on a CPU-only torch; fake-tensor runs without torch's
+log of the failure they report.
 
 torchao (which Hugging Face transformers imports while building a model, when it is installed)
 logs a warning for each CUDA extension it cannot load on a CPU build of torch, and torch logs
 deprecation warnings for the enums torchao registers: none of it concerns a planning run or a
 CPU test. `import_torchao` imports it once with those two loggers raised to ERROR, so later
 imports find it loaded and print nothing. Warnings and errors of anything else are untouched.
+
+`quiet_fake_tensors()`: FakeTensorMode logs an op's failure (with its traceback) before raising
+it; where autopar catches that failure and reports it in one line (a trace that fails, a split
+a model's code does not take), the log is the same failure said again, over many lines.
 """
 
 from __future__ import annotations
@@ -14,8 +19,21 @@ import importlib
 import importlib.util
 import logging
 import sys
+from collections.abc import Iterator
 
 _NOISY = ("torchao", "torch.utils._pytree")
+
+
+@contextlib.contextmanager
+def quiet_fake_tensors() -> Iterator[None]:
+    """torch's fake-tensor logger at CRITICAL for the block (module docstring)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def import_torchao() -> bool:

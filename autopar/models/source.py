@@ -15,6 +15,7 @@ Public names:
     refuse_untrusted(factory, trusted)      a factory a plan file names runs only with consent
     refuse_untrusted_source(source, trusted)   ... and its loss and import root too
     build_from_source(factory, kwargs, device="meta", trusted=False) -> nn.Module
+    FactoryError                            the factory raised (one line, its cause kept)
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ HF_CONFIG_FACTORY = "autopar.models.hf:build_from_config"
 BUILTIN_FACTORIES = frozenset(
     {ZOO_FACTORY, HF_FACTORY, HF_CONFIG_FACTORY, "autopar.commands.models:build_hf_config"}
 )
+
+
+class FactoryError(AutoparError, ValueError):
+    """A model factory raised while building the model a plan names."""
 
 
 class UntrustedFactoryError(AutoparError, ValueError):
@@ -157,14 +162,25 @@ def build_from_source(
     Raises:
         UntrustedFactoryError: ``factory`` is not autopar's own and not ``trusted``
             (`refuse_untrusted`); nothing is imported.
+        FactoryError: the factory raised (arguments it does not take, a plan file's kwargs of
+            the wrong type): one line naming the factory and its arguments; the factory's own
+            exception is its cause (`--traceback` shows it).
     """
     refuse_untrusted(factory, trusted)
     fn = resolve_callable(factory)
     kwargs = dict(kwargs)
     if "device" in inspect.signature(fn).parameters:
         kwargs["device"] = device
-    with torch.device(device):
-        model = fn(**kwargs)
+    try:
+        with torch.device(device):
+            model = fn(**kwargs)
+    except AutoparError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- a factory's or a plan file's fault: one line
+        given = repr({k: v for k, v in kwargs.items() if k != "device"})
+        given = given if len(given) <= 300 else given[:297] + "..."
+        said = " ".join(str(e).split())
+        raise FactoryError(f"{factory}(**{given}) failed: {type(e).__name__}: {said}") from e
     if not isinstance(model, nn.Module):
         raise ValueError(f"{factory} returned {type(model).__name__}, not a torch.nn.Module")
     return model

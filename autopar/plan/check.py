@@ -103,11 +103,18 @@ def free_text_problems(value: Any, path: str = "plan") -> list[str]:
         return [
             p
             for k, v in value.items()
-            for p in free_text_problems(k, f"{path} key") + free_text_problems(v, f"{path}.{k}")
+            for p in free_text_problems(k, f"{path} key") + free_text_problems(v, _at(path, k))
         ]
     if isinstance(value, list | tuple):
         return [p for i, v in enumerate(value) for p in free_text_problems(v, f"{path}[{i}]")]
     return []
+
+
+def _at(path: str, key: Any) -> str:
+    """The path of ``key`` below ``path``: ``.key``, or ``[repr]`` where the key is not a plain
+    name (a key holding a newline or quotes stays inside the one-line message)."""
+    plain = isinstance(key, str) and key.replace("_", "a").replace("-", "a").isalnum()
+    return f"{path}.{key}" if plain else f"{path}[{key!r}]"
 
 
 def non_finite_fields(value: Any, path: str = "plan") -> list[str]:
@@ -115,7 +122,7 @@ def non_finite_fields(value: Any, path: str = "plan") -> list[str]:
     if isinstance(value, float):
         return [] if math.isfinite(value) else [f"{path} = {value!r}"]
     if isinstance(value, dict):
-        return [p for k, v in value.items() for p in non_finite_fields(v, f"{path}.{k}")]
+        return [p for k, v in value.items() for p in non_finite_fields(v, _at(path, k))]
     if isinstance(value, list | tuple):
         return [p for i, v in enumerate(value) for p in non_finite_fields(v, f"{path}[{i}]")]
     return []

@@ -37,9 +37,6 @@ Public functions:
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -49,6 +46,7 @@ from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from autopar.models.quiet import quiet_fake_tensors
 from autopar.runtime.fused_pieces import CUTS, local_cut
 from autopar.runtime.tensor_parallel import COLUMN_NAMES, ROW_NAMES, is_projection, transposed
 
@@ -90,7 +88,7 @@ def checked_roles(
         return {}, ""
     # fake tensors over meta ones: code that reads values where it is not traced (transformers'
     # check for packed sequences, `is_tracing`) skips that read for fake tensors, as in export
-    with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
+    with quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
         whole = {k: fake.from_tensor(v) for k, v in _meta_state(model).items()}
         inputs = tuple(fake.from_tensor(t) for t in inputs)
         try:
@@ -108,19 +106,6 @@ def checked_roles(
             return {}, why
     checked = {**traced, **{p: "col" for p in pieces}}
     return {p: f"{r}/{pieces[p]}" if p in pieces else r for p, r in checked.items()}, ""
-
-
-@contextlib.contextmanager
-def _quiet_fake_tensors() -> Iterator[None]:
-    """FakeTensorMode logs a model's own failure (the finding here: a fixed head count) with
-    its traceback before raising it; the caller reports it in a line."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 class _Unequal(Exception):

@@ -5,7 +5,8 @@ is captured without allocating its weights. The model is put in training mode fo
 (dropout and friends appear as they will in training), without a key/value cache, and given
 back as it was.
 When export fails, the model is run once more, eagerly under a FakeTensorMode with module hooks,
-to find the op and module path that failed, and the error says both.
+to find the op and module path that failed, and the error says both (torch's own log of the
+failure is kept quiet: the error is its one line).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from autopar.errors import AutoparError
+from autopar.models.quiet import quiet_fake_tensors
 
 
 class TraceError(AutoparError, RuntimeError):
@@ -32,7 +34,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...]) -> torch.export.E
     """
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    with _training_mode(model), _without_stack_traces():
+    with _training_mode(model), _without_stack_traces(), quiet_fake_tensors():
         try:
             return torch.export.export(model, example_inputs, strict=False)
         except Exception as export_error:

@@ -3,7 +3,6 @@ the model's shape read from its config, and the few value formats the targets' f
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +104,9 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+_TOML_ESCAPES = {chr(i): f"\\u{i:04X}" for i in (*range(0x20), 0x7F)} | {'"': '\\"', "\\": "\\\\"}
+
+
 def toml_value(value: object) -> str:
     """A TOML value for the types the exporters write (tomllib only reads TOML, and the few
     scalar and list forms needed do not justify a dependency on a writer)."""
@@ -112,8 +114,10 @@ def toml_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, int | float):
         return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a TOML basic string: the same escapes as JSON's
+    if isinstance(value, str):  # a TOML basic string: quote, backslash, controls escaped
+        # (not json.dumps: it writes a character beyond U+FFFF as a surrogate pair, which
+        # TOML refuses)
+        return '"' + "".join(_TOML_ESCAPES.get(c, c) for c in value) + '"'
     if isinstance(value, list | tuple):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     raise TypeError(f"no TOML form for {value!r}")

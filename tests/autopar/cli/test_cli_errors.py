@@ -75,6 +75,7 @@ HOSTILE = {
     "unknown activation": ({"hidden_act": "nope"}, "transformers cannot"),
     "a million layers": ({"num_hidden_layers": 10**6}, "at most 1,024 layers"),
     "a list window": ({"sliding_window": [1, 2]}, "sliding_window must be a whole number"),
+    "fewer heads than kv heads": ({"num_attention_heads": 1}, "not a multiple of the 2 key-value"),
 }
 
 

@@ -70,6 +70,19 @@ def _check_outputs(out: Path) -> None:
             json.loads(text)
 
 
+def _leaves(value, path=()) -> list[tuple]:
+    """The path of every string, number, bool and null in a JSON value."""
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _leaves(v, (*path, k))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _leaves(v, (*path, i))]
+    return [path]
+
+
+VALUE = st.one_of(TEXT, NUMBER, st.none(), st.booleans(), st.lists(TEXT, max_size=2),
+                  st.dictionaries(TEXT, TEXT, max_size=2))  # fmt: skip
+
+
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -78,10 +91,18 @@ def _check_outputs(out: Path) -> None:
 def test_no_field_of_a_plan_file_runs_or_breaks_what_is_written(
     saved, tmp_path_factory, capsys, field, text, number, data
 ):
+    """Half the examples edit a field known to reach a written file; the others any leaf of
+    plan.json (its 360-odd strings and numbers), to a value of any JSON type."""
     marker = Path(MARKER)
     marker.unlink(missing_ok=True)
     plan = json.loads(json.dumps(saved))
-    if field == "stages[0].layers[0]":
+    if data.draw(st.booleans()):
+        *parents, last = data.draw(st.sampled_from(_leaves(plan)))
+        holder = plan
+        for key in parents:
+            holder = holder[key]
+        holder[last] = field = data.draw(VALUE)
+    elif field == "stages[0].layers[0]":
         plan["stages"][0]["layers"][0] = text
     elif field in ("seq_len", "step_time_s"):
         plan[field] = number
