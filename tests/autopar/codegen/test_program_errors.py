@@ -7,8 +7,9 @@ failed child, which is not the program's), once per case: a learning rate NaN or
 loss that is not a function, names a missing module, returns a vector, an int or a value
 without gradient, or turns NaN (the run stops at the step, naming where to resume); a data
 hook returning None or float token ids; a checkpoint directory or metrics log that cannot be
-written; a --hf-dataset file that does not parse, a --tokenizer that does not load. A NaN step
-is skipped where --skip-nonfinite allows it. `--traceback` shows the traceback instead.
+written; a --hf-dataset file that does not parse or a Hub name offline, a --tokenizer that does
+not load; a checkpoint directory holding another model's checkpoint. A NaN step is skipped
+where --skip-nonfinite allows it. `--traceback` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ CASES = {
         ["--hf-dataset", "{dir}/broken.jsonl", "--tokenizer", "bytes"],
         "broken.jsonl: cannot be read (DatasetGenerationError",
     ),
+    "hf-dataset offline": (
+        ["--hf-dataset", "nobody/no-such-dataset", "--tokenizer", "bytes"],
+        "--hf-dataset nobody/no-such-dataset: cannot be read",
+    ),
     "tokenizer": (
         ["--hf-dataset", "{dir}/good.jsonl", "--tokenizer", "{dir}"],
         "does not load",
@@ -87,7 +92,8 @@ def _run(program: Path, args: list[str]) -> list[subprocess.CompletedProcess]:
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                    LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                    PYTHONPATH=str(program.parent), OMP_NUM_THREADS="1",
-                   AUTOPAR_CACHE=str(program.parent / "cache"))  # fmt: skip
+                   AUTOPAR_CACHE=str(program.parent / "cache"), HF_HUB_OFFLINE="1",
+                   HF_DATASETS_OFFLINE="1")  # fmt: skip
         args = [a.format(dir=program.parent) for a in args]
         cmd = [sys.executable, str(program), "--steps", "1", *args]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
@@ -133,3 +139,20 @@ def test_a_nan_step_is_skipped_where_allowed_and_the_run_goes_on(program, tmp_pa
     steps = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [s["step"] for s in steps] == [2, 3]  # step 1 took no optimizer step
     assert all(math.isfinite(s["loss"]) for s in steps)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_checkpoint_of_another_model_stops_every_rank_with_one_line(program, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    saved = _run(program, ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"])
+    assert [r.returncode for r in saved] == [0, 0], [r.stderr[-2000:] for r in saved]
+    (step,) = ckpt.glob("step-*")
+    meta = json.loads((step / "meta.json").read_text())  # as another model's would say
+    meta["model_fingerprint"] = "0123456789abcdef"
+    (step / "meta.json").write_text(json.dumps(meta))
+    ranks = _run(program, ["--checkpoint-dir", str(ckpt), "--steps", "2"])
+    assert [r.returncode for r in ranks] == [1, 1], [r.stderr[-2000:] for r in ranks]
+    said = [line for line in ranks[0].stderr.splitlines() if line.startswith("train.py:")]
+    assert len(said) == 1 and "holds a model with fingerprint 0123456789abcdef" in said[0]
+    assert all("Traceback" not in r.stderr for r in ranks), ranks[0].stderr[-2000:]
