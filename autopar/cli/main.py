@@ -111,7 +111,9 @@ def _add_planning_verbs(verbs: argparse._SubParsersAction) -> None:
         help="MoE: the busiest ep rank's routed rows over the mean to price (default 1.0; a "
         "run's program prints the figure it measured)",
     )
-    plan.add_argument("--time-limit", type=float, help="search time limit in seconds")
+    plan.add_argument(
+        "--time-limit", type=float, help="search time limit in seconds (0: the first that fits)"
+    )
     plan.add_argument("-o", "--out", default="out", help="directory for plan.json (default out/)")
     plan.add_argument("--json", action="store_true", help="print the plan's JSON only")
     plan.add_argument("--plots", metavar="DIR", help="write pipeline/memory/breakdown PNGs here")
