@@ -13,7 +13,11 @@ Checked:
   ranks; there is one stage per pipeline rank, each with its layers, and the plan's peak
   memory is its fullest stage's;
 - on a shipped hardware profile, the config against the cluster the plan names (its nodes
-  and devices per node: `ParallelConfig.validate`);
+  and devices per node: `ParallelConfig.validate`; not a TPU slice, whose shape the plan
+  does not record);
+- the records in its lists and report (mesh axes, communication, alternatives, sensitivity,
+  refine's candidates) typed as the printouts read them: names strings, counts integers,
+  times and bytes numbers, configs as plans print them (`_records`, `_field`);
 - every string and key is one printable line of at most `MAX_TEXT` characters (a newline in a
   model's name would end a comment of the generated program or a line of an exported shell
   script), and the stack is a name.
@@ -27,9 +31,11 @@ from typing import Any
 
 from autopar.config import ParallelConfig
 from autopar.config.precision import PRECISIONS
+from autopar.config.text import parse_config
 from autopar.errors import AutoparError
 from autopar.hardware import Cluster, shipped_profile_names
 from autopar.hardware.cluster import cluster_fingerprint
+from autopar.hardware.profile import load_profile
 
 _INTEGERS = {"num_params": 0, "seq_len": 1, "num_nodes": 1, "world_size": 1}
 _INTEGERS |= {"global_batch_size": 1, "num_microbatches": 1, "schema_version": 1}
@@ -68,6 +74,8 @@ def plan_problems(data: dict[str, Any]) -> list[str]:
     for name in ("alternatives", "notes", "mesh", "sensitivity", "communication"):
         if name in data and not isinstance(data[name], list):
             out.append(f"{name} must be a list, got {type(data[name]).__name__}")
+        elif name in data:
+            out += _records(name, data[name])
     if data.get("goodput"):
         out += _mapping_of_numbers("goodput", data["goodput"])
         for key, value in data["goodput"].items():  # a checkpoint interval is whole steps
@@ -82,6 +90,8 @@ def plan_problems(data: dict[str, Any]) -> list[str]:
     for name in ("report", "placements", "tensor_parallel_roles"):
         if name in data and not isinstance(data[name], dict):
             out.append(f"{name} must be an object, got {type(data[name]).__name__}")
+    if isinstance(data.get("report"), dict):  # the search's and refine's records
+        out += [p for k, v in data["report"].items() for p in _field(_at("report", k), k, v)]
     out += free_text_problems(data)
     if isinstance(data.get("stack"), str) and not _NAME.fullmatch(data["stack"]):
         out.append(f"stack must be a stack's name (letters, digits, . _ -), got {data['stack']!r}")
@@ -128,6 +138,10 @@ def non_finite_fields(value: Any, path: str = "plan") -> list[str]:
     return []
 
 
+def _torus(profile: str) -> bool:
+    return load_profile(profile).torus is not None
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -145,7 +159,60 @@ def _number(name: str, value: Any, strict: bool) -> list[str]:
 def _mapping_of_numbers(name: str, value: Any) -> list[str]:
     if not isinstance(value, dict):
         return [f"{name} must be an object of numbers, got {value!r}"]
-    return [p for k, v in value.items() for p in _number(f"{name}.{k}", v, strict=False)]
+    return [p for k, v in value.items() for p in _number(_at(name, k), v, strict=False)]
+
+
+# the fields of the records in a plan's lists (mesh axes, communication, alternatives,
+# sensitivity): each read by the plan's printouts as its type
+_RECORD_STRINGS = frozenset({"axis", "level", "kind", "layer", "part", "config", "why", "what",
+                             "skipped"})  # fmt: skip
+_RECORD_INTEGERS = frozenset({"size", "num_nodes", "domain_devices", "count"})
+_RECORD_NUMBER_ENDS = ("_s", "bytes", "_per_s", "_ratio", "speedup")
+
+
+def _records(name: str, items: list) -> list[str]:
+    """The items of a plan's list field, typed as the printouts read them: notes are strings;
+    the others records (a communication entry: a list of records per stage)."""
+    out: list[str] = []
+    for i, item in enumerate(items):
+        where = f"{name}[{i}]"
+        if name == "notes":
+            if not isinstance(item, str):
+                out.append(f"{where} must be a string, got {item!r}")
+        elif isinstance(item, list) and name == "communication":
+            out += _records(where, item)
+        elif not isinstance(item, dict):
+            out.append(f"{where} must be an object, got {item!r}")
+        else:
+            out += [p for key, value in item.items() for p in _field(_at(where, key), key, value)]
+    return out
+
+
+def _field(where: str, key: Any, value: Any) -> list[str]:
+    if key == "config" and isinstance(value, str):  # read back by the printouts: as printed
+        try:
+            printed = parse_config(value).as_text()
+        except AutoparError:
+            printed = None
+        ok = printed == value
+        return [] if ok else [f"{where} must be a config as plans print it, got {value!r}"]
+    if key in _RECORD_STRINGS:
+        return [] if isinstance(value, str) else [f"{where} must be a string, got {value!r}"]
+    if key in _RECORD_INTEGERS:
+        ok = _is_int(value) and value >= 0
+        return [] if ok else [f"{where} must be an integer >= 0, got {value!r}"]
+    if key == "ranks":
+        ok = isinstance(value, list) and all(_is_int(r) and r >= 0 for r in value)
+        return [] if ok else [f"{where} must be a list of ranks, got {value!r}"]
+    if key == "breakdown":
+        return _mapping_of_numbers(where, value)
+    if isinstance(key, str) and key.endswith(_RECORD_NUMBER_ENDS):
+        return _number(where, value, strict=False)
+    if isinstance(value, dict):  # a nested record (a plan's report)
+        return [p for k, v in value.items() for p in _field(_at(where, k), k, v)]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _field(f"{where}[{i}]", key, v)]
+    return []
 
 
 def _config(value: Any) -> tuple[ParallelConfig | None, list[str]]:
@@ -183,7 +250,8 @@ def _against_plan(data: dict[str, Any], config: ParallelConfig) -> list[str]:
             f"{config.micro_batch_size} x num_microbatches={data['num_microbatches']} x "
             f"dp x fsdp={config.data_parallel_size} = {per_step}"
         )
-    if not out and data["cluster"] in shipped_profile_names():
+    # a TPU slice's shape is not in the plan file: its config is checked when it is made
+    if not out and data["cluster"] in shipped_profile_names() and not _torus(data["cluster"]):
         try:
             cluster = Cluster.from_profile(data["cluster"], nodes, devices_per_node=world // nodes)
             out += [f"config on {data['cluster']}: {p}" for p in config.problems(cluster)]

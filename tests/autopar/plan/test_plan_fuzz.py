@@ -175,3 +175,41 @@ def test_no_field_of_a_config_json_breaks_the_planner(tmp_path_factory, capsys, 
     else:
         json.loads((root / "out" / "plan.json").read_text())
     assert not marker.exists(), changes
+
+
+@pytest.mark.parametrize(
+    "path, value, fragment",
+    [
+        (("mesh", 0, "num_nodes"), "x", "mesh[0].num_nodes must be an integer >= 0"),
+        (("mesh", 0, "ranks"), [0, "1"], "mesh[0].ranks must be a list of ranks"),
+        (("communication", 0, 0, "bytes"), None, "communication[0][0].bytes must be a number"),
+        (("notes",), [3], "notes[0] must be a string"),
+    ],
+)
+def test_a_record_of_another_type_is_refused_naming_it(saved, tmp_path, capsys, path, value,
+                                                        fragment):  # fmt: skip
+    """What the generic leaf fuzz found (each once a traceback in a printout): the records in a
+    plan's lists are typed as the printouts read them."""
+    plan = json.loads(json.dumps(saved))
+    holder = plan
+    for key in path[:-1]:
+        holder = holder[key]
+    holder[path[-1]] = value
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    assert main(["explain", str(tmp_path / "plan.json")]) == 1
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1, err
+
+
+def test_a_plan_made_on_a_tpu_slice_loads(tmp_path):
+    """A TPU plan names its profile but not its slice's shape: it loads and explains (it was
+    refused at load, the cluster rebuilt without a slice shape)."""
+    model = autopar.models.zoo.build("llama-tiny", device="meta")
+    cluster = autopar.Cluster.from_profile("tpu_v4", slice_shape=(2, 2, 4))
+    inputs = autopar.models.zoo.example_inputs("llama-tiny", model)
+    config = autopar.ParallelConfig(dp=8, tp=2)
+    autopar.evaluate(model, cluster, config, inputs, global_batch_size=64).save(
+        tmp_path, program=False
+    )
+    loaded = autopar.Plan.from_json((tmp_path / "plan.json").read_text())
+    assert loaded.config.tp == 2 and "tp=2" in loaded.explain()
