@@ -79,6 +79,13 @@ def _leaves(value, path=()) -> list[tuple]:
     return [path]
 
 
+def _set(plan: dict, path: tuple, value) -> None:
+    """Put ``value`` at ``path`` (keys and indices) inside ``plan``."""
+    for key in path[:-1]:
+        plan = plan[key]
+    plan[path[-1]] = value
+
+
 VALUE = st.one_of(TEXT, NUMBER, st.none(), st.booleans(), st.lists(TEXT, max_size=2),
                   st.dictionaries(TEXT, TEXT, max_size=2))  # fmt: skip
 
@@ -97,11 +104,8 @@ def test_no_field_of_a_plan_file_runs_or_breaks_what_is_written(
     marker.unlink(missing_ok=True)
     plan = json.loads(json.dumps(saved))
     if data.draw(st.booleans()):
-        *parents, last = data.draw(st.sampled_from(_leaves(plan)))
-        holder = plan
-        for key in parents:
-            holder = holder[key]
-        holder[last] = field = data.draw(VALUE)
+        field = data.draw(VALUE)
+        _set(plan, data.draw(st.sampled_from(_leaves(plan))), field)
     elif field == "stages[0].layers[0]":
         plan["stages"][0]["layers"][0] = text
     elif field in ("seq_len", "step_time_s"):
@@ -191,10 +195,7 @@ def test_a_record_of_another_type_is_refused_naming_it(saved, tmp_path, capsys, 
     """What the generic leaf fuzz found (each once a traceback in a printout): the records in a
     plan's lists are typed as the printouts read them."""
     plan = json.loads(json.dumps(saved))
-    holder = plan
-    for key in path[:-1]:
-        holder = holder[key]
-    holder[path[-1]] = value
+    _set(plan, path, value)
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     assert main(["explain", str(tmp_path / "plan.json")]) == 1
     err = capsys.readouterr().err
