@@ -69,17 +69,18 @@ from autopar.runtime.low_precision import (
     runnable,
 )
 from autopar.runtime.parts import has_parts, sliding_window
-from autopar.runtime.split_check import checked_roles
+from autopar.runtime.split_check import CheckedRoles, checked_roles
 from autopar.runtime.tensor_parallel import find_blocks, tp_plan, unsplit_block
 from autopar.runtime.traced_stages import traced_blocks, why_no_block_list
 from autopar.solve.space import SpaceLimits
 from autopar.tracing import ModelGraph
 
 
-def traced_roles(model: nn.Module, graph: ModelGraph) -> tuple[dict[str, str], str]:
+def traced_roles(model: nn.Module, graph: ModelGraph) -> CheckedRoles:
     """The block linears outside the Megatron names that the runtime may split as the trace
-    priced them (`Plan.tensor_parallel_roles`), and why it may not split the others ("" when
-    none is held back): `split_check.checked_roles` on the trace's inputs, on meta."""
+    priced them (`Plan.tensor_parallel_roles`), why it may not split the others ("" when
+    none is held back), and why the model's code fails with its projections split at all:
+    `split_check.checked_roles` on the trace's inputs, on meta."""
     inputs = tuple(
         torch.empty(node.shapes[0], dtype=getattr(torch, node.dtypes[0]), device="meta")
         for node in graph.nodes.values()
@@ -264,9 +265,11 @@ def runtime_limits(
         notes.append(f"no context-parallel plans: {why}")
     unsplit = unsplit_block(model, limits.num_blocks, roles[0])
     wide = whole_width_norm(model)
-    if unsplit or wide:
+    fails = _unsplittable(roles)
+    if unsplit or wide or fails:
         limits = replace(limits, max_tp=1)
-        why = _no_tp(name, unsplit, roles[1]) if unsplit else _wide_norm(wide)
+        why = (_no_tp(name, unsplit, roles[1]) if unsplit
+               else _wide_norm(wide) if wide else _code_fails(name, fails))  # fmt: skip
         notes.append(f"no tensor-parallel plans: {why}")
     elif no_sp := _no_sp(model, roles[0]):
         limits = replace(limits, no_sequence_parallel=True)
@@ -338,6 +341,8 @@ def runtime_problems(
         out.append(f"tp={config.tp}: {_no_tp(name, unsplit, roles[1])}")
     elif wide:
         out.append(f"tp={config.tp}: {_wide_norm(wide)}")
+    elif config.tp > 1 and (fails := _unsplittable(roles)):
+        out.append(f"tp={config.tp}: {_code_fails(name, fails)}")
     elif config.tp > 1 and config.sequence_parallel and (no_sp := _no_sp(model, roles[0])):
         out.append(f"sequence_parallel: {no_sp}")
     return out
@@ -423,6 +428,20 @@ def _no_cp(name: str) -> str:
         f"autopar's runtime runs context parallelism on models it can call at a sequence "
         f"shard's positions (autopar.runtime.parts: its zoo and Hugging Face decoder "
         f"families), not {name}"
+    )
+
+
+def _unsplittable(roles: tuple) -> str:
+    """`CheckedRoles.unsplittable` ("" for a plain (roles, why) pair)."""
+    return getattr(roles, "unsplittable", "")
+
+
+def _code_fails(name: str, why: str) -> str:
+    return (
+        f"{name}'s own code does not run with its projections split over tp ({why}); the "
+        "runtime hands that code each rank's share of the heads, so code that reads the head "
+        "count from the tensor (view(..., -1, head_dim)) splits, code that reads it from its "
+        "config does not"
     )
 
 

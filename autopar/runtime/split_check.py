@@ -27,17 +27,30 @@ The tensors are fake ones of the meta device: code that reads values where it is
 (transformers' check for packed sequences, when it keeps no cache) takes its tracing path, as
 under torch.export.
 
+The second run covers the projections the runtime splits by name too: a model's code that
+views their outputs by the config's head count (StableLM's `view(bsz, q_len, self.num_heads,
+head_dim)`) fails there, and the model is then refused tensor parallelism
+(`CheckedRoles.unsplittable`), for the runtime would split those projections and crash.
+
+Both runs take one block of each kind (`_few_blocks`: the first two of each list of repeated
+blocks, and the first of each other shape), so a 126-block model costs what a 3-block one does;
+what they find of a block holds for every block of its kind. A model whose code will not run
+with its lists cut short is run whole.
+
 What they do not prove: code that first views features into (pieces, heads) and then cuts the
 pieces would pass and be wrong on ranks. The suite's any-model matrix runs each family it
 names against one process (`tests/autopar/runtime/test_any_model.py`).
 
-Public functions:
-    checked_roles(model, roles, inputs) -> (roles the runtime applies, why not: "")
+Public:
+    checked_roles(model, roles, inputs) -> CheckedRoles(roles the runtime applies, why not,
+                                                        why the named split fails)
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -48,9 +61,25 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.models.quiet import quiet_fake_tensors
 from autopar.runtime.fused_pieces import CUTS, local_cut
-from autopar.runtime.tensor_parallel import COLUMN_NAMES, ROW_NAMES, is_projection, transposed
+from autopar.runtime.tensor_parallel import (
+    COLUMN_NAMES,
+    ROW_NAMES,
+    find_blocks,
+    is_projection,
+    transposed,
+)
 
 _WAYS = 2  # the smallest split shows a code that reads by position
+
+
+class CheckedRoles(NamedTuple):
+    """What `checked_roles` found: the roles the runtime applies beyond the name rule, why it
+    holds back the others (""), and why the model's code fails with even the projections it
+    splits by name split ("": they split; else tensor parallelism is refused)."""
+
+    roles: dict[str, str]
+    why: str
+    unsplittable: str = ""
 
 
 def checked_roles(
@@ -58,13 +87,13 @@ def checked_roles(
     roles: dict[str, str],
     inputs: tuple[torch.Tensor, ...],
     cut: frozenset[str] | None = None,
-) -> tuple[dict[str, str], str]:
+) -> CheckedRoles:
     """The traced ``roles`` of block linears the Megatron names do not cover, and "col/N" for
     any column-parallel one, named or not, that is a fused projection of N pieces, when
     ``model``'s code computes on their slices (module docstring), with ""; else ({}, why).
-    Named ones that are not fused are left to the name rule. ``cut``: the projections whose
-    outputs the trace shows cut where they are made (None: any may be); a model whose named
-    projections are not among them, with no traced roles, is not run at all (Llama's)."""
+    Named ones that are not fused are left to the name rule, once the model's code is seen to
+    run with them split (else `CheckedRoles.unsplittable` says why not). ``cut``: the
+    projections whose outputs the trace shows cut where they are made (None: any may be)."""
     listed = tuple(
         f"{path}."
         for path, m in model.named_modules()
@@ -78,34 +107,121 @@ def checked_roles(
     for path in traced:
         if not is_projection(modules[path]):
             kind = type(modules[path]).__name__
-            return {}, (
+            why = (
                 f"{path} ({kind}) multiplies by its weights in its own code, not through a "
                 "linear layer the runtime can split"
             )
+            return CheckedRoles({}, why)
     in_blocks = {p: r for p, r in in_blocks.items() if is_projection(modules[p])}
+    if not in_blocks:
+        return CheckedRoles({}, "")
     seen_cut = cut is not None and bool(cut & set(in_blocks))  # the trace shows a fused one
-    if not in_blocks or not traced and cut is not None and not seen_cut:
-        return {}, ""
     # fake tensors over meta ones: code that reads values where it is not traced (transformers'
     # check for packed sequences, `is_tracing`) skips that read for fake tensors, as in export
     with quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
-        whole = {k: fake.from_tensor(v) for k, v in _meta_state(model).items()}
         inputs = tuple(fake.from_tensor(t) for t in inputs)
-        try:
-            pieces, want = _fused(model, whole, in_blocks, inputs)
-        except _Unequal as e:
-            return {}, str(e)
-        except Exception as e:  # data-dependent code (an .item()) cannot run on meta
-            if not traced and not seen_cut:
-                return {}, ""  # named only, none seen cut: the name rule, as it always was
-            first = str(e).splitlines()[0][:200] if str(e) else ""
-            return {}, f"its code does not run on the meta device ({type(e).__name__}: {first})"
-        if not traced and not pieces:
-            return {}, ""
-        if why := _problem(model, whole, in_blocks, pieces, inputs, want):
-            return {}, why
-    checked = {**traced, **{p: "col" for p in pieces}}
-    return {p: f"{r}/{pieces[p]}" if p in pieces else r for p, r in checked.items()}, ""
+        with _few_blocks(model) as alike:
+            if alike:  # the model with one block of each kind: its code's findings are theirs
+                few = {p: r for p, r in in_blocks.items() if _like(p, alike) == p}
+                found = _check(model, fake, few, set(traced), seen_cut, inputs, short=True)
+        if not alike or found is None:  # none dropped, or its code needs all its blocks
+            alike, found = {}, _check(model, fake, in_blocks, set(traced), seen_cut, inputs)
+    if found.why or found.unsplittable:
+        return found
+    # each block's projections take the roles found for the block of its kind
+    like = {p: _like(p, alike) for p in in_blocks}
+    return CheckedRoles({p: found.roles[q] for p, q in like.items() if q in found.roles}, "")
+
+
+def _check(
+    model: nn.Module,
+    fake: FakeTensorMode,
+    in_blocks: dict[str, str],
+    traced: set[str],
+    seen_cut: bool,
+    inputs: tuple[torch.Tensor, ...],
+    short: bool = False,
+) -> CheckedRoles | None:
+    """`checked_roles`'s two runs over the model as it now is; None when ``short`` (its block
+    lists cut to one of each kind) and the model's code does not run so."""
+    whole = {k: fake.from_tensor(v) for k, v in _meta_state(model).items()}
+    traced = traced & set(in_blocks)
+    named = {p: r for p, r in in_blocks.items() if p not in traced}
+    try:
+        pieces, want = _fused(model, whole, in_blocks, inputs)
+    except _Unequal as e:
+        return CheckedRoles({}, str(e))
+    except Exception as e:  # data-dependent code (an .item()) cannot run on meta
+        if short:
+            return None
+        if not traced and not seen_cut:
+            return CheckedRoles({}, "")  # named only: the name rule, as it always was
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        return CheckedRoles(
+            {}, f"its code does not run on the meta device ({type(e).__name__}: {first})"
+        )
+    if why := _problem(model, whole, in_blocks, pieces, inputs, want):
+        # the traced ones are held back; the named ones still split by name: do they run?
+        failed = why
+        if traced and named:
+            alone = {p: n for p, n in pieces.items() if p in named}
+            failed = _problem(model, whole, named, alone, inputs, want)
+        return CheckedRoles({}, why, failed if named else "")
+    checked = {**{p: in_blocks[p] for p in traced}, **{p: "col" for p in pieces}}
+    return CheckedRoles(
+        {p: f"{r}/{pieces[p]}" if p in pieces else r for p, r in checked.items()}, ""
+    )
+
+
+@contextmanager
+def _few_blocks(model: nn.Module) -> Iterator[dict[str, str]]:
+    """``model`` with each list of repeated blocks (`find_blocks`) cut to its first two and the
+    first of each other kind (a block's kind: its modules' classes and its parameters' shapes),
+    the cut ones restored on exit; yields {a block cut: the block of its kind kept}. A fake run
+    costs Python per operation, so a 126-block model's check takes what a 3-block one's does.
+    The second block stays for code that hands the next block what the first made (T5's
+    position bias)."""
+    lists: dict[str, list[tuple[str, nn.Module]]] = {}
+    for path, block in find_blocks(model):
+        parent, _, name = path.rpartition(".")
+        lists.setdefault(parent, []).append((name, block))
+    alike: dict[str, str] = {}
+    saved = []
+    try:
+        for parent, blocks in lists.items():
+            first: dict[tuple, str] = {}
+            keep = {}
+            for i, (name, block) in enumerate(blocks):
+                kind = _kind(block)
+                if i < 2 or kind not in first:
+                    keep[name] = block
+                    first.setdefault(kind, f"{parent}.{name}" if parent else name)
+                else:
+                    alike[f"{parent}.{name}" if parent else name] = first[kind]
+            if len(keep) < len(blocks):
+                container = model.get_submodule(parent)
+                saved.append((container, container._modules))
+                container._modules = dict(keep)
+        yield alike
+    finally:
+        for container, modules in saved:
+            container._modules = modules
+
+
+def _kind(block: nn.Module) -> tuple:
+    return (
+        *((path, type(m).__name__) for path, m in block.named_modules()),
+        *((path, tuple(p.shape), p.dtype) for path, p in block.named_parameters()),
+    )
+
+
+def _like(path: str, alike: dict[str, str]) -> str:
+    """``path`` in the block of its kind `_few_blocks` kept (itself when its block was kept)."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        if (kept := alike.get(".".join(parts[:i]))) is not None:
+            return ".".join([kept, *parts[i:]])
+    return path
 
 
 class _Unequal(Exception):

@@ -190,7 +190,7 @@ def test_a_model_whose_blocks_the_runtime_cannot_split_gets_no_tensor_parallel_p
     assert splits_every_block(hf.build("llama-tiny-hf"), 2)
     gpt2 = hf.build("gpt2-tiny-hf")  # use_cache=False: its mask code reads position values
     assert splits_every_block(gpt2, 2)
-    roles, why = traced_roles(gpt2, trace(gpt2, (torch.randint(0, 128, (1, 64)),)))
+    roles, why, _ = traced_roles(gpt2, trace(gpt2, (torch.randint(0, 128, (1, 64)),)))
     assert roles["transformer.h.1.attn.c_attn"] == "col/3" and why == "", (roles, why)
 
 
@@ -244,3 +244,29 @@ def test_sequence_parallelism_is_refused_for_a_block_weight_no_style_takes():
         assert plan["model.layers.1.mlp.experts"] == "token_sum"
     assert plan["model.layers.1.self_attn"] == "gather_seq_local/3"
     assert plan["model.layers.1.self_attn.kv_a_proj_with_mqa"] == "latent_kv/8"
+
+
+def test_a_model_whose_code_views_heads_by_its_config_gets_no_tensor_parallel_plan():
+    """StableLM views q, k and v by the config's head count (issue 47): its projections carry
+    the Megatron names, so the runtime would split them and the first forward would fail.
+    The fake-tensor run of the split now covers named projections too: no tp is offered,
+    and evaluate refuses tp=2 naming the code's failure."""
+    import transformers
+
+    config = transformers.StableLmConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.StableLmForCausalLM(config)
+    inputs = (torch.randint(0, 128, (1, 16), device="meta"),)
+    plan = _plan(model, inputs, 4)
+    assert plan.config.tp == 1 and all(" tp=1 " in alt["config"] for alt in plan.alternatives)
+    assert any("own code does not run with its projections split" in n for n in plan.notes)
+    cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=4)
+    with pytest.raises(ConfigError, match=r"tp=2: StableLmForCausalLM's own code .* is invalid"):
+        autopar.evaluate(model, cluster, autopar.ParallelConfig(tp=2, dp=2), inputs,
+                         global_batch_size=4)  # fmt: skip
+    llama = hf.build("llama-tiny-hf")  # its code reads heads by -1: the named split runs
+    found = traced_roles(llama, trace(llama, hf.example_inputs("llama-tiny-hf", llama)))
+    assert found.unsplittable == "", found
