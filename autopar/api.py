@@ -41,6 +41,7 @@ from autopar.plan.build import (
 from autopar.plan.files import directory_lock, ensure_directory, write_atomic
 from autopar.plan.rebuild import rebuild_model, replanned_note, resized_cluster, sample_inputs
 from autopar.runtime.capability import (
+    attention_refusal,
     mxfp8_tp_width,
     own_runtime,
     precision_candidates,
@@ -141,7 +142,10 @@ def parallelize(
     roles: tuple[dict[str, str], str] = ({}, "")
     if own_runtime(options.cost.stack):  # only what autopar's runtime can run
         roles = traced_roles(model, graph)
-        limits, bounded = runtime_limits(model, limits, options.cost.stack, roles, precision)
+        attention = attention_refusal(model, graph) if limits.max_cp > 1 else ""
+        limits, bounded = runtime_limits(
+            model, limits, options.cost.stack, roles, precision, attention
+        )
     notes += bounded
     solution = solve(estimator, graph, cluster, limits, options)
     plan = plan_from_estimate(solution.best, graph, cluster, precision, optimizer, estimator)
@@ -254,9 +258,11 @@ def evaluate(
         limits = replace(limits, token_multiple=multiple, tp_width=width)
     problems = config.problems(cluster) + shape_problems(config, limits)
     if own:
+        attention = attention_refusal(model, graph) if config.cp > 1 else ""
         problems += runtime_problems(
-            model, config, limits.num_blocks, options.stack, roles, limits.seq_len, precision
-        )
+            model, config, limits.num_blocks, options.stack, roles, limits.seq_len, precision,
+            attention,
+        )  # fmt: skip
     if problems:
         raise ConfigError(
             f"config {config.as_text()} cannot run {graph.model_type} on "

@@ -19,9 +19,12 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
                         taken by a style (routers and experts are: their gradients are summed
                         over tp; MLA's down-projections are not: `tensor_parallel.tp_plan`)
                         -> else tensor parallelism without it
-    context parallelism needs a forward at a shard's global positions (`parts`), and
-                        attention it computes: no sliding window narrower than the sequence
-                        (Mistral's, Phi-3's), no soft-capped scores (Gemma 2's) -> else cp = 1
+    context parallelism a Hugging Face model's own code, run on fake tensors
+                        (`attention_check`): every block attends through transformers'
+                        attention interface under a causal mask, or a sliding window the
+                        call passes; no soft-capped scores (Gemma 2's), no chunked mask
+                        (Llama 4's), no token mixing outside attention (Mamba2's); the zoo's
+                        models by their `parts` entry -> else cp = 1
     expert parallelism  needs MoE blocks with a token dispatch (`expert_parallel`: the zoo's,
                         and transformers' stacked experts, `hf_experts`) -> else ep = 1
     expert tensor par.  etp = tp splits each expert's width (`expert_tensor_parallel`): the
@@ -59,6 +62,7 @@ from autopar.errors import ConfigError
 from autopar.estimate.stacks import load_stack, stack_names
 from autopar.estimate.tables import tensor_parallel_roles
 from autopar.hardware.profile import HardwareProfile
+from autopar.runtime.attention_check import cp_refusal
 from autopar.runtime.expert_parallel import is_moe_block
 from autopar.runtime.expert_tensor_parallel import expert_split_problem
 from autopar.runtime.hf_experts import is_hf_experts
@@ -81,12 +85,32 @@ def traced_roles(model: nn.Module, graph: ModelGraph) -> CheckedRoles:
     priced them (`Plan.tensor_parallel_roles`), why it may not split the others ("" when
     none is held back), and why the model's code fails with its projections split at all:
     `split_check.checked_roles` on the trace's inputs, on meta."""
-    inputs = tuple(
+    inputs = _meta_inputs(graph)
+    return checked_roles(model, tensor_parallel_roles(graph), inputs, _cut_outputs(graph))
+
+
+def attention_refusal(model: nn.Module, graph: ModelGraph) -> str:
+    """Why context parallelism would not compute ``model``'s attention, or "": for a model
+    with a Hugging Face config, `attention_check.cp_refusal` on the trace's inputs (its own
+    code's attention calls and masks); for another, whether autopar's `parts` cut it and its
+    attention modules take an `attention_fn` (the zoo's)."""
+    name = type(model).__name__
+    if not hasattr(getattr(model, "config", None), "_attn_implementation"):
+        return "" if has_parts(model) else _no_cp(name)
+    why = cp_refusal(model, _meta_inputs(graph))
+    return (
+        f"autopar's runtime computes causal attention under context parallelism: {why}"
+        if why
+        else ""
+    )
+
+
+def _meta_inputs(graph: ModelGraph) -> tuple[torch.Tensor, ...]:
+    return tuple(
         torch.empty(node.shapes[0], dtype=getattr(torch, node.dtypes[0]), device="meta")
         for node in graph.nodes.values()
         if node.kind == "input" and node.shapes
     )
-    return checked_roles(model, tensor_parallel_roles(graph), inputs, _cut_outputs(graph))
 
 
 # the aten ops that cut a tensor into pieces, as the trace records them
@@ -217,6 +241,7 @@ def runtime_limits(
     stack: str = "autopar",
     roles: tuple[dict[str, str], str] = ({}, ""),
     precision: str = "bf16",
+    attention: str | None = None,
 ) -> tuple[SpaceLimits, list[str]]:
     """``limits`` bounded by what the runtime can do for ``model`` when ``stack`` runs it in
     ``precision``, and why (module docstring). ``roles``: `traced_roles`.
@@ -257,10 +282,7 @@ def runtime_limits(
         if why:
             notes.append(f"no expert tensor-parallel plans (etp = 1): {why}")
         limits = replace(limits, expert_width=width)
-    if not has_parts(model) and limits.max_cp > 1:
-        limits = replace(limits, max_cp=1)
-        notes.append(f"no context-parallel plans: {_no_cp(name)}")
-    elif limits.max_cp > 1 and (why := _cp_attention(model, limits.seq_len)):
+    if limits.max_cp > 1 and (why := _cp_problem(model, limits.seq_len, attention)):
         limits = replace(limits, max_cp=1)
         notes.append(f"no context-parallel plans: {why}")
     unsplit = unsplit_block(model, limits.num_blocks, roles[0])
@@ -285,6 +307,7 @@ def runtime_problems(
     roles: tuple[dict[str, str], str] = ({}, ""),
     seq_len: int = 0,
     precision: str = "bf16",
+    attention: str | None = None,
 ) -> list[str]:
     """Every way autopar's runtime would refuse ``config`` for ``model`` (whose trace found
     ``num_blocks`` repeated layers, of ``seq_len`` tokens) when ``stack`` runs it in
@@ -314,9 +337,7 @@ def runtime_problems(
             )
         elif cut not in ("parts", "traced"):
             out.append(f"pp={config.pp}: {cut}")
-    if config.cp > 1 and not has_parts(model):
-        out.append(f"cp={config.cp}: {_no_cp(name)}")
-    elif config.cp > 1 and (why := _cp_attention(model, seq_len)):
+    if config.cp > 1 and (why := _cp_problem(model, seq_len, attention)):
         out.append(f"cp={config.cp}: {why}")
     if config.ep > 1 and not _dispatches_experts(model):
         out.append(f"ep={config.ep}: {_no_ep(name)}")
@@ -404,6 +425,16 @@ def _no_ep(name: str) -> str:
     )
 
 
+def _cp_problem(model: nn.Module, seq_len: int, attention: str | None) -> str:
+    """``attention`` (`attention_refusal`'s finding), or when the caller has none, the rule
+    from the model's class and config alone."""
+    if attention is not None:
+        return attention
+    if not has_parts(model):
+        return _no_cp(type(model).__name__)
+    return _cp_attention(model, seq_len)
+
+
 def _cp_attention(model: nn.Module, seq_len: int) -> str:
     """Why autopar's context-parallel attention (whole causal softmax attention) would not
     compute ``model``'s, or "": a sliding window narrower than the sequence (Mistral's, Phi-3's,
@@ -437,11 +468,13 @@ def _unsplittable(roles: tuple) -> str:
 
 
 def _code_fails(name: str, why: str) -> str:
-    return (
-        f"{name}'s own code does not run with its projections split over tp ({why}); the "
-        "runtime hands that code each rank's share of the heads, so code that reads the head "
-        "count from the tensor (view(..., -1, head_dim)) splits, code that reads it from its "
-        "config does not"
+    hint = (
+        "; the runtime hands that code each rank's share of the heads, so code that reads "
+        "the head count from the tensor (view(..., -1, head_dim)) splits, code that reads it "
+        "from its config does not"
+    )
+    return f"{name}'s own code does not run with its projections split over tp ({why})" + (
+        hint if why.startswith("its code fails with") else ""
     )
 
 

@@ -12,9 +12,11 @@ loss on every rank differentiates to the gradients of the sum of the ranks' loss
     all_to_all(x, out_splits, in_splits, group)
                                        forward all_to_all_single with split sizes (rows);
                                        backward the same with the splits swapped
-    ring_attention(q, k, v, group, pos_q, pos_blocks, is_causal, scale)
+    ring_attention(q, k, v, group, pos_q, pos_blocks, is_causal, scale, window=None)
                                        online-softmax attention over K/V blocks passed
                                        round the ring (see `autopar.runtime.context_parallel`)
+    attended(pos_q, pos_k, window)     [queries, keys] True where causal attention, within
+                                       a sliding window, attends
     TokenExchange(e_P, num_experts, group)
                                        expert parallelism's token traffic: rows of (token,
                                        expert) pairs sorted by expert go to the experts'
@@ -212,6 +214,15 @@ def _repeat_heads(x_BKSD: torch.Tensor, num_heads: int) -> torch.Tensor:
     return x_BKSD if n == 1 else x_BKSD.repeat_interleave(n, dim=1)
 
 
+def attended(pos_q: torch.Tensor, pos_k: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[queries, keys] True where a query attends to a key: causal, and with ``window`` only
+    to keys less than ``window`` positions back (transformers' sliding-window masks)."""
+    allowed = pos_k[None, :] <= pos_q[:, None]
+    if window is not None:
+        allowed &= pos_k[None, :] > pos_q[:, None] - window
+    return allowed
+
+
 def ring_attention(
     q_BNSD: torch.Tensor,
     k_BKSD: torch.Tensor,
@@ -221,9 +232,12 @@ def ring_attention(
     pos_blocks: Sequence[torch.Tensor],
     is_causal: bool,
     scale: float | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """softmax(q K^T * scale + mask) V with K/V passed round the ring, merged by online
-    softmax (running max m, denominator l, numerator a; out = a / l).
+    softmax (running max m, denominator l, numerator a; out = a / l). ``window``: causal
+    within a sliding window (`attended`); the own block still holds the
+    diagonal.
 
     ``pos_blocks[r]`` are rank r's key positions. Step t holds rank (rank - t)'s block; step
     0 is the own block, which under the causal mask holds every query's diagonal, so the
@@ -241,7 +255,7 @@ def ring_attention(
         k, v = (_repeat_heads(t, q_BNSD.shape[1]) for t in kv.unbind(0))
         scores = torch.matmul(q_BNSD, k.transpose(-2, -1)) * scale
         if is_causal:
-            allowed = pos_blocks[(rank - step) % size][None, :] <= pos_q[:, None]
+            allowed = attended(pos_q, pos_blocks[(rank - step) % size], window)
             scores = scores.masked_fill(~allowed, float("-inf"))
         block_max = scores.detach().amax(dim=-1, keepdim=True)
         m_new = block_max if m is None else torch.maximum(m, block_max)

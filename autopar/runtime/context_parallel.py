@@ -46,10 +46,12 @@ Public functions:
     ContextParallel.forward(model, inputs, positions) -> logits of the shard
     ContextParallel.loss(logits, targets) -> loss (value: the micro-batch's global mean)
     ContextParallel.sync_gradients(model)                      # sum over cp
+    take_positions(model) -> model        # a model no `parts` entry cuts, called at positions
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -59,7 +61,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.runtime import parts as model_parts
-from autopar.runtime.collectives import all_gather_seq, all_reduce_flat, ring_attention
+from autopar.runtime.collectives import (
+    all_gather_seq,
+    all_reduce_flat,
+    attended,
+    ring_attention,
+)
 from autopar.runtime.tensor_parallel import is_projection
 
 IGNORE = -100  # F.cross_entropy's default ignore_index
@@ -109,12 +116,15 @@ def cp_attention(
     is_causal: bool = True,
     scale: float | None = None,
     dropout_p: float = 0.0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries against the keys of every rank of ``group``.
 
     q, k, v are this rank's sequence shard `[B, N or K, S/cp, D]` in ``layout``; K key/value
     heads (GQA: K divides N) travel before they are repeated. The output is this shard's
     `[B, N, S/cp, D]`, equal to the matching rows of full attention over the whole sequence.
+    ``window``: each query attends to the keys less than ``window`` positions back (itself
+    included), as transformers' sliding-window masks (causal only).
     """
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     seq_len = q_BNSD.shape[-2] * cp
@@ -123,15 +133,16 @@ def cp_attention(
     if kind == "ring":
         if dropout_p > 0:
             raise NotImplementedError("ring context-parallel attention has no dropout")
-        return ring_attention(q_BNSD, k_BKSD, v_BKSD, group, pos_q, pos_all, is_causal, scale)
+        return ring_attention(
+            q_BNSD, k_BKSD, v_BKSD, group, pos_q, pos_all, is_causal, scale, window
+        )
     num_heads = q_BNSD.shape[1]
     k_all, v_all = (
         _repeat_heads(all_gather_seq(t, group, dim=-2), num_heads) for t in (k_BKSD, v_BKSD)
     )
     mask = None
     if is_causal:
-        pos_k = torch.cat(pos_all)
-        mask = pos_k[None, :] <= pos_q[:, None]  # True: attend
+        mask = attended(pos_q, torch.cat(pos_all), window)
     return F.scaled_dot_product_attention(
         q_BNSD, k_all, v_all, attn_mask=mask, dropout_p=dropout_p, scale=scale
     )
@@ -159,13 +170,16 @@ class CPAttention:
         is_causal: bool = False,
         scale: float | None = None,
         enable_gqa: bool = False,
+        window: int | None = None,
     ) -> torch.Tensor:
         if attn_mask is not None:
             raise NotImplementedError("context-parallel attention takes no explicit attn_mask")
         if k.shape[1] != q.shape[1] and not enable_gqa:
             raise ValueError(f"{q.shape[1]} query heads but {k.shape[1]} key heads")
         o = self.options
-        return cp_attention(q, k, v, self.group, o.layout, o.kind, is_causal, scale, dropout_p)
+        return cp_attention(
+            q, k, v, self.group, o.layout, o.kind, is_causal, scale, dropout_p, window
+        )
 
 
 def _hf_attention(
@@ -178,19 +192,23 @@ def _hf_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-interface signature; the causal mask is ours (from positions):
-    transformers builds none for an implementation without a registered mask kind, and a
-    caller's padding mask is refused rather than ignored. K/V heads are gathered before they
-    are repeated for GQA (fewer bytes on the wire)."""
+    """transformers' attention-interface signature; the causal mask is ours (from positions,
+    within the ``sliding_window`` a layer passes): transformers builds none for an
+    implementation without a registered mask kind, and a caller's padding mask is refused
+    rather than ignored, as are soft-capped scores and attention sinks (`attention_check`
+    refuses such models at planning). K/V heads are gathered before they are repeated for GQA
+    (fewer bytes on the wire)."""
     if attention_mask is not None:
         raise NotImplementedError(
             "context parallelism takes whole, unpadded sequences: got an attention mask of "
             f"shape {tuple(attention_mask.shape)}"
         )
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"context-parallel attention has no {name}")
     attend: CPAttention = module.attention_fn
-    out = attend(
-        query, key, value, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=True
-    )
+    out = attend(query, key, value, dropout_p=dropout, is_causal=True, scale=scaling,
+                 enable_gqa=True, window=kwargs.get("sliding_window"))  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -269,6 +287,30 @@ class ContextParallel:
             f"context parallel over cp={self.size} ({self.options.kind} attention, "
             f"{self.options.layout} layout) in {self.num_attention_modules} attention modules"
         )
+
+
+def take_positions(model: nn.Module) -> nn.Module:
+    """``model``, callable as a `stages.StageModule` is under context parallelism --
+    ``model(*inputs, positions=positions_S)`` -> logits -- when no `parts` entry cuts it: its
+    own forward is handed ``position_ids`` (its rotary tables or position embeddings taken at
+    the shard's global positions) and no cache, and a Hugging Face output gives its logits.
+    Hooks, not a wrapper, so parameter paths (checkpoints, FSDP units) stay the model's."""
+    takes = inspect.signature(model.forward).parameters
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        positions_S = kwargs.pop("positions", None)
+        if positions_S is not None:
+            kwargs["position_ids"] = positions_S[None, :]
+        if "use_cache" in takes:
+            kwargs.setdefault("use_cache", False)
+        return args, kwargs
+
+    def after(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Any:
+        return getattr(out, "logits", out)
+
+    model.register_forward_pre_hook(before, with_kwargs=True, prepend=True)
+    model.register_forward_hook(after, with_kwargs=True)
+    return model
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

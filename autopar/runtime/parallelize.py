@@ -17,7 +17,9 @@ back for each).
              FSDP's hooks, as torchtitan's apply_compile; the "autopar-compile" stack prices it
 
     cp > 1   the model runs as one `stages.StageModule` (original paths), whose forward takes
-             a sequence shard's global positions, so FSDP's root hooks wrap it as well
+             a sequence shard's global positions, so FSDP's root hooks wrap it as well; a
+             model no `parts` entry cuts runs its own forward, handed the positions
+             (`context_parallel.take_positions`)
     ep > 1   folded over the dp x fsdp x cp token ranks (cp innermost): the experts are left
              out of the dp average (`DataParallel.skip`) and the cp sum, and
              `expert_parallel` syncs them; with fsdp > 1 each MoE layer's experts are an FSDP2
@@ -45,7 +47,7 @@ from torch import nn
 from autopar.config import ParallelConfig
 from autopar.runtime.data_parallel import DataParallel, apply_data_parallel
 from autopar.runtime.mesh import RuntimeMesh
-from autopar.runtime.parts import parts_of
+from autopar.runtime.parts import has_parts, parts_of
 from autopar.runtime.pipeline import Pipeline, build_pipeline, layout_for
 from autopar.runtime.recompute import apply_recompute
 from autopar.runtime.stages import build_stage_modules, even_layout
@@ -141,10 +143,14 @@ def parallelize_model(
             model, mesh, config, placements, tp, pipeline, groups, compile_blocks, param_dtype
         )
     whole = model
-    if config.cp > 1:  # one module running embed -> blocks -> head at a shard's positions,
-        # original paths: FSDP's root hooks then wrap the context-parallel forward too
+    if config.cp > 1 and has_parts(model):  # one module running embed -> blocks -> head at
+        # a shard's positions, original paths: FSDP's root hooks wrap the cp forward too
         layout = even_layout(parts_of(model).num_blocks(model), 1)
         model = build_stage_modules(model, layout, 0)[0]
+    elif config.cp > 1:  # its own forward, handed the shard's positions
+        from autopar.runtime.context_parallel import take_positions
+
+        take_positions(model)
     blocks = find_blocks(model)
     # the context-parallel loss reads whole-vocabulary logits: no vocabulary split with cp
     vocab = config.cp == 1

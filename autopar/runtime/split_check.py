@@ -32,7 +32,7 @@ views their outputs by the config's head count (StableLM's `view(bsz, q_len, sel
 head_dim)`) fails there, and the model is then refused tensor parallelism
 (`CheckedRoles.unsplittable`), for the runtime would split those projections and crash.
 
-Both runs take one block of each kind (`_few_blocks`: the first two of each list of repeated
+Both runs take one block of each kind (`few_blocks`: the first two of each list of repeated
 blocks, and the first of each other shape), so a 126-block model costs what a 3-block one does;
 what they find of a block holds for every block of its kind. A model whose code will not run
 with its lists cut short is run whole.
@@ -120,7 +120,7 @@ def checked_roles(
     # check for packed sequences, `is_tracing`) skips that read for fake tensors, as in export
     with quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
         inputs = tuple(fake.from_tensor(t) for t in inputs)
-        with _few_blocks(model) as alike:
+        with few_blocks(model) as alike:
             if alike:  # the model with one block of each kind: its code's findings are theirs
                 few = {p: r for p, r in in_blocks.items() if _like(p, alike) == p}
                 found = _check(model, fake, few, set(traced), seen_cut, inputs, short=True)
@@ -144,7 +144,7 @@ def _check(
 ) -> CheckedRoles | None:
     """`checked_roles`'s two runs over the model as it now is; None when ``short`` (its block
     lists cut to one of each kind) and the model's code does not run so."""
-    whole = {k: fake.from_tensor(v) for k, v in _meta_state(model).items()}
+    whole = {k: fake.from_tensor(v) for k, v in meta_state(model).items()}
     traced = traced & set(in_blocks)
     named = {p: r for p, r in in_blocks.items() if p not in traced}
     try:
@@ -174,7 +174,7 @@ def _check(
 
 
 @contextmanager
-def _few_blocks(model: nn.Module) -> Iterator[dict[str, str]]:
+def few_blocks(model: nn.Module) -> Iterator[dict[str, str]]:
     """``model`` with each list of repeated blocks (`find_blocks`) cut to its first two and the
     first of each other kind (a block's kind: its modules' classes and its parameters' shapes),
     the cut ones restored on exit; yields {a block cut: the block of its kind kept}. A fake run
@@ -209,14 +209,24 @@ def _few_blocks(model: nn.Module) -> Iterator[dict[str, str]]:
 
 
 def _kind(block: nn.Module) -> tuple:
+    """A block's kind: its modules' classes, its parameters' shapes, and its modules' plain
+    settings -- strings and flags by value, numbers by whether they are set (a sliding layer's
+    window against a full layer's None; not its index, which every block has its own of)."""
+    settings = (
+        (path, key, value if isinstance(value, str | bool) else value is None)
+        for path, m in block.named_modules()
+        for key, value in vars(m).items()
+        if not key.startswith("_") and (value is None or isinstance(value, str | bool | int))
+    )
     return (
         *((path, type(m).__name__) for path, m in block.named_modules()),
         *((path, tuple(p.shape), p.dtype) for path, p in block.named_parameters()),
+        *settings,
     )
 
 
 def _like(path: str, alike: dict[str, str]) -> str:
-    """``path`` in the block of its kind `_few_blocks` kept (itself when its block was kept)."""
+    """``path`` in the block of its kind `few_blocks` kept (itself when its block was kept)."""
     parts = path.split(".")
     for i in range(len(parts), 0, -1):
         if (kept := alike.get(".".join(parts[:i]))) is not None:
@@ -309,9 +319,17 @@ def _problem(
             hooks.append(module.register_forward_hook(shares.hook(pieces.get(path, 1))))
         else:
             hooks.append(module.register_forward_pre_hook(_widened, with_kwargs=True))
+            hooks.append(module.register_forward_hook(shares.row(path)))
     try:
         with shares:
             got = _shapes(functional_call(model, whole, args))
+        if shares.changed:
+            path, op = shares.changed
+            return (
+                f"its code changes {path}'s output in place ({op}): a row-parallel split hands "
+                "it on as DTensor's to_local() view, which autograd does not let change (an "
+                "out-of-place op, out = out + x, would split)"
+            )
     except Exception as e:  # the model's own code failing at the local widths is the finding
         return (
             f"its code fails with {_named(roles)} at 1/{_WAYS} of their features "
@@ -328,11 +346,21 @@ def _problem(
 class _Shares(TorchFunctionMode):
     """Column-parallel outputs as one rank's share at tp = 2 (the first half of each piece),
     a fused projection's cut at the local offsets as `fused_pieces.Pieces` cuts them (the
-    check's tensors are fake, which a `Pieces` cannot wrap)."""
+    check's tensors are fake, which a `Pieces` cannot wrap). Notes the first in-place op on a
+    row-parallel output (`changed`: (path, op))."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fused: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (kept alive, piece)
+        self.rows: dict[int, tuple[str, torch.Tensor]] = {}  # id -> (path, kept alive)
+        self.changed: tuple[str, str] | None = None
+
+    def row(self, path: str):
+        def made(module: nn.Module, args: Any, out: Any) -> None:
+            if isinstance(out, torch.Tensor):
+                self.rows[id(out)] = (path, out)
+
+        return made
 
     def hook(self, pieces: int):
         def made(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
@@ -349,6 +377,10 @@ class _Shares(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in CUTS and args and id(args[0]) in self.fused:
             args, kwargs = local_cut(func, args, kwargs, _WAYS, self.fused[id(args[0])][1])
+        name = getattr(func, "__name__", "")
+        in_place = name.endswith("_") and not name.startswith("_") or name.startswith("__i")
+        if in_place and args and id(args[0]) in self.rows and self.changed is None:
+            self.changed = (self.rows[id(args[0])][0], name)
         return func(*args, **kwargs)
 
 
@@ -372,7 +404,7 @@ def _module(model: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
-def _meta_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def meta_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of ``model`` as an empty meta tensor of its shape."""
     named = [*model.named_parameters(), *model.named_buffers()]
     return {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in named}

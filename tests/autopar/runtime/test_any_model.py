@@ -3,7 +3,10 @@
 Models, each from the user's own factory (`model_factories`, not autopar's builders): a
 from-scratch transformer on nn.MultiheadAttention, an MLP classifier with its own loss, and
 Hugging Face GPT-2, GPT-NeoX, Gemma 2, Phi-3, Qwen2, BERT (masked LM), T5 (encoder-decoder)
-and ViT (image classification), built from configs.
+and ViT (image classification), built from configs; and issue 47's thirteen more families
+(`family_factories`: OLMo2, Gemma 3, Falcon, StableLM, Granite, GraniteMoE, OLMoE, Qwen3 with
+tied embeddings, Llama 4, Cohere, Mamba2, SmolLM3, an encoder with its own loss) under TP,
+TP+SP and CP.
 
 Styles, on 2 and 4 local_cpu devices: the plan `parallelize` returns, and forced DP, FSDP
 (ZeRO-3), TP, TP+SP, PP and CP (the suite runs on 2 ranks all but DP, the forced twins of the
@@ -45,6 +48,13 @@ MODELS = {
     "t5": ("t5", "t5_batch", "masked_lm_loss"),
     "vit": ("vit", "vit_batch", "classify_loss"),
 }
+# issue 47's thirteen families no test named before (`family_factories`)
+FAMILIES = {
+    **{m: (f"family_factories:{m}", None, None)
+       for m in ("olmo2", "gemma3", "falcon", "stablelm", "granite", "granite_moe", "olmoe",
+                 "qwen3_tied", "llama4", "cohere", "mamba2", "smollm3")},
+    "encoder": tuple(f"family_factories:encoder{s}" for s in ("", "_batch", "_loss")),
+}  # fmt: skip
 
 
 def styles(n: int) -> dict[str, C]:
@@ -73,7 +83,10 @@ _FAILS = "its code fails with"
 REFUSED = {
     **{(m, s): why for m, why in (("mha", _OWN_CODE), ("classifier", _NO_TP), ("t5", _FAILS))
        for s in ("TP", "TP+SP")},
-    **{(m, "CP"): _NO_CP for m in ("mha", "classifier", "bert", "t5", "vit")},
+    **{(m, "CP"): _NO_CP for m in ("mha", "classifier")},
+    ("bert", "CP"): "bert.encoder.layer.0.attention.self attends under a mask that is neither",
+    ("t5", "CP"): "Seq2Seq has no set_attn_implementation",
+    ("vit", "CP"): "ViTForImageClassification.forward takes no position_ids",
     ("gemma2", "CP"): "soft-caps its attention scores",
     ("classifier", "PP"): _NO_PP,
     ("t5", "PP"): _NO_PP,
@@ -81,13 +94,32 @@ REFUSED = {
 }  # fmt: skip
 
 
+# (family, style) of `FAMILIES` refused at evaluate on 2 devices, and the words that say why:
+# each names the module and what its code does
+_HEADS_NORM = "normalises the whole output of a column-parallel projection"
+FAMILY_REFUSED = {
+    **{(m, s): why for m, why in (
+        ("olmo2", _HEADS_NORM),
+        ("olmoe", _HEADS_NORM),
+        ("falcon", "its code fails with transformer.h.0.self_attention.query_key_value"),
+        ("stablelm", "its code fails with model.layers.0.self_attn.q_proj"),
+        ("cohere", "its code fails with model.layers.0.self_attn.q_proj"),
+        ("llama4", "changes model.layers.1.feed_forward.shared_expert.down_proj's output in "
+                   "place (add_)"),
+        ("mamba2", "cuts backbone.layers.0.mixer.in_proj's output into pieces of [64, 80, 8]"),
+        ("encoder", "layers.0.self_attn (MultiheadAttention) multiplies by its weights"),
+    ) for s in ("TP", "TP+SP")},
+    ("falcon", "CP"): "transformer.h.0 (FalconDecoderLayer) calls no attention through",
+    ("llama4", "CP"): "model.layers.0.self_attn attends under a mask that is neither causal",
+    ("mamba2", "CP"): "Mamba2ForCausalLM.forward takes no position_ids",
+    ("encoder", "CP"): _NO_CP,
+}  # fmt: skip
+
+
 def _source(label: str) -> dict[str, str | None]:
-    factory, data, loss = MODELS[label]
-    return {
-        "factory": f"model_factories:{factory}",
-        "data": data and f"model_factories:{data}",
-        "loss": loss and f"model_factories:{loss}",
-    }
+    names = MODELS.get(label) or FAMILIES[label]
+    factory, data, loss = (n and (n if ":" in n else f"model_factories:{n}") for n in names)
+    return {"factory": factory, "data": data, "loss": loss}
 
 
 def matrix(
@@ -218,6 +250,34 @@ def test_every_model_runs_its_plan_and_a_pipeline_over_data_parallelism_on_4_ran
     check_cases(4, cases + more + fused)
 
 
+def test_more_families_are_planned_or_refused_naming_the_module_and_the_operation():
+    """Issue 47's thirteen families under TP, TP+SP and CP on 2 devices: what `evaluate`
+    refuses is pinned (above), and what it accepts runs: gemma3, granite, granite_moe,
+    qwen3_tied and smollm3 under every style; olmo2, stablelm, olmoe and cohere under CP,
+    through their own forward (the script below runs them all on ranks)."""
+    refused = {}
+    for label in FAMILIES:
+        refused.update(matrix(2, [label], only=("TP", "TP+SP", "CP"))[1])
+    assert set(refused) == set(FAMILY_REFUSED), (
+        sorted(set(refused) - set(FAMILY_REFUSED)),
+        sorted(set(FAMILY_REFUSED) - set(refused)),
+    )
+    for key, why in refused.items():
+        assert FAMILY_REFUSED[key] in why, (key, why)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_context_parallelism_runs_models_through_their_own_forward_on_2_ranks():
+    """No `parts` entry cuts these: each runs its own forward at the shard's positions, its
+    attention replaced through transformers' interface -- Gemma 3's sliding layers (a window
+    of 8 in 16 tokens, across the shards' edges) and full ones, OLMoE's experts, Cohere's
+    [heads, head_dim] q/k norm -- and GraniteMoE's blocks split under TP + SP."""
+    cases = [composed(2, m, C(cp=2, micro_batch_size=1)) for m in ("gemma3", "olmoe", "cohere")]
+    cases.append(composed(2, "granite_moe", C(tp=2, sequence_parallel=True, micro_batch_size=1)))
+    check_cases(2, cases)
+
+
 def _main(labels: list[str]) -> None:
     """Print the matrix: each model alone on 2 and 4 ranks, failures reported, not raised."""
     for n in (2, 4):
@@ -238,4 +298,4 @@ def _main(labels: list[str]) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     sys.path.insert(0, str(Path(__file__).parent))
-    _main(sys.argv[1:] or list(MODELS))
+    _main(sys.argv[1:] or [*MODELS, *FAMILIES])

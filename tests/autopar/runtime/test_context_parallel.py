@@ -1,8 +1,10 @@
 """Context parallelism: the attention of sequence shards equals full attention (forward and
 gradients) on 2 and 4 gloo ranks, in every variant (all-gather KV or ring, load-balanced or
-contiguous shards, causal or not, GQA heads), and the ring and contiguous variants train
-gpt-tiny, llama-tiny and a Hugging Face Llama (transformers' AttentionInterface) as one
-process does. The trainer's default variant: test_numerics_cp_ep.py, test_numerics_4ranks.py.
+contiguous shards, causal or not, a causal sliding window, GQA heads), and the ring and
+contiguous variants train gpt-tiny, llama-tiny and a Hugging Face Llama (transformers'
+AttentionInterface) as one process does. The trainer's default variant:
+test_numerics_cp_ep.py, test_numerics_4ranks.py; models no `parts` entry cuts (their own
+forward at the shard's positions): test_any_model.py.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from harness import Case, max_rel_error, reference, run_ranks
 from autopar.config import ParallelConfig as C
 from autopar.runtime.context_parallel import CPOptions, cp_attention, positions
 
-ATTENTION_CASES = list(
-    itertools.product(("all_gather", "ring"), ("load_balanced", "contiguous"), (True, False))
-)
+VARIANTS = list(itertools.product(("all_gather", "ring"), ("load_balanced", "contiguous")))
+# (kind, layout, causal, sliding window): a window of 5 crosses every shard's edge
+ATTENTION_CASES = [(*v, causal, None) for v in VARIANTS for causal in (True, False)] + [
+    (*v, True, 5) for v in VARIANTS
+]
 
 
 def test_positions_of_the_load_balanced_layout():
@@ -41,21 +45,27 @@ def _attention_errors() -> list[tuple[str, float]]:
     k, v = (torch.randn(b, kv_heads, s, d, generator=gen) for _ in range(2))
     grad_out = torch.randn(b, n, s, d, generator=gen)
     out = []
-    for kind, layout, causal in ATTENTION_CASES:
+    for kind, layout, causal, window in ATTENTION_CASES:
         full = [t.clone().requires_grad_() for t in (q, k, v)]
         rep = [t.repeat_interleave(n // kv_heads, dim=1) for t in full[1:]]
-        want = F.scaled_dot_product_attention(full[0], *rep, is_causal=causal)
+        if window is None:
+            want = F.scaled_dot_product_attention(full[0], *rep, is_causal=causal)
+        else:  # transformers' sliding window: k in (q - window, q]
+            i = torch.arange(s)
+            mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+            want = F.scaled_dot_product_attention(full[0], *rep, attn_mask=mask)
         want.backward(grad_out)
         pos = positions(s, rank, cp, layout)
         local = [t.detach().index_select(2, pos).requires_grad_() for t in (q, k, v)]
-        got = cp_attention(*local, group, layout, kind, causal)
+        got = cp_attention(*local, group, layout, kind, causal, window=window)
         got.backward(grad_out.index_select(2, pos))
         errors = [(got - want.detach().index_select(2, pos)).abs().max()]
         errors += [
             (mine.grad - ref.grad.index_select(2, pos)).abs().max()
             for mine, ref in zip(local, full, strict=True)
         ]
-        out.append((f"cp{cp} {kind} {layout} causal={causal}", max(e.item() for e in errors)))
+        label = f"cp{cp} {kind} {layout} causal={causal} window={window}"
+        out.append((label, max(e.item() for e in errors)))
     return out
 
 

@@ -130,10 +130,10 @@ def test_evaluate_refuses_what_the_runtime_cannot_run_naming_the_model_and_why()
         (_olmo2(), (torch.randint(0, 128, (1, 64)),), dict(dp=2, tp=2),
          "tp=2: model.layers.0.self_attn.q_norm (Olmo2RMSNorm) normalises the whole output of "
          "a column-parallel projection"),
-        (_phi3_gqa(sliding_window=16), (torch.randint(0, 128, (1, 64)),), dict(dp=2, cp=2),
-         "cp=2: autopar's runtime computes whole causal attention under context parallelism, "
-         "and Phi3ForCausalLM attends within a sliding window of 16 tokens, narrower than its "
-         "64"),
+        (_llama4(), (torch.randint(0, 128, (1, 64)),), dict(dp=2, cp=2),
+         "cp=2: autopar's runtime computes causal attention under context parallelism: "
+         "model.layers.0.self_attn attends under a mask that is neither causal nor a causal "
+         "sliding window"),
         (_llama4(), (torch.randint(0, 128, (1, 64)),), dict(dp=4, ep=2),
          "ep=2: autopar's runtime dispatches tokens to experts over ranks for its own MoE "
          "blocks (autopar.models.moe) and Hugging Face expert stacks"),
@@ -270,3 +270,23 @@ def test_a_model_whose_code_views_heads_by_its_config_gets_no_tensor_parallel_pl
     llama = hf.build("llama-tiny-hf")  # its code reads heads by -1: the named split runs
     found = traced_roles(llama, trace(llama, hf.example_inputs("llama-tiny-hf", llama)))
     assert found.unsplittable == "", found
+
+
+def test_context_parallelism_is_decided_from_the_models_own_attention_calls():
+    """Issue 47: a sliding window narrower than the sequence runs under cp (each layer passes
+    its window to the attention function, which cp applies across the shards), soft-capped
+    scores do not; the refusal names the module and what it does."""
+    cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=4)
+    config = autopar.ParallelConfig(dp=2, cp=2, micro_batch_size=1)
+    inputs = (torch.randint(0, 128, (1, 64)),)
+    windowed = autopar.evaluate(_phi3_gqa(sliding_window=16), cluster, config, inputs,
+                                global_batch_size=8)  # fmt: skip
+    assert windowed.config.cp == 2
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    gemma2 = Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0,
+    ))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"cp=2: .*model.layers.0.self_attn soft-caps"):
+        autopar.evaluate(gemma2, cluster, config, inputs, global_batch_size=8)
