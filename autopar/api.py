@@ -144,7 +144,7 @@ def parallelize(
         roles = traced_roles(model, graph)
         attention = attention_refusal(model, graph) if limits.max_cp > 1 else ""
         limits, bounded = runtime_limits(
-            model, limits, options.cost.stack, roles, precision, attention
+            model, limits, options.cost.stack, roles, precision, attention, graph.meta_constants
         )
     notes += bounded
     solution = solve(estimator, graph, cluster, limits, options)
@@ -261,7 +261,7 @@ def evaluate(
         attention = attention_refusal(model, graph) if config.cp > 1 else ""
         problems += runtime_problems(
             model, config, limits.num_blocks, options.stack, roles, limits.seq_len, precision,
-            attention,
+            attention, graph.meta_constants,
         )  # fmt: skip
     if problems:
         raise ConfigError(

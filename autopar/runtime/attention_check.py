@@ -15,7 +15,8 @@ mask function finds out:
 
 - each mask the model asks transformers for is evaluated on a grid of positions (mask
   functions are functions of indices): causal, causal within a window of w, or something else
-  (a chunked mask, a bidirectional one) -- named so in the refusal;
+  (a bidirectional one; a chunked one, made from the run's tensors) -- named so in the
+  refusal;
 - each attention call records its module, the mask it was handed, and its keyword arguments:
   a mask of w must come with ``sliding_window=w``, soft-capped scores (``softcap``) and
   attention sinks (``s_aux``) are refused, and a mask made by the model's own code (not
@@ -88,9 +89,12 @@ def cp_refusal(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str:
             args = tuple(_cpu(t) for t in inputs)
             with few_blocks(model):
                 state = {k: _cpu(v) for k, v in meta_state(model).items()}
-                # with its cache, as a model makes one by default: transformers then reads
-                # no packing from the positions (a read of values a fake tensor has not)
-                functional_call(model, state, args)
+                # with a cache (even where the config says none): transformers then reads no
+                # packing from the positions, a read of values a fake tensor has not
+                takes = inspect.signature(model.forward).parameters
+                functional_call(
+                    model, state, args, {"use_cache": True} if "use_cache" in takes else {}
+                )
                 silent = _silent_blocks(model, {id(m) for m, *_ in seen.calls})
     except Exception as e:  # its code does not run on fake tensors: nothing can be read
         first = str(e).splitlines()[0][:200] if str(e) else ""
@@ -113,7 +117,12 @@ def cp_refusal(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str:
         if kind == "other":
             return (
                 f"{where} attends under a mask that is neither causal nor a causal sliding "
-                "window (a chunked or a bidirectional one)"
+                "window (a bidirectional one, or a prefix)"
+            )
+        if kind == "unread":
+            return (
+                f"{where} attends under a mask made from the run's own tensors (a chunked "
+                "mask), not a causal one or a causal sliding window"
             )
         passed = kwargs.get("sliding_window")
         if _reach(window, seq) != _reach(passed, seq):
@@ -171,7 +180,7 @@ def _mask(seen: _Seen):
                 allowed = mask_function(zero, zero, q, k).expand(q_length, kv_length)
                 kind, window = _named(allowed, q, k)
             except Exception:  # it reads tensors of the run (a chunked mask's): not plain
-                kind, window = "other", None
+                kind, window = "unread", None
         made = torch.empty(batch_size, 1, q_length, kv_length, dtype=torch.bool)
         seen.masks[id(made)] = (made, kind, window)  # kept alive: ids stay unique
         return made

@@ -8,7 +8,8 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
     pipeline stages     `autopar.runtime.parts` cuts the models it knows; any other whose
                         blocks are the items of one nn.ModuleList is cut from its traced graph
                         (`autopar.runtime.traced_stages`), with tp = cp = ep = 1 (its stages
-                        hold aten ops, not the modules those split); else pp = 1
+                        hold aten ops, not the modules those split), unless its code makes
+                        a constant of the graph from meta tensors (Falcon's); else pp = 1
     tensor parallelism  `tensor_parallel.unsplit_block` finds a block it would leave
                         replicated while the estimate prices it sharded (linears it knows by
                         name, and the others the trace made column/row parallel where
@@ -142,8 +143,9 @@ def _cut_outputs(graph: ModelGraph) -> frozenset[str]:
     return frozenset(out)
 
 
-def _pipeline_cut(model: nn.Module, num_blocks: int) -> str:
-    """ "parts", "traced", or why neither cuts ``model`` (whose trace found ``num_blocks``)."""
+def _pipeline_cut(model: nn.Module, num_blocks: int, meta_constants: tuple[str, ...] = ()) -> str:
+    """ "parts", "traced", or why neither cuts ``model`` (whose trace found ``num_blocks``
+    and `ModelGraph.meta_constants`)."""
     if has_parts(model):
         return "parts"
     found = traced_blocks(model)
@@ -157,6 +159,14 @@ def _pipeline_cut(model: nn.Module, num_blocks: int) -> str:
         return (
             f"autopar's runtime cannot cut {name} into pipeline stages: {path} holds {n} "
             f"blocks but its trace has {num_blocks} repeated layers"
+        )
+    if meta_constants:
+        more = f" and {len(meta_constants) - 1} more" if len(meta_constants) > 1 else ""
+        return (
+            f"autopar's runtime cannot cut {name} into pipeline stages from its traced graph: "
+            f"its code makes {meta_constants[0]}{more} from the meta device's tensors, a "
+            "constant of the graph with no value to rebuild it from (a ModelParts entry, "
+            "autopar.runtime.parts, cuts it by its modules)"
         )
     return "traced"
 
@@ -242,6 +252,7 @@ def runtime_limits(
     roles: tuple[dict[str, str], str] = ({}, ""),
     precision: str = "bf16",
     attention: str | None = None,
+    meta_constants: tuple[str, ...] = (),
 ) -> tuple[SpaceLimits, list[str]]:
     """``limits`` bounded by what the runtime can do for ``model`` when ``stack`` runs it in
     ``precision``, and why (module docstring). ``roles``: `traced_roles`.
@@ -264,7 +275,7 @@ def runtime_limits(
     if stack == COMPILED_STACK and (limits.max_tp != 1 or limits.max_cp > 1 or limits.num_experts):
         limits = replace(limits, max_tp=1, max_cp=1, num_experts=0)
         notes.append(f"no tensor-, context- or expert-parallel plans: {_no_compiled_split()}")
-    cut = _pipeline_cut(model, limits.num_blocks)
+    cut = _pipeline_cut(model, limits.num_blocks, meta_constants)
     if cut == "traced":
         limits = replace(limits, pipeline_alone=True)
         notes.append(
@@ -308,6 +319,7 @@ def runtime_problems(
     seq_len: int = 0,
     precision: str = "bf16",
     attention: str | None = None,
+    meta_constants: tuple[str, ...] = (),
 ) -> list[str]:
     """Every way autopar's runtime would refuse ``config`` for ``model`` (whose trace found
     ``num_blocks`` repeated layers, of ``seq_len`` tokens) when ``stack`` runs it in
@@ -327,7 +339,7 @@ def runtime_problems(
             + _no_compiled_split()
         )
     if config.pp > 1:
-        cut = _pipeline_cut(model, num_blocks)
+        cut = _pipeline_cut(model, num_blocks, meta_constants)
         if cut == "traced" and max(config.tp, config.cp, config.ep) > 1:
             out.append(
                 f"pp={config.pp} cuts {name} from its traced graph, whose stages hold aten ops "

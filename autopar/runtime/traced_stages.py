@@ -374,8 +374,9 @@ def traced_chunks(
 
 
 def _retarget(stage: nn.Module, traced: torch.device, device: torch.device) -> None:
-    """Make the tensors ``stage``'s graphs create on ``device``: export writes the example's
-    device into each factory call (`arange(16, device=meta)`)."""
+    """Make the tensors ``stage``'s graphs create or move on ``device``: export writes the
+    example's device into each factory call (`arange(16, device=meta)`) and each move to the
+    input's device (`to(inv_freq, meta)`)."""
     if traced == device:
         return
     for module in stage.modules():
@@ -386,6 +387,18 @@ def _retarget(stage: nn.Module, traced: torch.device, device: torch.device) -> N
         for node in graph.nodes:
             if node.kwargs.get("device") == traced:
                 node.update_kwarg("device", device)
+                changed = True
+            if traced in node.args:  # `to(x, meta)`: a rotary table moved to x.device
+                node.args = tuple(device if a == traced else a for a in node.args)
+                changed = True
+            if node.target is torch.ops.aten.histc.default and device.type in ("cpu", "mps"):
+                # transformers counts tokens per expert by histc on ints off the CPU (its
+                # branch on the device the trace saw), which the CPU kernel does not take
+                with graph.inserting_before(node):
+                    floats = graph.call_function(
+                        torch.ops.aten._to_copy.default, (node.args[0],), {"dtype": torch.float32}
+                    )
+                node.args = (floats, *node.args[1:])
                 changed = True
         if changed and hasattr(module, "recompile"):
             module.recompile()

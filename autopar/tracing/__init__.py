@@ -68,6 +68,14 @@ def trace(model: nn.Module, example_inputs: Any) -> ModelGraph:
             for path, m in model.named_modules()
             if (linear := linear_of(m)) is not None
         },
+        meta_constants=tuple(
+            name
+            for name, value in program.constants.items()
+            if name.rsplit(".", 1)[-1].startswith("lifted_tensor")  # not the model's buffers
+            and isinstance(value, torch.Tensor)
+            and value.is_meta
+            and value.numel()
+        ),  # fmt: skip
     )
 
 

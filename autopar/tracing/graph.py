@@ -123,6 +123,9 @@ class ModelGraph:
     # out_features, has a bias), what a low-precision recipe's coverage asks
     # (`Recipe.torchao_converts`); transformers' Conv1D and the like are not in it
     linears: Mapping[str, tuple[int, int, bool]] = field(default_factory=dict)
+    # constants torch.export lifted whose values it does not know: made by the model's code
+    # from meta tensors (Falcon's); a pipeline cut from the graph cannot rebuild them
+    meta_constants: tuple[str, ...] = ()
 
     @property
     def num_params(self) -> int:

@@ -24,6 +24,7 @@ Public functions:
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from autopar.runtime.startup.record import Const, InitRecord
+from autopar.runtime.startup.record import Const, InitRecord, InitRecordError
 from autopar.runtime.startup.regions import HandSlice, Region, region_of
 from autopar.runtime.startup.replay import Evaluator
 
@@ -76,6 +77,29 @@ class InitWeights:
         if not local.is_contiguous():
             local.copy_(flat.view(local.shape))
         self.evaluator.clear()  # a whole tensor a fallback made is this tensor's only
+
+
+_CALL_SUFFIX = re.compile(r"@\d+(?=\.|$)")  # torch.export's name for a module's n-th call
+
+
+def _lifted_constants(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """{name: value} of the buffers the factory did not make: constants torch.export lifted
+    into a traced pipeline chunk (`traced_stages`), whose values the trace knows (a window
+    size the model's code made a tensor of; an empty placeholder). One made from a meta
+    tensor has none to give: InitRecordError names it (the planner offers no traced pipeline
+    to such a model: `capability`)."""
+    out = {}
+    for name, tensor in model.named_buffers(remove_duplicate=False):
+        if not name.rsplit(".", 1)[-1].startswith("lifted_tensor"):  # torch.export's name
+            continue
+        if tensor.is_meta and tensor.numel():
+            raise InitRecordError(
+                f"{name}: a constant of {type(model).__name__}'s traced graph that its code "
+                "made from a tensor on the meta device, so no value: cut this model by a "
+                "ModelParts entry (autopar.runtime.parts), or run it without pipeline stages"
+            )
+        out[name] = None if tensor.is_meta else tensor.detach().clone()  # None: empty
+    return out
 
 
 @dataclass(frozen=True)
@@ -134,6 +158,7 @@ def materialize(
             does not fit its placements.
     """
     hand = hand or {}
+    lifted = _lifted_constants(model)
     _to_empty(model, device)
     count = elements = 0
     with torch.no_grad():
@@ -141,6 +166,12 @@ def materialize(
         named = [*model.named_parameters(), *model.named_buffers(remove_duplicate=False)]
         for name, tensor in named:
             local = _local(tensor)
+            if name in lifted:
+                if lifted[name] is not None:
+                    local.copy_(lifted[name])
+                continue
+            # a traced chunk names a module's second call "rotary_emb@1": the same tensors
+            name = _CALL_SUFFIX.sub("", name)
             region = region_of(tensor, source.whole_shape(name), hand.get(name, ()))
             source.fill(name, local, region)
             count += 1

@@ -16,7 +16,8 @@ Each either prices (`evaluate`) and then trains 3 steps on gloo ranks to the sin
 process's loss and gradient norm within 1e-5 relative (fp32), or is refused at `evaluate`
 with a message naming the model and the part; which ones are refused is pinned below.
 
-    python3 tests/autopar/runtime/test_any_model.py     # prints the matrix, model x style
+    python3 tests/autopar/runtime/test_any_model.py [model ...]   # the matrix, model x style
+    python3 tests/autopar/runtime/test_any_model.py --alternatives  # each plan's alternatives
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from harness import Case, check_cases
 
 import autopar
 from autopar.config import ParallelConfig as C
+from autopar.config.text import parse_config
 from autopar.errors import ConfigError
 from autopar.runtime.task import task_from_source
 
@@ -110,7 +112,9 @@ FAMILY_REFUSED = {
         ("encoder", "layers.0.self_attn (MultiheadAttention) multiplies by its weights"),
     ) for s in ("TP", "TP+SP")},
     ("falcon", "CP"): "transformer.h.0 (FalconDecoderLayer) calls no attention through",
-    ("llama4", "CP"): "model.layers.0.self_attn attends under a mask that is neither causal",
+    ("falcon", "PP"): "its code makes transformer.h.0.self_attention.lifted_tensor_0 and 7 more "
+                      "from the meta device's tensors",
+    ("llama4", "CP"): "model.layers.0.self_attn attends under a mask made from the run's own",
     ("mamba2", "CP"): "Mamba2ForCausalLM.forward takes no position_ids",
     ("encoder", "CP"): _NO_CP,
 }  # fmt: skip
@@ -251,13 +255,14 @@ def test_every_model_runs_its_plan_and_a_pipeline_over_data_parallelism_on_4_ran
 
 
 def test_more_families_are_planned_or_refused_naming_the_module_and_the_operation():
-    """Issue 47's thirteen families under TP, TP+SP and CP on 2 devices: what `evaluate`
+    """Issue 47's thirteen families under TP, TP+SP, CP and PP on 2 devices: what `evaluate`
     refuses is pinned (above), and what it accepts runs: gemma3, granite, granite_moe,
     qwen3_tied and smollm3 under every style; olmo2, stablelm, olmoe and cohere under CP,
-    through their own forward (the script below runs them all on ranks)."""
+    through their own forward; all but Falcon under a pipeline cut from the traced graph (the
+    script below runs them all on ranks)."""
     refused = {}
     for label in FAMILIES:
-        refused.update(matrix(2, [label], only=("TP", "TP+SP", "CP"))[1])
+        refused.update(matrix(2, [label], only=("TP", "TP+SP", "CP", "PP"))[1])
     assert set(refused) == set(FAMILY_REFUSED), (
         sorted(set(refused) - set(FAMILY_REFUSED)),
         sorted(set(FAMILY_REFUSED) - set(refused)),
@@ -278,11 +283,40 @@ def test_context_parallelism_runs_models_through_their_own_forward_on_2_ranks():
     check_cases(2, cases)
 
 
-def _main(labels: list[str]) -> None:
-    """Print the matrix: each model alone on 2 and 4 ranks, failures reported, not raised."""
+def alternatives(n: int, label: str) -> list[Case]:
+    """``label``'s plan on ``n`` devices and every alternative it lists, each priced by
+    `evaluate` (which must accept it: the search offers nothing the runtime refuses)."""
+    model, inputs = _model_and_inputs(label)
+    cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=n)
+    graph = autopar.trace(model, inputs)
+    options = autopar.PlanOptions(sensitivity=False)
+    plan = autopar.parallelize(model, cluster, graph=graph, options=options, **_COMMON)
+    cases = [_case(label, "auto", plan)]
+    for i, alternative in enumerate(plan.alternatives):
+        config = parse_config(alternative["config"])
+        priced = autopar.evaluate(model, cluster, config, graph=graph, **_COMMON)
+        cases.append(_case(label, f"alternative {i + 1}", priced))
+    return cases
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_every_alternative_a_plan_lists_runs_on_2_ranks():
+    """Issue 47's property on two families no `parts` entry cuts: the plan (a pipeline cut
+    from the traced graph, zero-bubble) and each alternative `parallelize` lists (DP, FSDP,
+    TP over Gemma 3's sliding and full layers) train 3 steps to one process's losses. The
+    script below checks every model's (`--alternatives`)."""
+    cases = [c for label in ("gemma3", "cohere") for c in alternatives(2, label)]
+    assert len(cases) >= 4, [c.label for c in cases]
+    check_cases(2, cases)
+
+
+def _main(labels: list[str], listed: bool = False) -> None:
+    """Print the matrix: each model alone on 2 and 4 ranks, failures reported, not raised;
+    ``listed``: each model's plan and the alternatives it lists instead of the styles."""
     for n in (2, 4):
         for label in labels:
-            cases, refused = matrix(n, [label])
+            cases, refused = (alternatives(n, label), {}) if listed else matrix(n, [label])
             for (_, style), why in refused.items():
                 print(f"{n} ranks  {label:10s} {style:6s} refused: {why.split(': ', 1)[1]}")
             try:
@@ -298,4 +332,5 @@ def _main(labels: list[str]) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     sys.path.insert(0, str(Path(__file__).parent))
-    _main(sys.argv[1:] or [*MODELS, *FAMILIES])
+    args = [a for a in sys.argv[1:] if a != "--alternatives"]
+    _main(args or [*MODELS, *FAMILIES], listed="--alternatives" in sys.argv)

@@ -208,3 +208,30 @@ def test_evaluate_prices_and_carries_the_pairs_or_refuses_naming_the_reason():
         assert "cuts blocks.0.qkv's output into pieces of [32, 16, 16] features" in str(e)
     else:
         raise AssertionError("tp=2 of a fused projection of unequal pieces was priced")
+
+
+def test_the_check_runs_one_block_of_each_kind_and_gives_every_block_its_kinds_roles():
+    """GPT-2 of 6 blocks: the check runs blocks 0 and 1 (`few_blocks`), finds c_attn fused of
+    three pieces, and every block's c_attn gets "col/3"; the model keeps its 6 blocks after.
+    A block of another kind (a sliding layer among full ones) is run too."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from autopar.runtime.split_check import few_blocks
+
+    config = GPT2Config(n_layer=6, n_embd=HIDDEN, n_head=HEADS, vocab_size=64, n_positions=16)
+    gpt2 = GPT2LMHeadModel(config)
+    with few_blocks(gpt2) as alike:
+        assert len(gpt2.transformer.h) == 2
+        assert alike == {f"transformer.h.{i}": "transformer.h.0" for i in range(2, 6)}
+    assert len(gpt2.transformer.h) == 6 and len(list(gpt2.parameters())) == 4 + 6 * 12
+    roles, why, _ = traced_roles(gpt2, trace(gpt2, (torch.randint(0, 64, (1, SEQ)),)))
+    assert why == "" and all(roles[f"transformer.h.{i}.attn.c_attn"] == "col/3" for i in range(6))
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    qwen2 = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=64, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=HEADS, num_key_value_heads=2, use_sliding_window=True,
+        sliding_window=4, layer_types=["full_attention"] * 4 + ["sliding_attention"] * 2,
+    ))  # fmt: skip
+    with few_blocks(qwen2):
+        assert list(qwen2.model.layers._modules) == ["0", "1", "4"]

@@ -132,8 +132,8 @@ def test_evaluate_refuses_what_the_runtime_cannot_run_naming_the_model_and_why()
          "a column-parallel projection"),
         (_llama4(), (torch.randint(0, 128, (1, 64)),), dict(dp=2, cp=2),
          "cp=2: autopar's runtime computes causal attention under context parallelism: "
-         "model.layers.0.self_attn attends under a mask that is neither causal nor a causal "
-         "sliding window"),
+         "model.layers.0.self_attn attends under a mask made from the run's own tensors (a "
+         "chunked mask)"),
         (_llama4(), (torch.randint(0, 128, (1, 64)),), dict(dp=4, ep=2),
          "ep=2: autopar's runtime dispatches tokens to experts over ranks for its own MoE "
          "blocks (autopar.models.moe) and Hugging Face expert stacks"),
