@@ -44,7 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.func import functional_call
 
 from autopar.models.quiet import quiet_fake_tensors
-from autopar.runtime.split_check import few_blocks, meta_state
+from autopar.runtime.split_check import fake_like, few_blocks, meta_state
 from autopar.runtime.tensor_parallel import find_blocks
 
 PROBE = "autopar_attention_probe"  # registered in transformers' attention and mask interfaces
@@ -84,11 +84,9 @@ def cp_refusal(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str:
     try:
         model.set_attn_implementation(PROBE)
         with quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True):
-            # fake tensors of the CPU, not of meta: code that picks a kernel by device (the
-            # grouped GEMM of transformers' experts) or makes tensors on the CPU runs as there
-            args = tuple(_cpu(t) for t in inputs)
+            args = tuple(fake_like(t) for t in inputs)
             with few_blocks(model):
-                state = {k: _cpu(v) for k, v in meta_state(model).items()}
+                state = {k: fake_like(v) for k, v in meta_state(model).items()}
                 # with a cache (even where the config says none): transformers then reads no
                 # packing from the positions, a read of values a fake tensor has not
                 takes = inspect.signature(model.forward).parameters
@@ -140,13 +138,6 @@ def cp_refusal(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str:
         if not getattr(module, "is_causal", True):
             return f"{where} is not causal"
     return ""
-
-
-def _cpu(t: torch.Tensor) -> torch.Tensor:
-    """An empty tensor of ``t``'s shape on the CPU (fake, under a FakeTensorMode), floats in
-    bf16: the fake grouped GEMM of transformers' experts takes no other (the real one does)."""
-    dtype = torch.bfloat16 if t.is_floating_point() else t.dtype
-    return torch.empty(t.shape, dtype=dtype, device="cpu")
 
 
 def _reach(window: int | None, seq: int) -> int:

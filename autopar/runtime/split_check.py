@@ -23,9 +23,10 @@ the meta device (any model size, no memory, no ranks) find these:
   its row inputs widened back): the model must return outputs of the shapes it returns whole,
   so a fixed head count or width fails here.
 
-The tensors are fake ones of the meta device: code that reads values where it is not traced
-(transformers' check for packed sequences, when it keeps no cache) takes its tracing path, as
-under torch.export.
+The tensors are fake ones of the CPU (`fake_like`; floats in bf16, which the fake grouped GEMM
+of transformers' experts needs): code that reads values where it is not traced (transformers'
+check for packed sequences, when it keeps no cache) takes its tracing path, as under
+torch.export, and code that picks a kernel by the device takes the CPU's.
 
 The second run covers the projections the runtime splits by name too: a model's code that
 views their outputs by the config's head count (StableLM's `view(bsz, q_len, self.num_heads,
@@ -33,7 +34,7 @@ head_dim)`) fails there, and the model is then refused tensor parallelism
 (`CheckedRoles.unsplittable`), for the runtime would split those projections and crash.
 
 Both runs take one block of each kind (`few_blocks`: the first two of each list of repeated
-blocks, and the first of each other shape), so a 126-block model costs what a 3-block one does;
+blocks, and the first of each other kind), so a 126-block model costs what a 3-block one does;
 what they find of a block holds for every block of its kind. A model whose code will not run
 with its lists cut short is run whole.
 
@@ -44,6 +45,8 @@ names against one process (`tests/autopar/runtime/test_any_model.py`).
 Public:
     checked_roles(model, roles, inputs) -> CheckedRoles(roles the runtime applies, why not,
                                                         why the named split fails)
+    few_blocks(model) -> context: {block cut: block of its kind kept}   # also attention_check
+    fake_like(t), meta_state(model)       # the fake tensors both checks run on
 """
 
 from __future__ import annotations
@@ -116,16 +119,16 @@ def checked_roles(
     if not in_blocks:
         return CheckedRoles({}, "")
     seen_cut = cut is not None and bool(cut & set(in_blocks))  # the trace shows a fused one
-    # fake tensors over meta ones: code that reads values where it is not traced (transformers'
-    # check for packed sequences, `is_tracing`) skips that read for fake tensors, as in export
-    with quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
-        inputs = tuple(fake.from_tensor(t) for t in inputs)
+    # fake tensors (module docstring): code that reads values where it is not traced
+    # (transformers' check for packed sequences, `is_tracing`) skips that read, as in export
+    with quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True):
+        inputs = tuple(fake_like(t) for t in inputs)
         with few_blocks(model) as alike:
             if alike:  # the model with one block of each kind: its code's findings are theirs
                 few = {p: r for p, r in in_blocks.items() if _like(p, alike) == p}
-                found = _check(model, fake, few, set(traced), seen_cut, inputs, short=True)
+                found = _check(model, few, set(traced), seen_cut, inputs, short=True)
         if not alike or found is None:  # none dropped, or its code needs all its blocks
-            alike, found = {}, _check(model, fake, in_blocks, set(traced), seen_cut, inputs)
+            alike, found = {}, _check(model, in_blocks, set(traced), seen_cut, inputs)
     if found.why or found.unsplittable:
         return found
     # each block's projections take the roles found for the block of its kind
@@ -135,7 +138,6 @@ def checked_roles(
 
 def _check(
     model: nn.Module,
-    fake: FakeTensorMode,
     in_blocks: dict[str, str],
     traced: set[str],
     seen_cut: bool,
@@ -144,7 +146,7 @@ def _check(
 ) -> CheckedRoles | None:
     """`checked_roles`'s two runs over the model as it now is; None when ``short`` (its block
     lists cut to one of each kind) and the model's code does not run so."""
-    whole = {k: fake.from_tensor(v) for k, v in meta_state(model).items()}
+    whole = {k: fake_like(v) for k, v in meta_state(model).items()}
     traced = traced & set(in_blocks)
     named = {p: r for p, r in in_blocks.items() if p not in traced}
     try:
@@ -176,9 +178,9 @@ def _check(
 @contextmanager
 def few_blocks(model: nn.Module) -> Iterator[dict[str, str]]:
     """``model`` with each list of repeated blocks (`find_blocks`) cut to its first two and the
-    first of each other kind (a block's kind: its modules' classes and its parameters' shapes),
-    the cut ones restored on exit; yields {a block cut: the block of its kind kept}. A fake run
-    costs Python per operation, so a 126-block model's check takes what a 3-block one's does.
+    first of each other kind (`_kind`), the cut ones restored on exit; yields {a block cut:
+    the block of its kind kept}. A fake run costs Python per operation, so a 126-block
+    model's check takes what a 3-block one's does.
     The second block stays for code that hands the next block what the first made (T5's
     position bias)."""
     lists: dict[str, list[tuple[str, nn.Module]]] = {}
@@ -402,6 +404,15 @@ def _module(model: nn.Module, path: str) -> nn.Module | None:
         return model.get_submodule(path)
     except AttributeError:
         return None
+
+
+def fake_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of ``t``'s shape on the CPU (fake, under a FakeTensorMode), floats in
+    bf16: code that picks a kernel by device or makes tensors on the CPU runs as it does there,
+    and the fake grouped GEMM of transformers' experts takes no dtype but bf16 (the real one
+    does)."""
+    dtype = torch.bfloat16 if t.is_floating_point() else t.dtype
+    return torch.empty(t.shape, dtype=dtype, device="cpu")
 
 
 def meta_state(model: nn.Module) -> dict[str, torch.Tensor]:
