@@ -48,7 +48,6 @@ from autopar.runtime.split_check import fake_like, few_blocks, meta_state
 from autopar.runtime.tensor_parallel import find_blocks
 
 PROBE = "autopar_attention_probe"  # registered in transformers' attention and mask interfaces
-_KNOWN = frozenset({"sliding_window", "position_ids", "cache_position", "use_cache"})
 
 
 @dataclass
@@ -96,7 +95,7 @@ def cp_refusal(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str:
                 silent = _silent_blocks(model, {id(m) for m, *_ in seen.calls})
     except Exception as e:  # its code does not run on fake tensors: nothing can be read
         first = str(e).splitlines()[0][:200] if str(e) else ""
-        return f"{name}'s forward does not run on the meta device ({type(e).__name__}: {first})"
+        return f"{name}'s forward does not run on fake tensors ({type(e).__name__}: {first})"
     finally:
         model.set_attn_implementation(before)
     if silent:
@@ -155,7 +154,9 @@ def _attention(seen: _Seen):
         else:
             kind, window = mask[1], mask[2]
         seen.calls.append((module, kind, window, kwargs))
-        return query.transpose(1, 2).contiguous(), None
+        # [batch, seq, heads, value width]: MLA's values are narrower than its queries
+        b, heads, seq, _ = query.shape
+        return query.new_empty(b, seq, heads, value.shape[-1]), None
 
     return probe
 

@@ -274,14 +274,18 @@ def test_a_model_whose_code_views_heads_by_its_config_gets_no_tensor_parallel_pl
 
 def test_context_parallelism_is_decided_from_the_models_own_attention_calls():
     """Issue 47: a sliding window narrower than the sequence runs under cp (each layer passes
-    its window to the attention function, which cp applies across the shards), soft-capped
-    scores do not; the refusal names the module and what it does."""
+    its window to the attention function, which cp applies across the shards), as does MLA;
+    soft-capped scores do not, and the refusal names the module and what it does."""
     cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=4)
     config = autopar.ParallelConfig(dp=2, cp=2, micro_batch_size=1)
     inputs = (torch.randint(0, 128, (1, 64)),)
     windowed = autopar.evaluate(_phi3_gqa(sliding_window=16), cluster, config, inputs,
                                 global_batch_size=8)  # fmt: skip
     assert windowed.config.cp == 2
+    # MLA's values narrower than its queries (DeepSeek-V3): the probe's calls return its width
+    mla = hf.build("deepseek-v3-tiny-hf")
+    mla_inputs = hf.example_inputs("deepseek-v3-tiny-hf", mla)
+    assert autopar.evaluate(mla, cluster, config, mla_inputs, global_batch_size=8).config.cp == 2
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     gemma2 = Gemma2ForCausalLM(Gemma2Config(
