@@ -91,7 +91,7 @@ def plan_problems(data: dict[str, Any]) -> list[str]:
         if name in data and not isinstance(data[name], dict):
             out.append(f"{name} must be an object, got {type(data[name]).__name__}")
     if isinstance(data.get("report"), dict):  # the search's and refine's records
-        out += [p for k, v in data["report"].items() for p in _field(_at("report", k), k, v)]
+        out += _fields("report", data["report"])
     out += free_text_problems(data)
     if isinstance(data.get("stack"), str) and not _NAME.fullmatch(data["stack"]):
         out.append(f"stack must be a stack's name (letters, digits, . _ -), got {data['stack']!r}")
@@ -184,8 +184,12 @@ def _records(name: str, items: list) -> list[str]:
         elif not isinstance(item, dict):
             out.append(f"{where} must be an object, got {item!r}")
         else:
-            out += [p for key, value in item.items() for p in _field(_at(where, key), key, value)]
+            out += _fields(where, item)
     return out
+
+
+def _fields(where: str, record: dict) -> list[str]:
+    return [p for key, value in record.items() for p in _field(_at(where, key), key, value)]
 
 
 def _field(where: str, key: Any, value: Any) -> list[str]:
@@ -209,7 +213,7 @@ def _field(where: str, key: Any, value: Any) -> list[str]:
     if isinstance(key, str) and key.endswith(_RECORD_NUMBER_ENDS):
         return _number(where, value, strict=False)
     if isinstance(value, dict):  # a nested record (a plan's report)
-        return [p for k, v in value.items() for p in _field(_at(where, k), k, v)]
+        return _fields(where, value)
     if isinstance(value, list):
         return [p for i, v in enumerate(value) for p in _field(f"{where}[{i}]", key, v)]
     return []

@@ -71,7 +71,8 @@ def cp_refusal(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str:
             f"{name} has no set_attn_implementation: its attention function cannot be "
             "replaced by context parallelism's"
         )
-    if "position_ids" not in inspect.signature(model.forward).parameters:
+    takes = inspect.signature(model.forward).parameters
+    if "position_ids" not in takes:
         return f"{name}.forward takes no position_ids: a sequence shard cannot say where it is"
     from transformers import AttentionInterface, AttentionMaskInterface
 
@@ -88,7 +89,6 @@ def cp_refusal(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str:
                 state = {k: fake_like(v) for k, v in meta_state(model).items()}
                 # with a cache (even where the config says none): transformers then reads no
                 # packing from the positions, a read of values a fake tensor has not
-                takes = inspect.signature(model.forward).parameters
                 functional_call(
                     model, state, args, {"use_cache": True} if "use_cache" in takes else {}
                 )

@@ -28,6 +28,7 @@ __all__ = [
     "NodeInfo",
     "ParamInfo",
     "TraceError",
+    "is_lifted_constant",
     "trace",
 ]
 
@@ -71,12 +72,18 @@ def trace(model: nn.Module, example_inputs: Any) -> ModelGraph:
         meta_constants=tuple(
             name
             for name, value in program.constants.items()
-            if name.rsplit(".", 1)[-1].startswith("lifted_tensor")  # not the model's buffers
+            if is_lifted_constant(name)  # not the model's own buffers
             and isinstance(value, torch.Tensor)
             and value.is_meta
             and value.numel()
         ),  # fmt: skip
     )
+
+
+def is_lifted_constant(name: str) -> bool:
+    """Whether ``name`` is a tensor torch.export lifted out of the model's code into its graph
+    (``...lifted_tensor_3``), not one of the model's parameters or buffers."""
+    return name.rsplit(".", 1)[-1].startswith("lifted_tensor")
 
 
 def _node_info(raw: RawNode, layer_of: dict[str, str]) -> NodeInfo:

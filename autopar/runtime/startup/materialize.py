@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from autopar.runtime.startup.record import Const, InitRecord, InitRecordError
 from autopar.runtime.startup.regions import HandSlice, Region, region_of
 from autopar.runtime.startup.replay import Evaluator
+from autopar.tracing import is_lifted_constant
 
 # elements evaluated at once: the replay's temporaries are a few int64 and float64 tensors of
 # this many entries (about 16 MB at 2**18), whatever the tensor's size
@@ -90,7 +91,7 @@ def _lifted_constants(model: nn.Module) -> dict[str, torch.Tensor | None]:
     to such a model: `capability`)."""
     out = {}
     for name, tensor in model.named_buffers(remove_duplicate=False):
-        if not name.rsplit(".", 1)[-1].startswith("lifted_tensor"):  # torch.export's name
+        if not is_lifted_constant(name):
             continue
         if tensor.is_meta and tensor.numel():
             raise InitRecordError(
