@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,6 +48,7 @@ SIZES = {
     "small": {"hidden": 768, "num_layers": 8, "ffn_hidden": 2048, "num_heads": 12,
               "num_kv_heads": 6, "vocab_size": 32000},
 }  # fmt: skip
+STEP_LINE = re.compile(r"^step (\d+)/\d+ .*? time ([\d.]+) s", re.M)
 RANK_LINE = re.compile(
     r"rank (\d+) memory MiB: .*? peak ([\d.]+) \(plan peak ([\d.-]+)\); startup ([\d.]+) s, "
     r"peak MiB host ([\d.]+).*?\(plan's parameters ([\d.-]+)\); first step done ([\d.]+ s|-)"
@@ -65,6 +67,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--precision", default="fp32", help="the plan's: fp32 or bf16")
+    parser.add_argument(
+        "--release-host-memory",
+        action="store_true",
+        help="pass it to train.py: the ranks' allocator returns freed memory",
+    )
     parser.add_argument("--out", help="keep the plan and program here (default: a temp dir)")
     args = parser.parse_args()
 
@@ -80,16 +88,25 @@ def main() -> None:
     (ids,) = zoo.example_inputs("llama-tiny", model, seq_len=args.seq)
     # the zoo's build records its factory and overrides: the program builds the same model
     plan = autopar.evaluate(
-        model, cluster, config, (ids,), global_batch_size=args.batch, precision="fp32"
+        model,
+        cluster,
+        config,
+        (ids,),
+        global_batch_size=args.batch,
+        precision=args.precision,
     )
     out = Path(args.out or tempfile.mkdtemp(prefix="autopar-startup-"))
     plan.save(out)
+    released = " --release-host-memory" if args.release_host_memory else ""
     print(f"model: llama-tiny {args.size}, {n_params / 1e9:.3f} B parameters, "
           f"{n_params * 4 / 2**30:.2f} GiB fp32; plan {plan.config.as_text()} on "
-          f"{args.nproc} CPU ranks; load {_load()}")  # fmt: skip
+          f"{args.nproc} CPU ranks, {args.precision}"
+          f"{released}; load {_load()}")  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = ["torchrun", "--standalone", f"--nproc-per-node={args.nproc}", str(out / "train.py"),
            "--steps", str(args.steps)]  # fmt: skip
+    if args.release_host_memory:
+        cmd.append("--release-host-memory")
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
@@ -113,6 +130,10 @@ def main() -> None:
           f"{n_params * 4 / 2**30:.2f} = {args.nproc * n_params * 4 / 2**30:.1f} GiB of weights "
           f"before sharding; time to first step {max(r[6] for r in rows):.1f} s; wall "
           f"{wall:.1f} s; load {_load()}")  # fmt: skip
+    times = sorted(float(t) for n, t in STEP_LINE.findall(text) if int(n) > 1)
+    if times:  # the first step warms up: the later ones' median and spread
+        print(f"steps 2-{len(times) + 1}: median {statistics.median(times):.2f} s a step "
+              f"({times[0]:.2f}-{times[-1]:.2f})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -89,6 +89,8 @@ default: the plan's, else the factory's). --lr, --warmup-steps, --lr-schedule co
 cpu|cuda. --metrics FILE: one JSON line per step (loss, tokens/s, MFU, memory beside the
 plan's); --tensorboard DIR: the same as scalars. --compile / --no-compile: torch.compile each
 block (default {"on" if compiled else "off"}: the plan is priced for the {plan.stack} stack).
+--release-host-memory: on CPU ranks, freed tensor memory goes back to the system, so a rank's
+resident peak is the plan's, at some cost in step time (autopar.runtime.host_memory).
 Checkpoints (torch.distributed.checkpoint): --checkpoint-dir DIR saves model, optimizer, step
 and RNG states every --checkpoint-every N steps (default auto: the plan's Young/Daly interval
 for its failure rate, else 100; --async-checkpoint: in the background) and resumes from the
@@ -399,6 +401,11 @@ def main() -> None:
         default={compiled!r},
         help={f"torch.compile each block (default: as the plan's stack, {plan.stack})"!r},
     )
+    parser.add_argument(
+        "--release-host-memory",
+        action="store_true",
+        help="CPU ranks: hand freed tensor memory back (the plan's peak; slower steps)",
+    )
     # --traceback: an error shows where it came from (`_fail`), not one line
     args = parser.parse_args([a for a in sys.argv[1:] if a != "--traceback"])
 
@@ -422,6 +429,7 @@ def main() -> None:
         init_from=args.init_from,
         save_hf=args.save_hf,
         skip_nonfinite=args.skip_nonfinite,
+        release_host_memory=args.release_host_memory,
     )
     # the options, the paths, the loss and the data hooks checked before any collective: a
     # bad one stops every rank alike, before one waits on another (autopar.runtime.preflight)

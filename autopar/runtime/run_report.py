@@ -8,7 +8,8 @@ step), plus the busiest expert rank's routed rows under expert parallelism.
 
 Public functions:
     step_line(result, steps, prediction, stage) -> str
-    print_rank_summary(results, mesh, prediction, startup, first_step_s, memory)  # collective
+    print_rank_summary(results, mesh, prediction, startup, first_step_s, memory,
+                       host_released=None)  # collective
     mib(bytes) -> str
 """
 
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from autopar.runtime.trainer import Prediction, StepResult
 
 MiB = 2**20
+# a CPU rank's resident peak over its plan's above which the allocator is named
+HOST_PEAK_HINT_RATIO = 1.5
 
 
 def mib(x: float | None) -> str:
@@ -51,10 +54,14 @@ def print_rank_summary(
     startup: StartupReport,
     first_step_s: float | None,
     memory: dict[str, float],
+    host_released: bool | None = None,
 ) -> None:
     """Every rank's memory (``memory``: after the last step, or after startup when there was
     none) and startup, gathered to rank 0 and printed one line each; under expert parallelism,
-    the busiest rank's routed rows over the mean against the plan's assumption."""
+    the busiest rank's routed rows over the mean against the plan's assumption.
+    ``host_released``: on CPU ranks, whether the allocator returns freed memory
+    (`autopar.runtime.host_memory`); False adds a line where a rank's resident peak is well
+    over its plan's, naming the option that brings it down (None: not a CPU run)."""
     sent = sum(r.routed_rows[0] for r in results)
     received = sum(r.routed_rows[1] for r in results)
     rows: list[Any] = [None] * dist.get_world_size()
@@ -72,8 +79,11 @@ def print_rank_summary(
             file=sys.stdout,
             flush=True,
         )
+    over = []  # (rank, measured / planned peak)
     for rank, stage, mem, _, _, start, first in rows:
         plan_peak = pred.stage_peak_bytes[stage] if pred.stage_peak_bytes else None
+        if plan_peak:
+            over.append((rank, mem["peak"] / plan_peak))
         plan_mem = pred.stage_memory_bytes[stage] if pred.stage_memory_bytes else {}
         device = (
             "" if start.device_peak_bytes is None else (f" device {mib(start.device_peak_bytes)}")
@@ -85,6 +95,15 @@ def print_rank_summary(
             f" (plan peak {mib(plan_peak)}); startup {start.seconds:.1f} s, peak MiB host "
             f"{mib(start.host_peak_bytes)}{device} (plan's parameters "
             f"{mib(plan_mem.get('parameters'))}); first step done {first_text} after start",
+            file=sys.stdout,
+            flush=True,
+        )
+    worst = max(over, key=lambda x: x[1], default=None)
+    if host_released is False and worst and worst[1] > HOST_PEAK_HINT_RATIO:
+        print(
+            f"[autopar] rank {worst[0]}'s resident peak is {worst[1]:.1f}x its plan's: the "
+            "host allocator keeps freed tensor memory; --release-host-memory hands it back "
+            "(slower steps: autopar.runtime.host_memory)",
             file=sys.stdout,
             flush=True,
         )

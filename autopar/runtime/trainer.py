@@ -72,6 +72,7 @@ from autopar.config.precision import ALIASES
 from autopar.runtime.checkpoint import CheckpointOptions, open_checkpointer
 from autopar.runtime.collectives import ROUTED_ROWS
 from autopar.runtime.hf_export import save_run_as_hf
+from autopar.runtime.host_memory import release_freed_memory
 from autopar.runtime.low_precision import RUNTIME_PRECISIONS
 from autopar.runtime.mesh import RuntimeMesh, build_mesh
 from autopar.runtime.metrics import Metrics
@@ -136,6 +137,9 @@ class TrainOptions:
     # write the trained model here as a Hugging Face checkpoint after the last step
     # (`autopar.runtime.hf_export`)
     save_hf: str | None = None
+    # CPU ranks: glibc's malloc made to return freed tensor memory, so the resident set is
+    # the live tensors the plan prices, at some cost in step time (`autopar.runtime.host_memory`)
+    release_host_memory: bool = False
     # skip up to this many steps whose loss or gradient norm is not finite (no optimizer step,
     # their gradients dropped, their samples consumed); 0: the first such step stops the run
     skip_nonfinite: int = 0
@@ -296,6 +300,14 @@ def train(
         weights=WeightsFrom(options.init_from) if options.init_from else None,
     )
     pm, low, fingerprint = started.model, started.low, started.fingerprint
+    # a CPU rank's allocator: whether freed memory goes back (None: not a CPU run); set after
+    # the startup, whose many short-lived tensors it would slow 2-3x (its peak is the rank's
+    # shards either way)
+    released = None
+    if device.type == "cpu":
+        released = options.release_host_memory and release_freed_memory()
+        if options.release_host_memory and not released and options.log and mesh.rank == 0:
+            print("[autopar] --release-host-memory: not glibc's malloc, left as it is", flush=True)
     model = pm.model  # pp > 1: this rank's chunks (the rest of the model was never made)
     optimizer = _make_optimizer(model, options)
     # CHECKPOINT (autopar.runtime.checkpoint): resume from the newest complete checkpoint
@@ -416,7 +428,9 @@ def train(
         metrics.close()
     if options.log:  # with --steps 0 too: what the startup alone left on each rank
         memory = results[-1].memory_bytes if results else memory_of(model, optimizer)
-        print_rank_summary(results, mesh, prediction, started.report, first_step_s, memory)
+        print_rank_summary(
+            results, mesh, prediction, started.report, first_step_s, memory, released
+        )
     return results
 
 
