@@ -43,9 +43,19 @@ def _degrees(run: GridRun) -> tuple:
     return (c.dp, c.fsdp, c.cp, c.tp, c.pp, c.ep, run.num_devices)
 
 
+def _workload(grid: str) -> str:
+    """A grid's id without a precision suffix: the DGX Cloud rows put a workload's BF16 and
+    FP8 runs in sibling grids (`..._BF16`, `..._FP8`; data/README.md)."""
+    for suffix in ("_BF16", "_FP8"):
+        if grid.endswith(suffix):
+            return grid[: -len(suffix)]
+    return grid
+
+
 def pairs(runs: list[GridRun]) -> list[tuple[GridRun, GridRun]]:
-    """Each low-precision row with its grid's BF16 row of the same degrees (the one on the
-    same stack where there are several)."""
+    """Each low-precision row with its grid's (or sibling grid's) BF16 row of the same
+    degrees, devices and global batch (the one on the same stack where there are
+    several)."""
     out = []
     for run in runs:
         if run.skip or run.precision not in LOW:
@@ -54,7 +64,8 @@ def pairs(runs: list[GridRun]) -> list[tuple[GridRun, GridRun]]:
             r
             for r in runs
             if not r.skip
-            and r.grid == run.grid
+            and _workload(r.grid) == _workload(run.grid)
+            and r.global_batch == run.global_batch
             and r.precision in ("bf16", "fp16")
             and _degrees(r) == _degrees(run)
         ]

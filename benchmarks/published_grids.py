@@ -10,7 +10,7 @@ far the row autopar predicts fastest measures from the grid's best; then three s
 against issue 17's targets.
 
     python3 benchmarks/published_grids.py [--grid PREFIX] [--json FILE]
-    python3 benchmarks/published_grids.py --fit STACK [--fit-what kernels|interference]
+    python3 benchmarks/published_grids.py --fit STACK [--fit-what WHAT]   # WHAT: FIT_GRIDS' keys
 """
 
 from __future__ import annotations
@@ -132,6 +132,8 @@ FIT_GRIDS = {
         for m in range(70, 131, 5)
         for t in (50, 75, 100, 125, 150, 200, 250, 300, 400)
     ],
+    # the stack's attention kernels against the profile's (FlashAttention-2-class) curve
+    "attention": [{"attention_efficiency": k / 20} for k in range(20, 61, 2)],
     # the compute hidden communication costs, the kernels as the stack's file has them
     "interference": [{"comm_interference": k / 20} for k in range(21)],
     # the host time of a per-tensor ZeRO hook event, 0 to 300 us

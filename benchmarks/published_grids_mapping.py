@@ -89,7 +89,16 @@ STACKS = {
     "mbridge": "megatron-bridge",  # NeMo 2 / Megatron-Bridge containers
     "llmfoundry": "llm-foundry",
     "ds_": "deepspeed",
+    # NVIDIA's DGX Cloud benchmarks ran NeMo 24.12: Megatron-Core with TransformerEngine
+    # (data/README.md)
+    "dgxc": "megatron-core",
 }
+# GPT-3 175B as NeMo's gpt3 175b config builds it (the DGX Cloud rows name it without a shape):
+# 96 layers, hidden 12288, 96 heads, FFN 4h, the GPT-2 vocabulary
+GPT3_175B = (96, 12288, 96)
+# data/README.md on the DGX Cloud 405B rows: the benchmark repository's own 405B yaml, with 16
+# query groups and the GPT-2 vocabulary, whatever the row's model text says
+DGXC_405B_KV = 16
 
 
 @dataclass(frozen=True)
@@ -265,6 +274,20 @@ def _dims(row: dict[str, str], notes: list[str]) -> tuple[ModelDims, str]:
     if _deepseek_v3(row):  # transformers' DeepseekV3 preset, the row's shape (hf.py)
         notes.append("DeepSeek-V3: the hf preset (MLA, 256 experts top 8, 3 dense layers)")
         return ModelDims(61, 7168, 18432, 128, 128, 129280, seq, bias=False), "deepseek-v3"
+    truncated = re.search(r"truncated to (\d+) layers", model)
+    if row["source_id"].startswith("dgxc") and "405B" in model:
+        # every 405B row: the full model's shape (the first rows' text), the row's layers
+        notes.append(f"405B: {DGXC_405B_KV} query groups, vocab {GPT2_VOCAB} (data/README.md)")
+        layers = int(truncated.group(1)) if truncated else 126
+        if truncated:
+            notes.append(f"truncated to {layers} layers (the row's model)")
+        dims = ModelDims(layers, 16384, 53248, 128, DGXC_405B_KV, GPT2_VOCAB, seq)
+        return dims, "llama"
+    if model.startswith("GPT3-175B"):
+        layers, hidden, heads = GPT3_175B
+        notes.append(f"GPT-3 175B: {layers}L h{hidden} {heads}H, ffn 4h, vocab {GPT2_VOCAB}")
+        dims = ModelDims(layers, hidden, 4 * hidden, heads, heads, GPT2_VOCAB, seq)
+        return dims, "gpt"
     if shape is None:
         raise ValueError(f"{row['grid_id']}: cannot read a shape from {model!r}")
     layers, hidden, ffn, heads, kv, vocab = shape.groups()
@@ -333,6 +356,10 @@ def _config(
         # the data-parallel ranks (megatron/core/optimizer/distrib_optimizer.py)
         sharded, zero = True, 1
         notes.append("distributed optimizer (ZeRO-1 over dp): the README's overlap flags")
+    elif row["source_id"].startswith("dgxc") and not zero_text:
+        # NeMo 24.12's Megatron-Core recipes: the distributed optimizer (data/README.md)
+        sharded, zero = True, 1
+        notes.append("distributed optimizer (ZeRO-1 over dp): NeMo's recipes")
     elif row["source_id"].startswith("mbridge") and not zero_text:
         # every Megatron-Bridge recipe builds its optimizer with
         # distributed_fused_adam_with_cosine_annealing (src/megatron/bridge/recipes/utils/
@@ -390,6 +417,9 @@ def _measured_step(
     row: dict[str, str], dims: ModelDims, batch: int, n: int
 ) -> tuple[float | None, str]:
     text = row["measured"]
+    stated = re.search(r"step_time=([0-9.]+)s", text)
+    if stated:
+        return float(stated.group(1)), "step time"
     tokens = re.search(r"(?:TPS/GPU|WPS(?:\(tokens/s/GPU\))?|tokens/s/GPU)=([0-9.]+)", text)
     if tokens:
         return batch * dims.seq_len / (float(tokens.group(1)) * n), "tokens/s/GPU"
