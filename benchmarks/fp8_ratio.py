@@ -54,8 +54,8 @@ def _workload(grid: str) -> str:
 
 def pairs(runs: list[GridRun]) -> list[tuple[GridRun, GridRun]]:
     """Each low-precision row with its grid's (or sibling grid's) BF16 row of the same
-    degrees, devices and global batch (the one on the same stack where there are
-    several)."""
+    degrees and devices (the one on the same stack where there are several); the speed-up is
+    per token, so the two may differ in batch."""
     out = []
     for run in runs:
         if run.skip or run.precision not in LOW:
@@ -65,7 +65,6 @@ def pairs(runs: list[GridRun]) -> list[tuple[GridRun, GridRun]]:
             for r in runs
             if not r.skip
             and _workload(r.grid) == _workload(run.grid)
-            and r.global_batch == run.global_batch
             and r.precision in ("bf16", "fp16")
             and _degrees(r) == _degrees(run)
         ]
