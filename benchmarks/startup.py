@@ -1,31 +1,33 @@
 """Startup of a generated program: time to first step and each rank's peak memory (issue 44).
 
-    python3 benchmarks/startup.py                       # ~1B Llama, FSDP8 on 8 CPU ranks
+    python3 benchmarks/startup.py --precision bf16 --release-host-memory  # ~1B, FSDP8, 8 ranks
     python3 benchmarks/startup.py --size small --nproc 4 --config "fsdp=4 | zero=3"  # quick
     python3 benchmarks/startup.py --config "tp=2 pp=2 | mbs=1" --nproc 4 --size small
-    python3 benchmarks/startup.py --steps 0      # the 1B model's startup alone (see below)
-    python3 benchmarks/startup.py --size 0.5b    # 0.5 B: FSDP8 training fits in 24 GB
+    python3 benchmarks/startup.py --steps 0      # the 1B model's startup alone
 
 In: a Llama-shaped zoo model (`llama-tiny` with the overrides of ``--size``: "1b" is hidden
-2048, 16 blocks, FFN 5632, GQA 16/8 heads, vocabulary 32000, 0.89 B parameters, 3.5 GB of
+2048, 16 blocks, FFN 5632, GQA 16/8 heads, vocabulary 32000, 0.89 B parameters, 3.3 GiB of
 fp32 weights; "0.5b" hidden 1536, 16 blocks, FFN 4096, 0.50 B; "small" 0.10 B), a plan of
-``--config`` priced on ``local_cpu`` x ``--nproc``
+``--config`` priced on ``local_cpu`` x ``--nproc`` in ``--precision``
 (`autopar.evaluate`), written with `plan.save`, and its train.py run under
-`torchrun --standalone` for ``--steps`` steps (sequence ``--seq``, global batch ``--batch``).
+`torchrun --standalone` for ``--steps`` steps (sequence ``--seq``, global batch ``--batch``;
+``--release-host-memory`` passed on: `autopar.runtime.host_memory`).
 
 Out: per rank, as the program prints them (`autopar.runtime.run_report`): the startup's
 seconds (build on meta, parallelise, make the rank's shards), the rank's peak resident bytes
 when its shards were made (VmHWM) beside the plan's parameter bytes for it, when its first
 step ended (seconds since the process started), and its peak resident bytes over the run
-beside the plan's peak; and what building the whole model on every rank first would have
-held: nproc x the fp32 weights. (The resident set counts Python and torch, about 350 MiB a
-rank, which the plan's device memory does not.)
+beside the plan's peak; what building the whole model on every rank first would have held
+(nproc x the fp32 weights); and the median of the steps after the first. (The resident set
+counts Python and torch, about 340 MiB a rank, which the plan's device memory does not.)
 
 Measure at low load (`uptime` is printed before and after): the ranks share this machine's
-cores, and the first step of a 1B model on 2 cores takes minutes. ``--steps 0`` starts the
-program and stops before the first step: on a 24 GB machine the 1B model's FSDP8 training
-does not fit (its plan prices 3.3 GB a rank, 26 GB for 8: AdamW's fp32 moments, FSDP2's
-gathered blocks and root unit), while its startup takes a rank's share only.
+cores, and a step of the 1B model on 2 cores takes minutes. On this 24 GB machine (2026-11-28)
+the 1B model's FSDP8 training fits in bf16 with --release-host-memory: 2.9 GiB a rank at the
+peak, the plan 2.8 GiB (fp32 master weights, AdamW's fp32 moments, bf16 gathers); its fp32
+plan prices 3.2 GiB a rank, over the 2.9 the profile gives each of 8 ranks, and its second
+step (the first with AdamW's moments) ran out of memory; without the option glibc's malloc
+keeps freed tensors resident, about twice the plan's peak.
 """
 
 from __future__ import annotations

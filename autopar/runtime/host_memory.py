@@ -11,10 +11,14 @@ plus mmap'd ones) and the plan are about 1.1 GiB; with a fixed 128 KiB threshold
 
 `release_freed_memory` sets that threshold (mallopt's M_MMAP_THRESHOLD, which also stops it
 rising), so every tensor above it has pages of its own that free() returns to the system.
-The price is a page fault per page of every new large tensor, about 1.2-1.5x the step time of
-a small model on this machine's CPU ranks (`benchmarks/startup.py --release-host-memory`), so
-it is an option: for a run that needs the memory it plans (`train.py --release-host-memory`),
-and the program's end-of-run line says when a CPU rank's peak far exceeds its plan.
+The price is a page fault per page of every new large tensor: the same model's steps took
+17.4-18.0 s against 12.0-12.5 s (1.45x; 4 ranks on 2 cores at a load of 5,
+`benchmarks/startup.py --size small --nproc 4 --config "fsdp=4 | zero=3" --steps 4` with and
+without `--release-host-memory`), and a startup 2-3x as long, so the trainer sets it after the
+startup, and it is an option: for a run that needs the memory it plans (`train.py
+--release-host-memory`); the program's end-of-run line says when a CPU rank's peak far exceeds
+its plan. With it, a 0.9 B Llama's FSDP8 training in bf16 fits 8 CPU ranks of a 24 GB machine
+(2.9 GiB a rank; the plan 2.8 GiB, less the process's baseline).
 
 Written by hand: PyTorch has no CPU caching allocator to configure, and the usual remedy
 (jemalloc or tcmalloc by LD_PRELOAD) must be installed and set before the process starts;
