@@ -55,6 +55,9 @@ class Case:
     roles: dict | None = None  # `Plan.tensor_parallel_roles`: linears split by the trace
     # the training precision: "bf16" runs autocast over fp32 parameters, FSDP2 in bf16
     precision: str = "fp32"
+    # the plan's parameter bytes per pipeline stage (`Plan.stages[i].memory_bytes`), which
+    # `check_cases` holds the ranks' own against (`check_parameter_bytes`)
+    planned_params: tuple[float, ...] | None = None
 
     @property
     def label(self) -> str:
@@ -143,6 +146,19 @@ def run_ranks(world_size: int, fn: Any, *args: Any) -> list[Any]:
 
 def run_cases(cases: list[Case]) -> list[list[tuple[float, float]]]:
     """On one rank: train every case; per case per step (loss, grad_norm)."""
+    return [[(r.loss, r.grad_norm) for r in steps] for steps in _train_cases(cases)]
+
+
+def run_cases_and_parameters(cases: list[Case]) -> list[tuple[list[tuple[float, float]], float]]:
+    """On one rank: train every case; per case its steps' (loss, grad_norm) and the rank's
+    parameter bytes after its last step."""
+    return [
+        ([(r.loss, r.grad_norm) for r in steps], steps[-1].memory_bytes["parameters"])
+        for steps in _train_cases(cases)
+    ]
+
+
+def _train_cases(cases: list[Case]) -> list[list]:
     out = []
     for case in cases:
         steps = train(
@@ -155,7 +171,7 @@ def run_cases(cases: list[Case]) -> list[list[tuple[float, float]]]:
             stage_layers=case.stage_layers,
             schedule=case.schedule,
         )
-        out.append([(r.loss, r.grad_norm) for r in steps])
+        out.append(steps)
     return out
 
 
@@ -174,10 +190,44 @@ def max_rel_error(got: list[tuple[float, float]], want: list[tuple[float, float]
     )
 
 
-def check_cases(world_size: int, cases: list[Case], rtol: float = 1e-5) -> dict[str, float]:
+# a stage's parameter bytes, the mean over its ranks, against the plan's: FSDP2 cuts a tensor's
+# first dimension in ceil-sized chunks, so one rank may hold a few rows more than another, but
+# a stage's ranks together hold its parameters as many times as they are replicated
+PARAM_RTOL = 0.01
+
+
+def check_parameter_bytes(case: Case, measured: list[float]) -> list[str]:
+    """``measured``: each rank's parameter bytes; per pipeline stage (the mesh's outermost
+    axis; under interleaving a rank holds stages r, r + pp, ...), the mean over its ranks
+    against the plan's. The stages that differ, each as a line; none without a plan's."""
+    if case.planned_params is None:
+        return []
+    pp, per_stage = case.config.pp, len(measured) // case.config.pp
+    out = []
+    for stage in range(pp):
+        ranks = measured[stage * per_stage : (stage + 1) * per_stage]
+        mean, planned = sum(ranks) / len(ranks), sum(case.planned_params[stage::pp])
+        if abs(mean - planned) > PARAM_RTOL * planned:
+            out.append(
+                f"{case.label}: stage {stage}'s ranks hold {mean:.0f} parameter bytes each "
+                f"(mean of {[round(b) for b in ranks]}), the plan {planned:.0f}"
+            )
+    return out
+
+
+def check_cases(
+    world_size: int, cases: list[Case], rtol: float = 1e-5, report: bool = False
+) -> dict[str, float]:
     """Run ``cases`` on ``world_size`` ranks; assert every rank matches the reference within
-    ``rtol``; return the max relative error per case label."""
-    per_rank = run_ranks(world_size, run_cases, cases)
+    ``rtol``, and each stage's parameter bytes its plan's (`check_parameter_bytes`); return
+    the max relative error per case label. ``report``: print a parameter-bytes mismatch
+    instead of failing on it."""
+    ran = run_ranks(world_size, run_cases_and_parameters, cases)
+    per_rank = [[steps for steps, _ in rank] for rank in ran]
+    for i, case in enumerate(cases):
+        for line in check_parameter_bytes(case, [rank[i][1] for rank in ran]):
+            assert report, line
+            print(f"PARAMETER BYTES {line}")
     errors, references = {}, {}
     for i, case in enumerate(cases):
         key = (case.model, case.factory, case.data, case.loss, repr(case.overrides),

@@ -172,9 +172,10 @@ def _model_and_inputs(label: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, 
 def _case(label: str, style: str, priced: autopar.Plan) -> Case:
     config = priced.config
     stages = tuple(tuple(s.layers) for s in priced.stages) if config.pp > 1 else None
+    params = tuple(s.memory_bytes["parameters"] for s in priced.stages)
     return Case(f"{label} [{style}]", config, GLOBAL_BATCH, placements=priced.placements,
                 stage_layers=stages, seq_len=SEQ, roles=priced.tensor_parallel_roles,
-                **_source(label))  # fmt: skip
+                planned_params=params, **_source(label))  # fmt: skip
 
 
 def composed(n: int, label: str, config: C) -> Case:
@@ -307,7 +308,8 @@ def test_every_alternative_a_plan_lists_runs_on_2_ranks():
 
 
 def _main(labels: list[str], listed: bool = False) -> None:
-    """Print the matrix: each model alone on 2 and 4 ranks, failures reported, not raised;
+    """Print the matrix: each model alone on 2 and 4 ranks, failures reported, not raised
+    (a stage's parameter bytes other than its plan's too: "PARAMETER BYTES" lines);
     ``listed``: each model's plan and the alternatives it lists instead of the styles."""
     for n in (2, 4):
         for label in labels:
@@ -315,7 +317,7 @@ def _main(labels: list[str], listed: bool = False) -> None:
             for (_, style), why in refused.items():
                 print(f"{n} ranks  {label:10s} {style:6s} refused: {why.split(': ', 1)[1]}")
             try:
-                errors = check_cases(n, cases)
+                errors = check_cases(n, cases, report=True)
             except Exception as e:  # one failing case fails the model's spawn
                 print(f"{n} ranks  {label:10s} FAILED: {type(e).__name__}: {str(e)[-600:]}")
                 continue
