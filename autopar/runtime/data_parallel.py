@@ -7,8 +7,7 @@ state, and a `DataParallel` record the trainer calls around backward.
     dp > 1, fsdp == 1     replicated: after the last micro-batch's backward every gradient is
                           all-reduced (averaged) over the "dp" group in one flat buffer per
                           dtype (`DataParallel.sync_gradients`), an explicit, visible call.
-    fsdp > 1              FSDP2 `fully_shard` per block, per embedding and on the output
-                          head (`end_units`), then the root, on the "fsdp" axis;
+    fsdp > 1              FSDP2 `fully_shard` per block, then the root, on the "fsdp" axis;
                           with dp > 1 too on the 2-D ("dp", "fsdp") mesh: HSDP (replicate
                           over dp, shard over fsdp). TP parameters become 2-D DTensors.
 
@@ -172,36 +171,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def end_units(
-    model: nn.Module, blocks: list[tuple[str, nn.Module]], ignored: set[nn.Parameter]
-) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
-    """The modules outside the blocks that become FSDP2 units of their own: (path, module)
-    of the embeddings (each ``nn.Embedding`` outside the blocks) and of the output head (a
-    Hugging Face model's ``get_output_embeddings()``). A module whose parameters another
-    module also uses (a head tied to its embedding) stays in the root, where both find its
-    parameter gathered; so does one holding an ignored (expert) parameter."""
-    inside = {id(m) for _, block in blocks for m in block.modules()}
-    users: dict[int, int] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            users[id(p)] = users.get(id(p), 0) + 1
-
-    def own(module: nn.Module) -> bool:
-        params = list(module.parameters())
-        return bool(params) and all(users[id(p)] == 1 and p not in ignored for p in params)
-
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    first, last = [], []
-    for path, module in model.named_modules():
-        if id(module) in inside or module is model or not own(module):
-            continue
-        if isinstance(module, nn.Embedding):
-            first.append((path, module))
-        elif module is head:
-            last.append((path, module))
-    return first, last
-
-
 def apply_data_parallel(
     model: nn.Module,
     blocks: list[tuple[str, nn.Module]],
@@ -247,25 +216,8 @@ def apply_data_parallel(
                 mp_policy=mp,
             )
             names.append(path)
-        # the embeddings and the output head units of their own, as torchtitan's: in the
-        # root they would be gathered from the step's first forward to its last backward
-        # (the root's pre-forward gathers all of its parameters); the head, run last, is
-        # needed again at once by backward, so it never reshards after forward
-        first, last = end_units(model, blocks, ignored)
-        for path, unit in first:
-            fully_shard(
-                unit, mesh=data_mesh, reshard_after_forward=reshard, ignored_params=ignored,
-                mp_policy=mp,
-            )  # fmt: skip
-            names.append(path)
-        for path, unit in last:
-            fully_shard(
-                unit, mesh=data_mesh, reshard_after_forward=False, ignored_params=ignored,
-                mp_policy=mp,
-            )  # fmt: skip
-            names.append(path)
-        # the root holds the rest (final norm, tied embeddings, small parameters); it is
-        # needed again at once by backward, so it never reshards after forward
+        # the root holds the rest (embeddings, final norm, head); the last unit's parameters
+        # are needed again at once by backward, so it never reshards after forward
         fully_shard(
             model,
             mesh=data_mesh,

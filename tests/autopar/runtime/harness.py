@@ -202,11 +202,16 @@ def check_parameter_bytes(case: Case, measured: list[float]) -> list[str]:
     against the plan's. The stages that differ, each as a line; none without a plan's."""
     if case.planned_params is None:
         return []
-    pp, per_stage = case.config.pp, len(measured) // case.config.pp
+    c = case.config
+    pp, per_stage = c.pp, len(measured) // c.pp
+    # ZeRO-1/2 over FSDP2: the plan prices the parameters whole (as DeepSpeed keeps them);
+    # FSDP2 keeps only its shards between steps (autopar/runtime/data_parallel.py's docstring)
+    resident = c.fsdp if c.fsdp > 1 and c.zero_stage in (1, 2) else 1
     out = []
     for stage in range(pp):
         ranks = measured[stage * per_stage : (stage + 1) * per_stage]
-        mean, planned = sum(ranks) / len(ranks), sum(case.planned_params[stage::pp])
+        mean = sum(ranks) / len(ranks)
+        planned = sum(case.planned_params[stage::pp]) / resident
         if abs(mean - planned) > PARAM_RTOL * planned:
             out.append(
                 f"{case.label}: stage {stage}'s ranks hold {mean:.0f} parameter bytes each "
