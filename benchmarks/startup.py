@@ -23,11 +23,14 @@ counts Python and torch, about 340 MiB a rank, which the plan's device memory do
 
 Measure at low load (`uptime` is printed before and after): the ranks share this machine's
 cores, and a step of the 1B model on 2 cores takes minutes. On this 24 GB machine (2026-11-28)
-the 1B model's FSDP8 training fits in bf16 with --release-host-memory: 2.9 GiB a rank at the
-peak, the plan 2.8 GiB (fp32 master weights, AdamW's fp32 moments, bf16 gathers); its fp32
-plan prices 3.2 GiB a rank, over the 2.9 the profile gives each of 8 ranks, and its second
-step (the first with AdamW's moments) ran out of memory; without the option glibc's malloc
-keeps freed tensors resident, about twice the plan's peak.
+the 1B model's FSDP8 training does not fit today's runtime: in bf16 with --release-host-memory
+its plan prices 2.8 GiB a rank (2.7 with full recompute), and a rank was OOM-killed in the
+first steps either way (the machine's 24.1 GB used up with 8 process baselines of ~340 MiB
+beside the plan's bytes). With the embeddings and the head as FSDP2 units of their own
+(torchtitan's layout, tried at ed6ceda and reverted: the plan does not yet price those units'
+collectives) it trained 3 steps at 2.9 GiB a rank. Its fp32 plan prices 3.2 GiB a rank, over
+the 2.9 the profile gives each of 8 ranks. Without --release-host-memory glibc's malloc keeps
+freed tensors resident, about twice the plan's peak.
 """
 
 from __future__ import annotations

@@ -17,8 +17,7 @@ The price is a page fault per page of every new large tensor: the same model's s
 without `--release-host-memory`), and a startup 2-3x as long, so the trainer sets it after the
 startup, and it is an option: for a run that needs the memory it plans (`train.py
 --release-host-memory`); the program's end-of-run line says when a CPU rank's peak far exceeds
-its plan. With it, a 0.9 B Llama's FSDP8 training in bf16 fits 8 CPU ranks of a 24 GB machine
-(2.9 GiB a rank; the plan 2.8 GiB, less the process's baseline).
+its plan.
 
 Written by hand: PyTorch has no CPU caching allocator to configure, and the usual remedy
 (jemalloc or tcmalloc by LD_PRELOAD) must be installed and set before the process starts;

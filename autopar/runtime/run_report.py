@@ -26,8 +26,10 @@ if TYPE_CHECKING:
     from autopar.runtime.trainer import Prediction, StepResult
 
 MiB = 2**20
-# a CPU rank's resident peak over its plan's above which the allocator is named
+# a CPU rank's resident peak over its plan's above which the allocator is named: a ratio, and
+# an excess beyond the ~340 MiB the process's Python and torch hold (no tiny model's run hints)
 HOST_PEAK_HINT_RATIO = 1.5
+HOST_PEAK_HINT_EXCESS = 512 * MiB
 
 
 def mib(x: float | None) -> str:
@@ -79,10 +81,10 @@ def print_rank_summary(
             file=sys.stdout,
             flush=True,
         )
-    over = []  # (rank, measured / planned peak)
+    over = []  # (rank, measured / planned peak) where the excess is large too
     for rank, stage, mem, _, _, start, first in rows:
         plan_peak = pred.stage_peak_bytes[stage] if pred.stage_peak_bytes else None
-        if plan_peak:
+        if plan_peak and mem["peak"] - plan_peak > HOST_PEAK_HINT_EXCESS:
             over.append((rank, mem["peak"] / plan_peak))
         plan_mem = pred.stage_memory_bytes[stage] if pred.stage_memory_bytes else {}
         device = (
