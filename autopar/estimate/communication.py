@@ -31,12 +31,19 @@ training element bytes and g the gradient element bytes:
             losses read s - 1 positions: an upper bound).
     sp      the replicated parameters inside the sequence-parallel region (norms, row-parallel
             biases) get partial gradients: one all-reduce of their P g per step, flattened.
-    fsdp    FSDP2 units: each block, and the stage's other layers together (the root).
-            ZeRO-3: a block is all-gathered forward and again backward (2m), the root once per
-            micro-batch (it stays gathered until its backward, m); ZeRO-1/2: every unit m.
-            Reduce-scatter of each unit's gradients: m (ZeRO-2/3) or 1 (ZeRO-1). Bytes: P(unit)
-            w gathered, P(unit) g reduce-scattered; HSDP adds an all-reduce over dp of the
-            P(unit) g / fsdp shard after each reduce-scatter.
+    fsdp    FSDP2 units: each block, the token embedding and the LM head of a vocabulary
+            pair each a unit of their own where each is one module with parameters no other
+            layer reads (`fsdp_end_units`, the runtime's `data_parallel.end_units`: untied),
+            and the stage's other layers together (the root).
+            ZeRO-3: a block or the embedding is all-gathered forward and again backward (2m),
+            the head and the root once per micro-batch (they stay gathered until their
+            backward, m); ZeRO-1/2: every unit m. Under a pipeline (pp > 1) every unit once a
+            step, and its gradients reduce-scattered once (torch's pipelining keeps a chunk
+            gathered and its gradients unsharded from its first backward to the step's end;
+            the runtime does not reshard after forward there: `runtime.data_parallel`).
+            Reduce-scatter of each unit's gradients: m (ZeRO-2/3) or 1 (ZeRO-1, or pp > 1).
+            Bytes: P(unit) w gathered, P(unit) g reduce-scattered; HSDP adds an all-reduce
+            over dp of the P(unit) g / fsdp shard after each reduce-scatter.
     dp      replicated data parallelism: P g summed once per step, a flat buffer all-reduced in
             chunks of at most 25 MiB (`cost_models.comm.flat_chunks`; so every flat gradient
             sum below);
@@ -155,6 +162,7 @@ def stage_communication(
     last = tables.layers[-1].name if tables.layers else ""
     out = []
     ways = cfg.cp if ends_gathered else token_ways(cfg)
+    ends = fsdp_end_units(tables)
     for names in stage_layers:
         layers = [by_name[n] for n in names]
         m, g, x = num_microbatches, grad_bytes, act_scale
@@ -162,7 +170,7 @@ def stage_communication(
         stage += _context_parallel(cfg, layers, m, g, x, holds_loss=last in names)
         stage += _expert_parallel(cfg, layers, m, x)
         stage += _expert_tensor_parallel(cfg, layers, m, x)
-        stage += _data_parallel(cfg, layers, m, weight_bytes, g)
+        stage += _data_parallel(cfg, layers, m, weight_bytes, g, ends)
         stage += _pipeline(tables, cfg, stage_layers, len(out), m, g, x, vocab_whole, ways)
         if cfg.world_size > 1:
             stage.append(PlannedCollective("clip", "all_reduce", "world", 1, 16.0, "norm and loss"))
@@ -366,22 +374,53 @@ def _expert_parallel(
     return out
 
 
+def fsdp_end_units(tables: ModelTables) -> tuple[str | None, str | None]:
+    """(token embedding, LM head): the layers outside the blocks that FSDP2 makes units of
+    their own (as torchtitan does), None where one stays in the root. A vocabulary pair's
+    embedding (an ``nn.Embedding`` layer) and head (an ``nn.Linear`` layer with as many rows
+    as the vocabulary), neither tied to the other: a tied weight stays in the root, where
+    both find it gathered. The runtime's rule is the same (`runtime.data_parallel.end_units`,
+    on the module tree)."""
+    embeddings = [t for t in tables.layers if t.token_embedding]
+    heads = [t for t in tables.layers if t.vocab_logits_bytes and t.vocab_split]
+    if not embeddings or not heads or tied_elements(tables):
+        return None, None
+    embedding, head = embeddings[0], heads[-1]
+    return (
+        embedding.name if embedding.module_type == "Embedding" else None,
+        head.name if head.module_type == "Linear" else None,
+    )
+
+
 def _data_parallel(
-    cfg: ParallelConfig, layers: list[LayerTable], m: int, w: int, g: int
+    cfg: ParallelConfig,
+    layers: list[LayerTable],
+    m: int,
+    w: int,
+    g: int,
+    end_units: tuple[str | None, str | None] = (None, None),
 ) -> list[PlannedCollective]:
     out: list[PlannedCollective] = []
     if cfg.fsdp > 1 and cfg.zero_stage >= 1:
-        blocks = [t for t in layers if t.kind == "block"]
-        root = [t for t in layers if t.kind != "block"]
-        units = [(t.name, [t], 2 if cfg.zero_stage == 3 else 1) for t in blocks]
+        # gathers per micro-batch: twice where resharded after forward; under a pipeline
+        # each unit stays gathered, its gradients unsharded, over the whole step: once a step
+        per_mb = m if cfg.pp == 1 else 1
+        twice = 2 if cfg.zero_stage == 3 and cfg.pp == 1 else 1
+        embedding, head = end_units
+        units = [(t.name, [t], twice) for t in layers if t.kind == "block"]
+        units += [(t.name, [t], twice) for t in layers if t.name == embedding]
+        units += [(t.name, [t], 1) for t in layers if t.name == head]
+        root = [t for t in layers if t.kind != "block" and t.name not in end_units]
         if root and params_on_rank(cfg, root):
             units.append(("<root>", root, 1))
-        scatters = m if cfg.zero_stage >= 2 else 1
+        scatters = per_mb if cfg.zero_stage >= 2 else 1
         experts_sharded = cfg.ep > 1 and expert_shard_ways(cfg) > 1
         for name, unit, gathers in units:
             experts = shared_out_experts(cfg, unit)
             p = params_on_rank(cfg, unit) - experts
-            out.append(PlannedCollective("fsdp", "all_gather", "fsdp", gathers * m, p * w, name))
+            out.append(
+                PlannedCollective("fsdp", "all_gather", "fsdp", gathers * per_mb, p * w, name)
+            )
             out.append(PlannedCollective("fsdp", "reduce_scatter", "fsdp", scatters, p * g, name))
             if cfg.dp > 1:
                 shard = p * g / cfg.fsdp
@@ -389,7 +428,7 @@ def _data_parallel(
             if experts and experts_sharded:  # the layer's experts: their own unit
                 e_w, e_g = experts * w, experts * g
                 out.append(
-                    PlannedCollective("ep", "all_gather", "expert_dp", gathers * m, e_w, name)
+                    PlannedCollective("ep", "all_gather", "expert_dp", gathers * per_mb, e_w, name)
                 )
                 out.append(
                     PlannedCollective("ep", "reduce_scatter", "expert_dp", scatters, e_g, name)

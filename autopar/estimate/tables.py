@@ -99,6 +99,7 @@ class LayerTable:
     # biases of row-parallel matmuls, counted in params_rep too: added after the all-reduce (or
     # the reduce-scatter, with SP), so whole, and their gradients whole on every tp rank
     params_row_bias: int = 0
+    module_type: str = ""  # the class of the module the layer is (a block's, "Embedding", ...)
 
 
 @dataclass(frozen=True)
@@ -320,6 +321,7 @@ def _layer_table(
         ),
         token_embedding=token_embedding,
         position_table=position_table,
+        module_type=layer.module_type,
     )
 
 

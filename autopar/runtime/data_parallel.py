@@ -7,7 +7,8 @@ state, and a `DataParallel` record the trainer calls around backward.
     dp > 1, fsdp == 1     replicated: after the last micro-batch's backward every gradient is
                           all-reduced (averaged) over the "dp" group in one flat buffer per
                           dtype (`DataParallel.sync_gradients`), an explicit, visible call.
-    fsdp > 1              FSDP2 `fully_shard` per block, then the root, on the "fsdp" axis;
+    fsdp > 1              FSDP2 `fully_shard` per block, on the token embedding and on the
+                          LM head (`end_units`), then the root, on the "fsdp" axis;
                           with dp > 1 too on the 2-D ("dp", "fsdp") mesh: HSDP (replicate
                           over dp, shard over fsdp). TP parameters become 2-D DTensors.
 
@@ -44,8 +45,9 @@ ZeRO-1/2's -- while the peak inside forward/backward, where the full parameters 
 ZeRO-1/2's. ZeRO-1 additionally holds full gradients over the accumulation, as DeepSpeed's.
 
 Public functions:
-    apply_data_parallel(model, blocks, mesh, config, experts=None, param_dtype=None)
-        -> DataParallel
+    apply_data_parallel(model, blocks, mesh, config, experts=None, param_dtype=None,
+                        ends=(None, None)) -> DataParallel
+    end_units(model, blocks) -> (embedding path or None, head path or None)
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ from torch.utils._pytree import tree_map_only
 from autopar.config import ParallelConfig
 from autopar.runtime.collectives import all_reduce_flat
 from autopar.runtime.mesh import RuntimeMesh
+from autopar.runtime.tensor_parallel import find_vocab_layers
+from autopar.tracing.layers import ancestors
 
 if TYPE_CHECKING:
     from autopar.runtime.expert_parallel import ExpertParallel
@@ -171,6 +175,32 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def end_units(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]]
+) -> tuple[str | None, str | None]:
+    """(token embedding, LM head): the paths of the modules outside the blocks that become
+    FSDP2 units of their own, as torchtitan's, None where one stays in the root. In the root
+    they would stay gathered from the step's first forward to its last backward (the root's
+    pre-forward gathers all its parameters): on a 0.9 B Llama with a 128k vocabulary under
+    FSDP8, 2 GB a rank, the difference between training and running out of host memory
+    (benchmarks/startup.py). Each must be a layer of its own (its parent holds the blocks, as
+    the tracer cuts layers) and the two untied: a tied weight stays in the root, where both
+    find it gathered. The plan prices the same units (`estimate.communication.fsdp_end_units`).
+    Call it on the whole model: a pipeline chunk holds one of the pair at most."""
+    vocab = find_vocab_layers(model, blocks)
+    if vocab is None:
+        return None, None
+    embedding, head, _ = vocab
+    if model.get_submodule(embedding).weight is model.get_submodule(head).weight:
+        return None, None
+    holders = ancestors({path for path, _ in blocks})
+
+    def layer(path: str) -> str | None:
+        return path if path.rpartition(".")[0] in holders else None
+
+    return layer(embedding), layer(head)
+
+
 def apply_data_parallel(
     model: nn.Module,
     blocks: list[tuple[str, nn.Module]],
@@ -178,6 +208,7 @@ def apply_data_parallel(
     config: ParallelConfig,
     experts: ExpertParallel | None = None,
     param_dtype: torch.dtype | None = None,
+    ends: tuple[str | None, str | None] = (None, None),
 ) -> DataParallel:
     """Shard or replicate ``model`` over the mesh's data axes (in place).
 
@@ -190,6 +221,7 @@ def apply_data_parallel(
             units of their own first (`ExpertParallel.shard`), or are left out of FSDP.
         param_dtype: the dtype FSDP2 gathers and computes in (module docstring: bf16 for
             mixed precision); None keeps the parameters' own (fp32 training).
+        ends: `end_units` of the whole model; those ``model`` holds become units of their own.
     """
     if config.fsdp > 1:
         axes = ("dp", "fsdp") if config.dp > 1 else ("fsdp",)
@@ -216,8 +248,18 @@ def apply_data_parallel(
                 mp_policy=mp,
             )
             names.append(path)
-        # the root holds the rest (embeddings, final norm, head); the last unit's parameters
-        # are needed again at once by backward, so it never reshards after forward
+        # the embedding reshards after forward as a block does; the head, run last, is needed
+        # again at once by backward, so it does not
+        held = dict(model.named_modules())
+        for path, after in zip(ends, (reshard, False), strict=True):
+            if path is not None and path in held:
+                fully_shard(
+                    held[path], mesh=data_mesh, reshard_after_forward=after,
+                    ignored_params=ignored, mp_policy=mp,
+                )  # fmt: skip
+                names.append(path)
+        # the root holds the rest (final norm, tied or other embeddings, small parameters);
+        # needed again at once by backward, it never reshards after forward
         fully_shard(
             model,
             mesh=data_mesh,

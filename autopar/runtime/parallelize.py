@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.config import ParallelConfig
-from autopar.runtime.data_parallel import DataParallel, apply_data_parallel
+from autopar.runtime.data_parallel import DataParallel, apply_data_parallel, end_units
 from autopar.runtime.mesh import RuntimeMesh
 from autopar.runtime.parts import has_parts, parts_of
 from autopar.runtime.pipeline import Pipeline, build_pipeline, layout_for
@@ -203,6 +203,7 @@ def _parallelize_part(
     whole: nn.Module | None = None,
     compile_blocks: bool = False,
     param_dtype: torch.dtype | None = None,
+    ends: tuple[str | None, str | None] | None = None,
 ) -> _Part:
     """TP/SP, context and expert parallelism, recompute, data parallelism of a whole model or
     of one pipeline chunk (torchtitan's order), in place. ``whole``: the model ``model`` was
@@ -238,7 +239,9 @@ def _parallelize_part(
     if compile_blocks:  # after recompute (the checkpoint is compiled), before FSDP's hooks
         for _, block in blocks:
             block.compile(dynamic=False)
-    data_parallel = apply_data_parallel(model, blocks, mesh, config, experts, param_dtype)
+    data_parallel = apply_data_parallel(
+        model, blocks, mesh, config, experts, param_dtype, ends or end_units(model, blocks)
+    )
     if experts is not None:  # experts are synced by expert_parallel, not averaged over dp
         data_parallel.skip = experts.expert_names
     return _Part(data_parallel, context, experts, split, hand)
@@ -270,6 +273,7 @@ def _parallelize_pipeline(
         return contexts[0].loss(out, target) if contexts else spec.loss_fn(out, target)
 
     vocab = _vocab_layers(model, config)
+    ends = end_units(model, find_blocks(model))  # FSDP2's, found on the whole model
 
     def per_chunk(chunk: nn.Module) -> None:
         named = chunk.named_blocks()
@@ -283,8 +287,9 @@ def _parallelize_pipeline(
         # the whole model for context parallelism: a Hugging Face model's attention
         # implementation is set on its config, which a chunk does not hold
         part = _parallelize_part(
-            chunk, named, mesh, config, plan, expert_groups, model, compile_blocks, param_dtype
-        )
+            chunk, named, mesh, config, plan, expert_groups, model, compile_blocks, param_dtype,
+            ends,
+        )  # fmt: skip
         data_parallels.append(part.data_parallel)
         contexts.extend([part.context] if part.context is not None else [])
         experts.extend([part.experts] if part.experts is not None else [])

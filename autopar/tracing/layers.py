@@ -44,7 +44,9 @@ def find_blocks(model: nn.Module) -> set[str]:
     return {b for b in blocks if not any(b.startswith(o + ".") for o in blocks)}
 
 
-def _ancestors(blocks: set[str]) -> set[str]:
+def ancestors(blocks: set[str]) -> set[str]:
+    """The module paths that hold the blocks ("" the model): a layer outside the blocks is
+    a module whose parent is one of them."""
     chain = {""}
     for block in blocks:
         parts = block.split(".")
@@ -54,7 +56,7 @@ def _ancestors(blocks: set[str]) -> set[str]:
 
 def assign_layers(table: list[RawNode], blocks: set[str]) -> dict[str, str]:
     """Layer name of every node (graph order); placeholders join their first consumer's layer."""
-    chain = _ancestors(blocks)
+    chain = ancestors(blocks)
     layer_of: dict[str, str] = {}
     rank: dict[str, int] = {}  # layers in order of first appearance
     seen_block = False

@@ -4,7 +4,7 @@ For TP2, TP2+SP, FSDP (ZeRO-3), CP2 (all-gather-KV attention), EP2 over DP2, EP2
 (the experts FSDP units of their own), EP2 beside DP2 x CP2 (folded over cp), EP2 beside TP2
 (the experts whole on every tp rank: priced split over tp before, the parameters 1.8x and the
 all-to-all bytes 2x the plan), EP2 x TP2 + SP (each tp rank routing its sequence shard), PP2
-(1F1B), DP2xTP2 and PP2 x TP2 (+SP; the embedding and head split over the vocabulary on their
+(1F1B), PP2 x FSDP2 (each unit gathered once a step), DP2xTP2 and PP2 x TP2 (+SP; the embedding and head split over the vocabulary on their
 stages: the last stage's parameters were priced 13% low while the runtime kept them whole) on
 the tiny GPT, Llama and MoE, and TP2 on a user's GPT-NeoX and BERT (their projections split as
 the trace pairs them; BERT's MLM transform whole, priced split before), TP2 + SP on a user's
@@ -121,6 +121,9 @@ CASES_4 = [
     # with SP each chunk gathers the sequence at its end and splits it at its start, so the
     # stages send the whole sequence
     Case("gpt-tiny", C(pp=2, tp=2, micro_batch_size=1)),
+    # pp x FSDP: each unit (blocks, the untied embedding and head) gathered once a step and
+    # reduce-scattered once (priced 2m and m before: torch's pipelining keeps them gathered)
+    Case("llama-tiny", C(pp=2, fsdp=2, zero_stage=3, micro_batch_size=1)),
     Case("llama-tiny", C(pp=2, tp=2, sequence_parallel=True, micro_batch_size=1)),
     # EP2 x ETP2 + SP: every tp rank dispatches the tp group's gathered tokens (all-to-all
     # rows x tp), the hidden-wide rows kept whole, the experts' intermediate width split
