@@ -22,14 +22,15 @@ beside the plan's peak; what building the whole model on every rank first would 
 counts Python and torch, about 340 MiB a rank, which the plan's device memory does not.)
 
 Measure at low load (`uptime` is printed before and after): the ranks share this machine's
-cores, and a step of the 1B model on 2 cores takes minutes. On this 24 GB machine (2026-11-28)
-the 1B model's FSDP8 training does not fit today's runtime: in bf16 with --release-host-memory
-its plan prices 2.8 GiB a rank (2.7 with full recompute), and a rank was OOM-killed in the
-first steps either way (the machine's 24.1 GB used up with 8 process baselines of ~340 MiB
-beside the plan's bytes). With the embeddings and the head as FSDP2 units of their own
-(torchtitan's layout, tried at ed6ceda and reverted: the plan does not yet price those units'
-collectives) it trained 3 steps at 2.9 GiB a rank. Its fp32 plan prices 3.2 GiB a rank, over
-the 2.9 the profile gives each of 8 ranks. Without --release-host-memory glibc's malloc keeps
+cores, and a step of the 1B model on 2 cores takes minutes. On this 24 GB machine (2026-11-28,
+at 4557c64) the 1B model's FSDP8 training in bf16 with --release-host-memory trains: 8 ranks,
+startup 62-64 s a rank (startup peak 770-788 MiB against the plan's 423 MiB of parameters:
+the process baseline), first step done at 200-202 s, steps 2-3 at 123.5 s (122.8-124.3, load
+~10), run peak 2681-2687 MiB a rank against the plan's 2884. That needs the embeddings and
+the head as FSDP2 units of their own (torchtitan's layout, `runtime.data_parallel.end_units`,
+priced by the plan's collectives too): in the root they stay gathered over the whole step, and
+a rank was OOM-killed in its first steps. Its fp32 plan prices 3.2 GiB a rank, over the 2.9
+the profile gives each of 8 ranks. Without --release-host-memory glibc's malloc keeps
 freed tensors resident, about twice the plan's peak.
 """
 
