@@ -2,13 +2,15 @@
 
 The public API (docs/architecture.md draws the phases behind it):
 
-    autopar.Cluster.from_profile(name_or_path, num_nodes=1)
+    autopar.Cluster.from_profile(name_or_path, num_nodes=1, *, sites=1, site_link_gbps=None)
     autopar.ParallelConfig(dp=1, fsdp=1, tp=1, pp=1, cp=1, ep=1, zero_stage=0, ...)
     autopar.load_profile(name_or_path), autopar.shipped_profile_names()
     autopar.load_stack(name_or_path), autopar.stack_names()   (software stacks a plan is priced for)
     autopar.trace(model, example_inputs) -> ModelGraph       (imports torch on first use)
     autopar.evaluate(model, cluster, config, example_inputs, *, global_batch_size) -> Plan
     autopar.parallelize(model, cluster, example_inputs=None, *, global_batch_size=None) -> Plan
+    autopar.PlanOptions(..., algorithms=autopar.AlgorithmOptions(token_budget=...))
+                          (synchronous, fault-tolerant groups or DiLoCo, priced and chosen)
     autopar.replan(plan, *, num_nodes=None, num_devices=None) -> Plan   (same model, new size)
     autopar.export(plan, "torchtitan"|"megatron"|"deepspeed"|"accelerate", directory=None)
     plan.summary(), plan.explain(), plan.save(dir), plan.plot(kind, path), Plan.from_json(text)
@@ -45,6 +47,7 @@ _LAZY = {
     "replan": "autopar.api",
     "export": "autopar.api",
     "PlanOptions": "autopar.solve",
+    "AlgorithmOptions": "autopar.estimate.algorithms",
     "InfeasibleError": "autopar.solve",
     "Plan": "autopar.plan",
     "CostOptions": "autopar.estimate",

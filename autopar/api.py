@@ -54,6 +54,7 @@ from autopar.solve import PlanOptions, solve
 from autopar.solve.limits import default_batch_for, space_limits
 from autopar.solve.refine import RecordingEstimator
 from autopar.solve.space import shape_problems
+from autopar.solve.training import with_training
 from autopar.tracing import ModelGraph, trace
 from autopar.tracing.inputs import infer_example_inputs
 
@@ -153,7 +154,31 @@ def parallelize(
     plan = with_sources(plan, model, model_factory, cluster, loss_fn)
     plan = with_goodput(plan, cluster, options.reliability)
     timings = {"trace": trace_s, **solution.timings, "total": time.perf_counter() - start}
-    return with_solution(plan, solution, limits, notes, timings)
+    plan = with_solution(plan, solution, limits, notes, timings)
+    site_plan = None
+    if _prices_diloco(cluster, options, global_batch_size):  # one replica group per site
+        site_plan = parallelize(
+            model, cluster.one_site(), graph=graph, precision=precision, optimizer=optimizer,
+            global_batch_size=global_batch_size // cluster.sites, model_factory=model_factory,
+            loss_fn=loss_fn, options=replace(
+                options, algorithms=replace(options.algorithms, choose="sync"), sensitivity=False
+            ),
+        )  # fmt: skip
+    plan = with_training(plan, site_plan, cluster, options.algorithms, options.reliability)
+    if site_plan is None:
+        return plan
+    # the site's search ran inside this one: the total is both
+    return replace(plan, timings={**plan.timings, "total": time.perf_counter() - start})
+
+
+def _prices_diloco(cluster: Cluster, options: PlanOptions, global_batch_size: int) -> bool:
+    """Whether `parallelize` plans one site for DiLoCo: several sites, DiLoCo not ruled out,
+    and a global batch the sites divide."""
+    return (
+        cluster.sites > 1
+        and options.algorithms.choose in ("auto", "diloco")
+        and global_batch_size % cluster.sites == 0
+    )
 
 
 def _parallelize_auto(

@@ -114,6 +114,30 @@ def _add_planning_verbs(verbs: argparse._SubParsersAction) -> None:
     plan.add_argument(
         "--time-limit", type=float, help="search time limit in seconds (0: the first that fits)"
     )
+    plan.add_argument(
+        "--sites", type=int, default=1, help="the nodes split over this many sites (default 1)"
+    )
+    plan.add_argument(
+        "--site-link-gbps", type=float, help="each site's wide-area uplink, Gb/s per direction"
+    )
+    plan.add_argument(
+        "--site-latency-ms", type=float, default=10.0, help="latency between sites (default 10)"
+    )
+    plan.add_argument(
+        "--algorithm",
+        default="auto",
+        choices=("auto", "sync", "ft", "diloco"),
+        help="training algorithm: priced and chosen (auto), or one of synchronous, "
+        "fault-tolerant replica groups, DiLoCo across sites",
+    )
+    plan.add_argument("--token-budget", type=float, help="tokens to train (default 20 a parameter)")
+    plan.add_argument(
+        "--diloco-token-overhead",
+        type=float,
+        default=0.05,
+        help="assumed extra tokens DiLoCo needs to reach synchronous training's loss "
+        "(default 0.05)",
+    )
     plan.add_argument("-o", "--out", default="out", help="directory for plan.json (default out/)")
     plan.add_argument("--json", action="store_true", help="print the plan's JSON only")
     plan.add_argument("--plots", metavar="DIR", help="write pipeline/memory/breakdown PNGs here")

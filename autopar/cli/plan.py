@@ -19,15 +19,27 @@ from autopar.errors import AutoparError
 PRECISIONS = (*_KNOWN, "auto")
 
 
-def cluster_from_args(profile: str, nodes: int | None, devices: int | None):  # -> Cluster
-    """`Cluster.from_profile` from --profile, --nodes and --devices (total devices)."""
+def cluster_from_args(
+    profile: str,
+    nodes: int | None,
+    devices: int | None,
+    sites: int = 1,
+    link_gbps: float | None = None,
+    latency_ms: float = 10.0,
+):  # -> Cluster
+    """`Cluster.from_profile` from --profile, --nodes and --devices (total devices), over
+    --sites joined by --site-link-gbps."""
     from autopar.hardware import Cluster
 
     if nodes is not None and devices is not None:
         raise AutoparError("give --nodes or --devices, not both")
     if devices is not None:
-        return Cluster.from_profile(profile, num_devices=devices)
-    return Cluster.from_profile(profile, num_nodes=1 if nodes is None else nodes)
+        cluster = Cluster.from_profile(profile, num_devices=devices)
+    else:
+        cluster = Cluster.from_profile(profile, num_nodes=1 if nodes is None else nodes)
+    if sites == 1 and link_gbps is None:
+        return cluster
+    return cluster.over_sites(sites, link_gbps, latency_ms / 1e3)
 
 
 class ProgressBar:
@@ -53,12 +65,26 @@ def run_plan(args: argparse.Namespace) -> str:
 
     from autopar.api import PlanOptions, parallelize
     from autopar.cli.models import load_model
+    from autopar.estimate.algorithms import AlgorithmOptions
     from autopar.estimate.stacks import DEFAULT_STACK, load_stack
 
-    cluster = cluster_from_args(args.profile, args.nodes, args.devices)
+    cluster = cluster_from_args(
+        args.profile, args.nodes, args.devices, args.sites, args.site_link_gbps,
+        args.site_latency_ms,
+    )  # fmt: skip
+    try:
+        algorithms = AlgorithmOptions(
+            choose=args.algorithm,
+            token_budget=args.token_budget,
+            diloco_token_overhead=args.diloco_token_overhead,
+        )
+    except ValueError as e:
+        raise AutoparError(f"--algorithm, --token-budget, --diloco-token-overhead: {e}") from None
     loaded = load_model(args.model, args.seq_len)
     try:
-        options = PlanOptions(progress=ProgressBar(), time_limit_s=args.time_limit)
+        options = PlanOptions(
+            progress=ProgressBar(), time_limit_s=args.time_limit, algorithms=algorithms
+        )
     except ValueError as e:
         raise AutoparError(f"--time-limit: {e}") from None
     stack = args.stack

@@ -72,8 +72,10 @@ class MeshGroups:
         self.cluster = cluster
         self.ranks = axis_ranks(cfg)
         self.ranks["world"] = tuple(range(cluster.world_size))
-        # point-to-point partners: a pipeline neighbour, a context-parallel ring neighbour
-        self.ranks["pp"] = self.ranks["pp"][:2]
+        # point-to-point partners: a pipeline neighbour, a context-parallel ring neighbour;
+        # the pipeline's slowest hop (stages on different sites: the timer takes one hop
+        # time for all, so an upper bound there), the first where all are alike
+        self.ranks["pp"] = _slowest_hop(cluster, self.ranks["pp"], cfg.virtual_stages > 1)
         self.ranks["cp"] = self.ranks["cp"] if cfg.cp > 1 else (0,)
         self._groups = {axis: cluster.comm_group(r) for axis, r in self.ranks.items()}
         self._cp_pair = cluster.comm_group(self.ranks["cp"][:2])
@@ -94,10 +96,23 @@ class MeshGroups:
         return cached
 
 
+def _slowest_hop(cluster: Cluster, stages: tuple[int, ...], wraps: bool) -> tuple[int, ...]:
+    """The pair of neighbouring pipeline ranks whose link is the outermost level (a V or
+    interleaved schedule also hands the last stage's output to the first)."""
+    if cluster.sites == 1 or len(stages) < 2:
+        return stages[:2]
+    pairs = list(zip(stages, stages[1:], strict=False))
+    if wraps:
+        pairs.append((stages[-1], stages[0]))
+    per_site = cluster.world_size // cluster.sites
+    crossing = [p for p in pairs if p[0] // per_site != p[1] // per_site]
+    return crossing[0] if crossing else stages[:2]
+
+
 def layout_signature(cluster: Cluster, cfg: ParallelConfig) -> tuple:
     """How every priced group of ``cfg`` lies on ``cluster``'s levels (the world group is the
     same for every layout and left out): equal signatures, equal collective times."""
     ranks = axis_ranks(cfg)
-    ranks["pp"] = ranks["pp"][:2]
+    ranks["pp"] = _slowest_hop(cluster, ranks["pp"], cfg.virtual_stages > 1)
     ranks["cp_pair"] = ranks["cp"][:2]
     return tuple(cluster.comm_group(ranks[a]) for a in sorted(ranks))

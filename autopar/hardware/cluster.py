@@ -1,10 +1,19 @@
-"""Cluster: a hardware profile times a number of nodes (or a TPU slice shape).
+"""Cluster: a hardware profile times a number of nodes (or a TPU slice shape), on one site or
+several.
 
 In: a profile and its size. Out: a frozen `Cluster` that knows its world size, where each rank
 sits (node and local index; torus coordinates on a TPU slice), and how any group of ranks lies
 on the topology, as the `cost_models.comm` group types the collective estimates take.
 Ranks are laid out node-major (rank r on node r // devices_per_node), and on a torus row-major
 over the slice shape (the last dim varies fastest), as torchrun and the TPU runtime number them.
+
+Sites: a cluster may span ``sites`` buildings or regions of equal size, ranks site-major, joined
+by a wide-area link of ``site_link_gbps`` (each site's uplink, both directions) and
+``site_latency_s``. The topology gains a level above the profile's scale-out network: that
+network then spans one site, and the "sites" level the whole cluster, its bandwidth per device
+the link divided among a site's devices (every data-parallel group crossing it at once shares
+it, as all of a step's gradient sums do). A site is also a failure domain
+(`autopar.estimate.algorithms`).
 """
 
 from __future__ import annotations
@@ -18,7 +27,18 @@ from pathlib import Path
 
 from autopar.errors import ProfileError
 from autopar.hardware.profile import HardwareProfile, load_profile
-from cost_models.comm import CommEstimate, Group, HierarchicalGroup, TorusGroup, collective_time
+from cost_models.comm import (
+    CommEstimate,
+    Group,
+    HierarchicalGroup,
+    Level,
+    TorusGroup,
+    collective_time,
+)
+
+# the wide-area link's share of its nominal rate a collective reaches (TCP over long fat pipes,
+# as NCCL's and gloo's sockets run there): an estimate, stated with the level
+SITE_LINK_EFFICIENCY = 0.8
 
 
 @dataclass(frozen=True)
@@ -27,6 +47,9 @@ class Cluster:
     num_nodes: int
     devices_per_node: int  # devices used per node (<= the profile's)
     slice_shape: tuple[int, ...] | None = None  # TPU slices only
+    sites: int = 1  # buildings or regions of equal size, ranks site-major (module docstring)
+    site_link_bytes_per_s: float = 0.0  # each site's wide-area uplink, per direction
+    site_latency_s: float = 0.0
 
     @classmethod
     def from_profile(
@@ -37,6 +60,9 @@ class Cluster:
         devices_per_node: int | None = None,
         num_devices: int | None = None,
         slice_shape: Sequence[int] | None = None,
+        sites: int = 1,
+        site_link_gbps: float | None = None,
+        site_latency_s: float = 0.01,
     ) -> Cluster:
         """A cluster of ``num_nodes`` nodes of a shipped profile (or a profile file).
 
@@ -46,6 +72,11 @@ class Cluster:
             devices_per_node: use fewer devices per node than the profile has.
             num_devices: alternatively, the total device count: whole nodes, or part of one.
             slice_shape: TPU profiles: the slice, e.g. (4, 4, 4); required for them.
+            sites: the nodes split over this many sites of equal size (module docstring).
+            site_link_gbps: each site's wide-area uplink in Gb/s per direction; required
+                with sites > 1.
+            site_latency_s: one message's latency between sites (default 10 ms: about
+                2,000 km of fiber, an assumption to set).
 
         Raises:
             ProfileError: the profile is unknown or malformed, or cannot form the cluster asked
@@ -73,7 +104,61 @@ class Cluster:
                 f"{profile.name}: devices_per_node must be between 1 and {per_node} "
                 f"(the profile's node), got {used}"
             )
-        return cls(_time_shared(profile, used), num_nodes, used)
+        cluster = cls(_time_shared(profile, used), num_nodes, used)
+        if sites == 1 and site_link_gbps is None:
+            return cluster
+        return cluster.over_sites(sites, site_link_gbps, site_latency_s)
+
+    def over_sites(self, sites: int, link_gbps: float | None, latency_s: float) -> Cluster:
+        """This cluster's nodes split over ``sites`` of equal size joined by a wide-area link
+        (module docstring)."""
+        name = self.profile.name
+        if isinstance(sites, bool) or not isinstance(sites, int) or sites < 1:
+            raise ProfileError(f"{name}: sites must be an integer >= 1, got {sites!r}")
+        if self.slice_shape is not None or self.sites > 1:
+            raise ProfileError(f"{name}: sites are for node clusters of one site")
+        if self.num_nodes % sites:
+            raise ProfileError(
+                f"{name}: {self.num_nodes} nodes do not split over {sites} sites of equal size"
+            )
+        if link_gbps is None or not link_gbps > 0 or not latency_s >= 0:
+            raise ProfileError(
+                f"{name}: {sites} sites need site_link_gbps > 0 (each site's wide-area "
+                f"uplink) and site_latency_s >= 0, got {link_gbps!r} and {latency_s!r}"
+            )
+        per_site = self.num_nodes // sites * self.profile.devices_per_node  # physical
+        link = link_gbps * 1e9 / 8
+        levels = [*self.profile.levels]
+        levels[-1] = replace(levels[-1], devices_per_domain=per_site)
+        used = self.world_size // sites
+        levels.append(Level("sites", 0, link / used, latency_s, SITE_LINK_EFFICIENCY))
+        profile = replace(self.profile, levels=tuple(levels))
+        return replace(
+            self,
+            profile=profile,
+            sites=sites,
+            site_link_bytes_per_s=link,
+            site_latency_s=latency_s,
+        )
+
+    def one_site(self) -> Cluster:
+        """One site of this cluster, alone: what a replica group of a cross-site algorithm
+        runs on (itself when there is one site)."""
+        if self.sites == 1:
+            return self
+        levels = (*self.profile.levels[:-2], replace(self.profile.levels[-2], devices_per_domain=0))
+        return replace(
+            self,
+            profile=replace(self.profile, levels=levels),
+            num_nodes=self.num_nodes // self.sites,
+            sites=1,
+            site_link_bytes_per_s=0.0,
+            site_latency_s=0.0,
+        )
+
+    def site_of(self, rank: int) -> int:
+        self._check_rank(rank)
+        return rank // (self.world_size // self.sites)
 
     @classmethod
     def _torus_cluster(
@@ -223,6 +308,11 @@ class Cluster:
             head = (
                 f"{self.profile.name}: {self.num_nodes} node(s) x {self.devices_per_node} "
                 f"devices{partial} = world size {self.world_size}"
+            )
+        if self.sites > 1:
+            head += (
+                f", over {self.sites} sites joined by {self.site_link_bytes_per_s * 8 / 1e9:g} "
+                f"Gb/s each ({self.site_latency_s * 1e3:g} ms)"
             )
         return head + "\n" + self.profile.as_text()
 

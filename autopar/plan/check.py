@@ -87,11 +87,13 @@ def plan_problems(data: dict[str, Any]) -> list[str]:
                 out.append(f"goodput.{key} must be a whole number of steps >= 1, got {value!r}")
     if data.get("experts"):
         out += _mapping_of_numbers("experts", data["experts"])
-    for name in ("report", "placements", "tensor_parallel_roles"):
+    for name in ("report", "placements", "tensor_parallel_roles", "training"):
         if name in data and not isinstance(data[name], dict):
             out.append(f"{name} must be an object, got {type(data[name]).__name__}")
     if isinstance(data.get("report"), dict):  # the search's and refine's records
         out += _fields("report", data["report"])
+    if isinstance(data.get("training"), dict):  # the algorithms priced (solve.training)
+        out += _fields("training", data["training"])
     out += free_text_problems(data)
     if isinstance(data.get("stack"), str) and not _NAME.fullmatch(data["stack"]):
         out.append(f"stack must be a stack's name (letters, digits, . _ -), got {data['stack']!r}")

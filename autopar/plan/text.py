@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from autopar.config.precision import recipe_of
+from autopar.plan.training_text import training_explanation, training_lines
 
 if TYPE_CHECKING:
     from autopar.plan.types import Plan
@@ -41,6 +42,7 @@ def summary_text(plan: Plan) -> str:
         f"{plan.memory_capacity_bytes / GiB:.1f} GiB per device"
         + ("" if plan.fits else "   DOES NOT FIT"),
         *_goodput_line(plan),
+        *training_lines(plan.training),
         *_experts_line(plan),
         "",
         "  step-time breakdown:",
@@ -116,6 +118,7 @@ def explain_text(plan: Plan) -> str:
         _binding(plan),
         _memory(plan),
         _failures(plan),
+        training_explanation(plan.training),
     ]
     limits = plan.report.get("limits") if plan.report else None
     if plan.config.recompute_layers is not None:

@@ -112,6 +112,10 @@ class Plan:
     # ("row") parallel and autopar's runtime splits so (`runtime.capability.traced_roles`):
     # module path -> role; empty where the names cover every split projection
     tensor_parallel_roles: dict[str, str] = field(default_factory=dict)
+    # the training algorithm chosen and every one priced -- synchronous, fault-tolerant
+    # replica groups, DiLoCo across sites -- with the token budget and the convergence
+    # assumption (`autopar.solve.training`); empty where none was priced (evaluate)
+    training: dict[str, Any] = field(default_factory=dict)
     schema_version: int = field(default=SCHEMA_VERSION)
     # wall-clock figures of this run (trace, search, ILP seconds): shown by summary() and
     # explain() but not saved, so the same inputs give a byte-identical plan.json

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from autopar.estimate import CostOptions
+from autopar.estimate.algorithms import AlgorithmOptions
 from autopar.estimate.stacks import default_cost_options
 from autopar.hardware import Reliability
 from autopar.solve.refine import RefineOptions
@@ -32,6 +33,9 @@ class PlanOptions:
     refine: RefineOptions = field(default_factory=RefineOptions)
     # device failures and checkpoint bandwidth for the plan's goodput; None: the profile's
     reliability: Reliability | None = None
+    # the training algorithms priced (synchronous, fault-tolerant groups, DiLoCo across
+    # sites), the token budget and the convergence assumption (`autopar.solve.training`)
+    algorithms: AlgorithmOptions = field(default_factory=AlgorithmOptions)
 
     def __post_init__(self) -> None:
         limit = self.time_limit_s

@@ -58,6 +58,13 @@ CASES = {
                             "--moe-imbalance", "1e9"], "moe_imbalance must be a finite number"),
     "bf16 on V100": (["plan", "gpt-tiny", "--profile", "dgx_v100", "--precision", "bf16",
                       "--batch", "8"], "it has no bf16 tensor cores"),
+    "sites without a link": (["plan", "gpt-tiny", "--profile", "dgx_h100", "--nodes", "2",
+                              "--sites", "2"], "2 sites need site_link_gbps > 0"),
+    "sites not dividing nodes": (["plan", "gpt-tiny", "--profile", "dgx_h100", "--nodes", "3",
+                                  "--sites", "2", "--site-link-gbps", "100"],
+                                 "3 nodes do not split over 2 sites"),
+    "negative token budget": (["plan", "gpt-tiny", "--profile", "local_cpu", "--devices", "2",
+                               "--token-budget", "-5"], "token_budget must be > 0 tokens"),
 }  # fmt: skip
 
 # issue 45: a hostile config.json's shape, refused naming the field

@@ -1,11 +1,13 @@
 """The program does what the plan says: collectives, state bytes and activations of one step.
 
-For TP2, TP2+SP, FSDP (ZeRO-3), CP2 (all-gather-KV attention), EP2 over DP2, EP2 over FSDP4
+For TP2, TP2+SP, FSDP (ZeRO-3: the untied embedding and head units of their own), CP2
+(all-gather-KV attention), EP2 over DP2, EP2 over FSDP4
 (the experts FSDP units of their own), EP2 beside DP2 x CP2 (folded over cp), EP2 beside TP2
 (the experts whole on every tp rank: priced split over tp before, the parameters 1.8x and the
 all-to-all bytes 2x the plan), EP2 x TP2 + SP (each tp rank routing its sequence shard), PP2
-(1F1B), PP2 x FSDP2 (each unit gathered once a step), DP2xTP2 and PP2 x TP2 (+SP; the embedding and head split over the vocabulary on their
-stages: the last stage's parameters were priced 13% low while the runtime kept them whole) on
+(1F1B), PP2 x FSDP2 (each unit gathered once a step), DP2xTP2 and PP2 x TP2 (+SP; the
+embedding and head split over the vocabulary on their stages: the last stage's parameters
+were priced 13% low while the runtime kept them whole) on
 the tiny GPT, Llama and MoE, and TP2 on a user's GPT-NeoX and BERT (their projections split as
 the trace pairs them; BERT's MLM transform whole, priced split before), TP2 + SP on a user's
 GPT-2 and TP2 on Phi-3 (their fused projections split piece by piece), and expert tensor

@@ -1,0 +1,136 @@
+"""Clusters of several sites and the training algorithms priced over them (issue 48).
+
+The sites level prices what crosses the wide-area link (a data-parallel sum, a pipeline hop)
+at the link's share per device; DiLoCo's cross-site bytes are the synchronous gradient sum's
+divided by H exactly (fp32 gradients and pseudo-gradients); fault-tolerant groups lose less
+to failures than checkpoint-restart; bad inputs are refused naming the field.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.config import ParallelConfig as C
+from autopar.errors import ProfileError
+from autopar.estimate.algorithms import (
+    AlgorithmOptions,
+    cross_site_bytes,
+    outer_allreduce_s,
+    price_diloco,
+    price_ft,
+    price_sync,
+)
+from autopar.estimate.mesh import MeshGroups
+from autopar.models import zoo
+
+SHAPE = dict(vocab_size=32000, seq_len=2048, num_layers=8, hidden=2048, ffn_hidden=5632)
+SHAPE |= dict(num_heads=16, num_kv_heads=8)
+
+
+def two_sites(gbps: float = 100.0, nodes: int = 2) -> autopar.Cluster:
+    return autopar.Cluster.from_profile("dgx_h100", nodes, sites=2, site_link_gbps=gbps)
+
+
+@pytest.fixture(scope="module")
+def model_and_ids():
+    model = zoo.build("llama-tiny", device="meta", **SHAPE)
+    (ids,) = zoo.example_inputs("llama-tiny", model)
+    return model, ids
+
+
+def test_groups_crossing_sites_run_over_the_link():
+    c = two_sites(100.0)
+    assert (c.level_of([0, 7]), c.level_of([0, 8])) == ("nvlink", "sites")
+    # each of a site's 8 devices gets 1/8 of the 12.5 GB/s uplink at 80%: 1.25 GB/s
+    est = c.collective_time("send_recv", 1.25e9, [0, 8])
+    assert est.time_s == pytest.approx(1.0 + 0.01, rel=0.02)
+    one = c.one_site()
+    assert (one.world_size, one.sites, one.level_of([0, 7])) == (8, 1, "nvlink")
+    same = autopar.Cluster.from_profile("dgx_h100", 2)
+    assert c.collective_time("all_reduce", 1e6, range(8)).time_s == pytest.approx(
+        same.collective_time("all_reduce", 1e6, range(8)).time_s
+    )
+
+
+def test_the_pipeline_is_priced_at_its_slowest_hop():
+    """pp=4 over 2 sites: stages 1 and 2 meet across the link; the hop priced is that one
+    (stage 0 to 1, inside a site, before)."""
+    c = two_sites(100.0, nodes=2)
+    mesh = MeshGroups(c, C(pp=4, tp=4))
+    assert mesh.ranks["pp"] == (4, 8)
+    assert mesh.time("send_recv", 1e8, "pp") == c.collective_time("send_recv", 1e8, [4, 8]).time_s
+    assert MeshGroups(c.one_site(), C(pp=2, tp=4)).ranks["pp"] == (0, 4)
+
+
+def test_diloco_moves_one_h_th_of_the_synchronous_gradient_sum(model_and_ids):
+    model, ids = model_and_ids
+    # one device a site: dp's two ranks on the two sites, every gradient crosses once (with
+    # tp the replicated norms would cross once per tp rank, as the runtime sums them)
+    c = autopar.Cluster.from_profile("dgx_h100", 2, devices_per_node=1, sites=2, site_link_gbps=100)
+    cfg = C(dp=2)
+    plan = autopar.evaluate(
+        model, c, cfg, (ids,), global_batch_size=16, precision="fp32", optimizer="adamw"
+    )
+    sync_bytes = cross_site_bytes(plan.communication, cfg, c)
+    # a two-party ring moves the whole buffer each way: all fp32 gradients, and the clip's
+    # 16-byte sum over the world
+    assert sync_bytes == pytest.approx(plan.num_params * 4 + 16, rel=1e-9)
+    options = AlgorithmOptions(outer_bytes_per_param=4.0)
+    dl = price_diloco(
+        plan.step_time_s, cfg, 16 * 2048, 1e12, c, None, plan.num_params, "adamw", options, 8, 1
+    )
+    assert dl.cross_site_bytes_per_step == pytest.approx((sync_bytes - 16) / 8, rel=1e-12)
+    # blocking: the outer all-reduce (the link at 80%, 2 messages' latency) over 8 steps
+    outer = plan.num_params * 4 / (12.5e9 * 0.8) + 2 * 0.01
+    assert outer_allreduce_s(plan.num_params, c, options) == pytest.approx(outer)
+    assert dl.step_time_s == pytest.approx(plan.step_time_s + outer / 8)
+    streaming = price_diloco(
+        plan.step_time_s, cfg, 16 * 2048, 1e12, c, None, plan.num_params, "adamw", options, 8, 4
+    )
+    hidden = max(0.0, outer - 8 * plan.step_time_s)
+    assert streaming.step_time_s == pytest.approx(plan.step_time_s + hidden / 8)
+    assert dl.token_multiplier == 1.05 and dl.time_to_budget_s > 0
+
+
+def test_fault_tolerant_groups_lose_less_than_a_restart():
+    c = autopar.Cluster.from_profile("dgx_h100", 128)
+    rel = c.profile.reliability
+    cfg = C(dp=8, fsdp=16, tp=8)
+    sync = price_sync(10.0, cfg, 4e6, 0.0, 0.99, 1e12)
+    ft = price_ft(10.0, cfg, 4e6, 0.0, 1e12, c, rel, 70e9, "adamw", 8)
+    # failures a second on 1,024 H100, each costing the step in flight and 1/8 of the
+    # group's restart and heal
+    rate = 1024 * rel.failure_rate_per_device_hour / 3600
+    heal = ft.extra["heal_s"]
+    assert ft.goodput == pytest.approx(1 - rate * (10.0 + (rel.restart_s + heal) / 8))
+    assert ft.goodput > sync.goodput
+    assert ft.time_to_budget_s < sync.time_to_budget_s
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(num_nodes=3, sites=2, site_link_gbps=100), "do not split over 2 sites"),
+        (dict(num_nodes=2, sites=2), "need site_link_gbps > 0"),
+        (dict(num_nodes=2, sites=0, site_link_gbps=100), "sites must be an integer >= 1"),
+        (dict(num_nodes=2, sites=2, site_link_gbps=-1), "need site_link_gbps > 0"),
+    ],
+)
+def test_bad_sites_are_refused(kwargs, message):
+    with pytest.raises(ProfileError, match=message):
+        autopar.Cluster.from_profile("dgx_h100", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(choose="local-sgd"), "choose must be auto, sync, ft or diloco"),
+        (dict(token_budget=0), "token_budget must be > 0"),
+        (dict(inner_steps=(0,)), "inner_steps must be whole numbers >= 1"),
+        (dict(diloco_token_overhead=-0.1), "diloco_token_overhead must be in"),
+    ],
+)
+def test_bad_algorithm_options_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AlgorithmOptions(**kwargs)
