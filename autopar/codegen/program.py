@@ -78,8 +78,8 @@ every node, NODE0 being the first node's address (c10d rendezvous; any free port
 The world (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) comes from torchrun's environment;
 a world size other than {n} is refused.
 
-Options: --steps N, --tokens FILE (a flat file of token ids, nanoGPT's .bin (uint16, or
---tokens-dtype) or a .npy, memory-mapped and read by step: autopar.runtime.data),
+{_diloco_launch(plan)}Options: --steps N, --tokens FILE (a flat file of token ids, nanoGPT's
+.bin (uint16, or --tokens-dtype) or a .npy, memory-mapped and read by step: autopar.runtime.data),
 --hf-dataset SOURCE [--hf-split S --hf-column C --tokenizer DIR|bytes] (a Hugging Face dataset
 tokenized once per node into a cached token file, AUTOPAR_CACHE: autopar.runtime.hf_data), --data
 module:fn (fn(step, start, stop) -> (inputs, targets): samples [start, stop) of step's global
@@ -110,6 +110,22 @@ not finite stops the run naming the step and the newest checkpoint; --skip-nonfi
 to N such steps instead (no optimizer step; autopar.runtime.preflight).
 """
     return '#!/usr/bin/env python3\n"""' + _in_docstring(body) + '"""'
+
+
+def _diloco_launch(plan: Plan) -> str:
+    """The docstring's DiLoCo launch, where the plan chose DiLoCo (else nothing)."""
+    d = _diloco(plan)
+    if not d:
+        return ""
+    groups, h, f = d["replicas"], d["inner_steps"], d["fragments"]
+    return f"""DiLoCo (the plan's choice: {groups} groups, one per site, H={h}, {f} fragment(s)):
+start torchft's lighthouse once, then this job at each site with its group's index; each group
+trains its 1/{groups} of the global batch and all-reduces the pseudo-gradient with the others
+every H steps (autopar.runtime.diloco):
+    torchft_lighthouse --min_replicas {groups} --quorum_tick_ms 100 --join_timeout_ms 10000
+    torchrun ... train.py --diloco-group G --lighthouse http://LIGHTHOUSE:29510
+
+"""
 
 
 def _in_docstring(text: str) -> str:
@@ -145,6 +161,7 @@ from autopar.plan import Plan
 from autopar.runtime.checkpoint import CheckpointOptions, checkpoint_interval
 from autopar.runtime.preflight import check_options
 from autopar.runtime.data import TokenFile
+from autopar.runtime.diloco import DiLoCoGroup
 from autopar.runtime.hf_data import node_token_file
 from autopar.runtime.mesh import build_mesh, init_distributed, shutdown_distributed
 from autopar.runtime.task import task_from_source
@@ -172,7 +189,17 @@ CONFIG = ParallelConfig({fields})
 GLOBAL_BATCH_SIZE = {plan.global_batch_size}  # = {c.micro_batch_size} x {plan.num_microbatches} x {
         c.data_parallel_size
     }
-assert CONFIG == PLAN.config, "train.py and plan.json disagree: regenerate with plan.save()\""""
+assert CONFIG == PLAN.config, "train.py and plan.json disagree: regenerate with plan.save()"
+# the training algorithm the plan chose: DiLoCo's replica groups, H and fragments are the
+# defaults of --diloco-groups, --inner-steps and --fragments (empty: synchronous)
+DILOCO = {_diloco(plan)!r}"""
+
+
+def _diloco(plan: Plan) -> dict:
+    chosen = plan.training.get("chosen", {}) if plan.training else {}
+    if chosen.get("name") != "diloco":
+        return {}
+    return {k: chosen[k] for k in ("replicas", "inner_steps", "fragments")}
 
 
 def _mesh(plan: Plan) -> str:
@@ -406,8 +433,23 @@ def main() -> None:
         action="store_true",
         help="CPU ranks: hand freed tensor memory back (the plan's peak; slower steps)",
     )
+    # DiLoCo over torchft: this job is one replica group (autopar.runtime.diloco)
+    parser.add_argument("--diloco-group", type=int, help="this replica group's index (0, 1, ..)")
+    parser.add_argument("--diloco-groups", type=int, default=DILOCO.get("replicas", 2))
+    parser.add_argument("--inner-steps", type=int, default=DILOCO.get("inner_steps", 100))
+    parser.add_argument("--fragments", type=int, default=DILOCO.get("fragments", 1))
+    parser.add_argument("--lighthouse", help="the torchft lighthouse, http://HOST:PORT")
     # --traceback: an error shows where it came from (`_fail`), not one line
     args = parser.parse_args([a for a in sys.argv[1:] if a != "--traceback"])
+    diloco, batch = None, GLOBAL_BATCH_SIZE
+    if args.diloco_group is not None:  # the plan's batch is one group's share
+        if not args.lighthouse:
+            raise ValueError("--diloco-group needs --lighthouse http://HOST:PORT (torchft's)")
+        diloco = DiLoCoGroup(  # a bad index, H or fragment count: ValueError, one line
+            args.diloco_group, args.diloco_groups, args.lighthouse, args.inner_steps,
+            args.fragments,
+        )  # fmt: skip
+        batch = GLOBAL_BATCH_SIZE * args.diloco_groups
 
     checkpoint = None
     if args.checkpoint_dir:
@@ -430,6 +472,7 @@ def main() -> None:
         save_hf=args.save_hf,
         skip_nonfinite=args.skip_nonfinite,
         release_host_memory=args.release_host_memory,
+        diloco=diloco,
     )
     # the options, the paths, the loss and the data hooks checked before any collective: a
     # bad one stops every rank alike, before one waits on another (autopar.runtime.preflight)
@@ -439,9 +482,9 @@ def main() -> None:
         return task_from_source(
             FACTORY,
             FACTORY_KWARGS,
-            global_batch_size=GLOBAL_BATCH_SIZE,
+            global_batch_size=batch,
             seq_len=PLAN.seq_len,
-            data=TokenFile(tokens, PLAN.seq_len, GLOBAL_BATCH_SIZE, dtype) if tokens else args.data,
+            data=TokenFile(tokens, PLAN.seq_len, batch, dtype) if tokens else args.data,
             seed=args.seed,
             loss=args.loss,
         )
@@ -456,7 +499,7 @@ def main() -> None:
     train(
         task,
         CONFIG,
-        GLOBAL_BATCH_SIZE,
+        batch,
         options=options,
         prediction=PREDICTION,
         mesh=mesh,

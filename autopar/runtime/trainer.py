@@ -71,6 +71,7 @@ from autopar.config import ParallelConfig
 from autopar.config.precision import ALIASES
 from autopar.runtime.checkpoint import CheckpointOptions, open_checkpointer
 from autopar.runtime.collectives import ROUTED_ROWS
+from autopar.runtime.diloco import DiLoCoGroup, attach_diloco
 from autopar.runtime.hf_export import save_run_as_hf
 from autopar.runtime.host_memory import release_freed_memory
 from autopar.runtime.low_precision import RUNTIME_PRECISIONS
@@ -143,6 +144,9 @@ class TrainOptions:
     # skip up to this many steps whose loss or gradient norm is not finite (no optimizer step,
     # their gradients dropped, their samples consumed); 0: the first such step stops the run
     skip_nonfinite: int = 0
+    # this rank's replica group in a DiLoCo run over torchft (`autopar.runtime.diloco`): the
+    # group trains its share of the global batch and takes an outer step every H steps
+    diloco: DiLoCoGroup | None = None
 
     def lr_at(self, step: int) -> float:
         """The learning rate of 0-based step ``step``."""
@@ -178,6 +182,9 @@ class StepResult:
     # expert parallelism: the rows this rank's all-to-alls sent and received this step
     # (`collectives.RoutedRows`); (0, 0) without ep
     routed_rows: tuple[int, int] = (0, 0)
+    # DiLoCo (`TrainOptions.diloco`): the bytes this rank all-reduced with the other replica
+    # groups during this step (the outer step's pseudo-gradient shards; 0 between them)
+    outer_bytes: float = 0.0
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -268,6 +275,18 @@ def train(
     options = options or TrainOptions()
     prediction = prediction or Prediction()
     mesh = mesh or build_mesh(config, options.device)
+    group = options.diloco
+    offset = 0  # DiLoCo: this group's share of the step's global batch starts here
+    if group is not None:
+        if global_batch_size % group.num_replicas:
+            raise ValueError(
+                f"global batch {global_batch_size} does not split over {group.num_replicas} "
+                "DiLoCo replica groups"
+            )
+        if options.checkpoint is not None:
+            raise ValueError("DiLoCo runs do not checkpoint yet: drop --checkpoint-dir")
+        global_batch_size //= group.num_replicas
+        offset = group.replica_id * global_batch_size
     num_data, mbs = mesh.num_data_ranks, config.micro_batch_size
     if global_batch_size % (num_data * mbs):
         raise ValueError(
@@ -330,7 +349,14 @@ def train(
             flush=True,
         )
     fewer = _held_fewer(pm, config)  # the gradient norm's weights: the parameters stay put
-    world, start = dist.get_world_size(), mesh.data_rank * per_rank
+    world, start = dist.get_world_size(), offset + mesh.data_rank * per_rank
+    outer = contextlib.ExitStack()
+    traffic = None
+    if group is not None:  # torchft's DiLoCo on the inner optimizer's steps
+        named = set(pm.blocks)
+        blocks = [m for path, m in pm.model.named_modules() if path in named]
+        diloco, traffic = attach_diloco(model, blocks, optimizer, group, mesh.rank, world)
+        outer.enter_context(diloco)
     check_batch(task, start, start + per_rank, _reads_token_ids(model))
     if options.log and mesh.rank == 0:
         print(f"[autopar] {started.report.as_text()}", flush=True)
@@ -389,14 +415,16 @@ def train(
         lr = options.lr_at(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        optimizer.step()
+        sent = traffic.bytes if traffic is not None else 0.0
+        optimizer.step()  # DiLoCo: its post-step hook takes the outer step every H
+        sent = (traffic.bytes if traffic is not None else 0.0) - sent
         if device.type == "cuda":  # the step's kernels done: the time is the step's own
             torch.cuda.synchronize(device)
         step_time = time.perf_counter() - t0
         memory = memory_of(model, optimizer)  # before zero_grad: gradients still held
         optimizer.zero_grad(set_to_none=True)
         routed = ROUTED_ROWS.take()
-        results.append(StepResult(step + 1, mean_loss, grad_norm, step_time, memory, routed))
+        results.append(StepResult(step + 1, mean_loss, grad_norm, step_time, memory, routed, sent))
         if first_step_s is None:  # time to first step: from the process's start
             first_step_s = process_age_s()
         if options.log and mesh.rank == 0:
@@ -405,6 +433,7 @@ def train(
             metrics.write(results[-1], lr)
         if ckpt:  # CHECKPOINT: log the step, save when due
             ckpt.after_step(step + 1, mean_loss, grad_norm)
+    outer.close()  # DiLoCo's hooks off the optimizer
     if ckpt:
         ckpt.close()  # completes a pending asynchronous save
     if options.save_hf:  # WEIGHTS OUT: through a checkpoint, exported by rank 0

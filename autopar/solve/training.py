@@ -113,9 +113,9 @@ def _runtime_note(best: AlgorithmEstimate) -> str:
     if best.name == "diloco":
         return (
             f"training: DiLoCo over {best.replicas} sites (H={best.inner_steps}, "
-            f"{best.fragments} fragment(s)); this plan is one site's replica group. The "
-            "generated program runs the group's synchronous steps; the outer loop across "
-            "sites (torchft's DiLoCo) is not generated yet"
+            f"{best.fragments} fragment(s)); this plan is one site's replica group: start "
+            "torchft_lighthouse once, and train.py at each site with --diloco-group G "
+            "--lighthouse URL (autopar.runtime.diloco)"
         )
     return (
         f"training: {best.replicas} fault-tolerant replica groups (torchft); the generated "

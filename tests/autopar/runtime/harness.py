@@ -247,3 +247,45 @@ def check_cases(
             f"{case.label}: max relative error {err:.2e} > {rtol}: {per_rank[0][i]} vs {want}"
         )
     return errors
+
+
+def _group_entry(
+    rank: int, group_size: int, ports: list[int], fn: Any, args: tuple, out_dir: str
+) -> None:
+    """A rank of one of several independent worlds (replica groups): world ``rank //
+    group_size`` on ``ports[world]``, a TCP store (torchft's Manager reads MASTER_ADDR and
+    MASTER_PORT to meet its group there)."""
+    faulthandler.enable()
+    group, local = divmod(rank, group_size)
+    os.environ.update(rank_environment(local, group_size, ports[group]))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{ports[group]}",
+        rank=local,
+        world_size=group_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    try:
+        result = fn(group, *args)
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def run_groups(groups: int, group_size: int, fn: Any, *args: Any) -> list[Any]:
+    """Run ``fn(group, *args)`` on ``groups`` separate gloo worlds of ``group_size`` ranks
+    each (DiLoCo's replica groups); the return values by global rank (group-major)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ports = [free_port() for _ in range(groups)]
+        mp.start_processes(
+            _group_entry,
+            args=(group_size, ports, fn, args, tmp),
+            nprocs=groups * group_size,
+            join=True,
+            start_method=_START_METHOD,
+        )
+        n = groups * group_size
+        return [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(n)]

@@ -49,7 +49,7 @@ def test_diloco_across_a_slow_link_synchronous_in_one_building(model_and_ids):
     assert t["token_budget"] == pytest.approx(20 * plan.num_params)
     assert t["chosen"]["token_multiplier"] == pytest.approx(1.05)
     assert "DiLoCo" in plan.summary() and "Convergence: assumed" in plan.explain()
-    assert any("outer loop across sites" in n for n in plan.notes)
+    assert any("--diloco-group G" in n for n in plan.notes)
     # the record survives the plan file, and the file's checks accept it
     assert autopar.Plan.from_json(plan.to_json()).training == t
     assert plan_problems(json.loads(plan.to_json())) == []

@@ -1,0 +1,155 @@
+"""DiLoCo across replica groups with torchft: each group trains its own plan, an outer step
+every H inner steps.
+
+In: this rank's model (already parallelised inside its group: FSDP2, TP, ... over the group's
+own process group), its inner optimizer, and a `DiLoCoGroup` (which group this is, how many,
+the lighthouse's address, H, fragments, the outer optimizer's settings). Out: a context that,
+entered around the training loop, runs torchft's DiLoCo on the inner optimizer's steps (its
+post-step hook counts them and, every H, all-reduces each fragment's pseudo-gradient over the
+groups and takes the outer Nesterov step), and an `OuterTraffic` record of the bytes each
+all-reduce between groups moved from this rank.
+
+The groups are separate torch.distributed jobs (each its own torchrun, or its own spawned
+world in the tests): a group's rank r all-reduces with rank r of every other group through a
+torchft `Manager` (its quorum from the lighthouse, its fault-tolerant gloo process group),
+which uses the group's own TCPStore (MASTER_ADDR / MASTER_PORT) for its rendezvous. The
+lighthouse is started once for the run (`torchft_lighthouse`, or `LighthouseServer` in
+tests). The plan's figure for the traffic: `autopar.estimate.algorithms` (P x 4 bytes per
+outer step, summed over a group's ranks, each parameter's local shard once).
+
+Written on torchft's own classes: the Manager (quorum, healing, the fault-tolerant process
+group) and DiLoCo (fragments, backups, the outer step) are torchft's; what is ours is wiring
+them to an autopar group and counting the bytes they send.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DiLoCoGroup:
+    """This rank's replica group in a DiLoCo run (module docstring)."""
+
+    replica_id: int  # 0 .. num_replicas - 1
+    num_replicas: int
+    lighthouse: str  # "http://host:port"
+    inner_steps: int  # H
+    fragments: int = 1  # F: the model's blocks split in F fragments, synced in turn
+    outer_lr: float = 0.7  # the DiLoCo paper's Nesterov outer step
+    outer_momentum: float = 0.9
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.replica_id < self.num_replicas:
+            raise ValueError(
+                f"replica_id must be in [0, {self.num_replicas}), got {self.replica_id}"
+            )
+        if self.inner_steps < 1 or self.fragments < 1 or self.inner_steps % self.fragments:
+            raise ValueError(
+                f"inner_steps ({self.inner_steps}) must be a multiple of fragments "
+                f"({self.fragments}), both >= 1"
+            )
+
+
+@dataclass
+class OuterTraffic:
+    """What this rank's all-reduces between groups moved: bytes and calls (the local shard
+    of each fragment's pseudo-gradient, as torchft hands it to the fault-tolerant group)."""
+
+    bytes: float = 0.0
+    calls: int = 0
+    per_call: list[float] = field(default_factory=list)
+
+
+def fragments_of(model: nn.Module, blocks: list[nn.Module], count: int) -> list[nn.Module]:
+    """The model as ``count`` fragments: consecutive runs of its blocks, the first holding
+    the parameters outside the blocks too (embeddings, final norm, head). One fragment is
+    the model itself."""
+    if count == 1:
+        return [model]
+    if len(blocks) < count:
+        raise ValueError(
+            f"{count} DiLoCo fragments need as many blocks, the model has {len(blocks)}"
+        )
+    inside = {id(p) for b in blocks for p in b.parameters()}
+    rest = [p for p in model.parameters() if id(p) not in inside]
+    size = len(blocks) // count
+    runs = [blocks[i * size : (i + 1) * size if i < count - 1 else None] for i in range(count)]
+    out: list[nn.Module] = []
+    for i, run in enumerate(runs):
+        fragment = nn.Module()
+        fragment.blocks = nn.ModuleList(run)
+        if i == 0 and rest:
+            fragment.rest = nn.ParameterList(rest)
+        out.append(fragment)
+    return out
+
+
+def attach_diloco(
+    model: nn.Module,
+    blocks: list[nn.Module],
+    inner: torch.optim.Optimizer,
+    group: DiLoCoGroup,
+    rank: int,
+    world_size: int,
+) -> tuple[Any, OuterTraffic]:
+    """torchft's DiLoCo for this rank (enter it around the training loop) and its traffic
+    record. ``rank``, ``world_size``: this rank's in its group."""
+    # imported here: torchft is an optional dependency of the DiLoCo path only
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.local_sgd import DiLoCo
+
+    timeout = timedelta(seconds=group.timeout_s)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout),
+        min_replica_size=group.num_replicas,  # every group in every outer step
+        load_state_dict=None,
+        state_dict=None,
+        use_async_quorum=False,  # DiLoCo's requirement
+        replica_id=f"group{group.replica_id}",
+        store_addr=os.environ["MASTER_ADDR"],
+        store_port=int(os.environ["MASTER_PORT"]),
+        rank=rank,
+        world_size=world_size,
+        lighthouse_addr=group.lighthouse,
+        timeout=timeout,
+        quorum_timeout=timeout,
+        connect_timeout=timeout,
+    )
+    traffic = OuterTraffic()
+    sends = manager.allreduce
+
+    def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        nbytes = float(tensor.numel() * tensor.element_size())
+        traffic.bytes += nbytes
+        traffic.calls += 1
+        traffic.per_call.append(nbytes)
+        return sends(tensor, *args, **kwargs)
+
+    manager.allreduce = counted  # type: ignore[method-assign]
+    # as many fragments as asked where this rank holds the blocks (a pipeline chunk may hold
+    # fewer), a divisor of H as torchft requires
+    most = min(group.fragments, max(1, len(blocks)))
+    count = max(d for d in range(1, most + 1) if group.inner_steps % d == 0)
+    parts = fragments_of(model, blocks, count)
+    outer = [
+        torch.optim.SGD(
+            p.parameters(), lr=group.outer_lr, momentum=group.outer_momentum, nesterov=True
+        )
+        for p in parts
+    ]
+    # streaming (several fragments): each fragment's all-reduce overlaps the next inner step
+    # (torchft's fragment_sync_delay, the paper's tau), where H leaves room for it
+    delay = 1 if count > 1 and group.inner_steps // count > 1 else 0
+    context = DiLoCo(
+        manager, parts, inner, outer, sync_every=group.inner_steps, backup_device=None,
+        pin_memory=False, fragment_sync_delay=delay,
+    )  # fmt: skip
+    return context, traffic
