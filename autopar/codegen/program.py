@@ -148,6 +148,7 @@ def _imports(plan: Plan) -> str:
     return f"""from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import os
 import sys
@@ -162,6 +163,7 @@ from autopar.runtime.checkpoint import CheckpointOptions, checkpoint_interval
 from autopar.runtime.preflight import check_options
 from autopar.runtime.data import TokenFile
 from autopar.runtime.diloco import DiLoCoGroup
+from autopar.runtime.fault_tolerance import FTGroup
 from autopar.runtime.hf_data import node_token_file
 from autopar.runtime.mesh import build_mesh, init_distributed, shutdown_distributed
 from autopar.runtime.task import task_from_source
@@ -192,7 +194,15 @@ GLOBAL_BATCH_SIZE = {plan.global_batch_size}  # = {c.micro_batch_size} x {plan.n
 assert CONFIG == PLAN.config, "train.py and plan.json disagree: regenerate with plan.save()"
 # the training algorithm the plan chose: DiLoCo's replica groups, H and fragments are the
 # defaults of --diloco-groups, --inner-steps and --fragments (empty: synchronous)
-DILOCO = {_diloco(plan)!r}"""
+DILOCO = {_diloco(plan)!r}
+# fault-tolerant replica groups (--ft-group): the plan's dp replicas split into this many
+# jobs (the plan's count where it chose them, else one per replica)
+FT_GROUPS = {_ft_groups(plan)}"""
+
+
+def _ft_groups(plan: Plan) -> int:
+    chosen = plan.training.get("chosen", {}) if plan.training else {}
+    return chosen["replicas"] if chosen.get("name") == "ft" else plan.config.dp
 
 
 def _diloco(plan: Plan) -> dict:
@@ -439,6 +449,9 @@ def main() -> None:
     parser.add_argument("--inner-steps", type=int, default=DILOCO.get("inner_steps", 100))
     parser.add_argument("--fragments", type=int, default=DILOCO.get("fragments", 1))
     parser.add_argument("--lighthouse", help="the torchft lighthouse, http://HOST:PORT")
+    # fault-tolerant replica groups over torchft (autopar.runtime.fault_tolerance)
+    parser.add_argument("--ft-group", type=int, help="this fault-tolerant group's index")
+    parser.add_argument("--ft-groups", type=int, default=FT_GROUPS)
     # --traceback: an error shows where it came from (`_fail`), not one line
     args = parser.parse_args([a for a in sys.argv[1:] if a != "--traceback"])
     diloco, batch = None, GLOBAL_BATCH_SIZE
@@ -450,6 +463,19 @@ def main() -> None:
             args.fragments,
         )  # fmt: skip
         batch = GLOBAL_BATCH_SIZE * args.diloco_groups
+    ft, config = None, CONFIG
+    if args.ft_group is not None:  # the plan's dp replicas split into groups, each its own
+        # job of world / groups ranks on a share of the plan's batch
+        if not args.lighthouse:
+            raise ValueError("--ft-group needs --lighthouse http://HOST:PORT (torchft's)")
+        if diloco is not None:
+            raise ValueError("--ft-group and --diloco-group are one or the other")
+        if CONFIG.dp % args.ft_groups:
+            raise ValueError(
+                f"--ft-groups {{args.ft_groups}} must divide the plan's dp={{CONFIG.dp}}"
+            )
+        ft = FTGroup(args.ft_group, args.ft_groups, args.lighthouse)
+        config = dataclasses.replace(CONFIG, dp=CONFIG.dp // args.ft_groups)
 
     checkpoint = None
     if args.checkpoint_dir:
@@ -473,6 +499,7 @@ def main() -> None:
         skip_nonfinite=args.skip_nonfinite,
         release_host_memory=args.release_host_memory,
         diloco=diloco,
+        ft=ft,
     )
     # the options, the paths, the loss and the data hooks checked before any collective: a
     # bad one stops every rank alike, before one waits on another (autopar.runtime.preflight)
@@ -492,13 +519,14 @@ def main() -> None:
     task = None if args.hf_dataset else make_task(args.tokens, args.tokens_dtype)
     owns_group = not dist.is_initialized()  # False when a launcher runs main() in its ranks
     init_distributed(args.device)  # RANK, WORLD_SIZE, ... from torchrun; gloo or nccl
-    mesh = build_mesh(CONFIG, args.device)  # refuses a world size other than {plan.world_size}
+    # refuses a world size other than {plan.world_size} (divided by the groups with --ft-group)
+    mesh = build_mesh(config, args.device)
     if args.hf_dataset:  # tokenized once per node into a cached token file, then read as one
         hf = (args.hf_dataset, args.hf_split, args.hf_column, args.tokenizer)
         task = make_task(*node_token_file(*hf))
     train(
         task,
-        CONFIG,
+        config,
         batch,
         options=options,
         prediction=PREDICTION,

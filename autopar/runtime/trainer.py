@@ -72,6 +72,7 @@ from autopar.config.precision import ALIASES
 from autopar.runtime.checkpoint import CheckpointOptions, open_checkpointer
 from autopar.runtime.collectives import ROUTED_ROWS
 from autopar.runtime.diloco import DiLoCoGroup, attach_diloco
+from autopar.runtime.fault_tolerance import FaultTolerantGroups, FTGroup
 from autopar.runtime.hf_export import save_run_as_hf
 from autopar.runtime.host_memory import release_freed_memory
 from autopar.runtime.low_precision import RUNTIME_PRECISIONS
@@ -147,6 +148,9 @@ class TrainOptions:
     # this rank's replica group in a DiLoCo run over torchft (`autopar.runtime.diloco`): the
     # group trains its share of the global batch and takes an outer step every H steps
     diloco: DiLoCoGroup | None = None
+    # this rank's fault-tolerant replica group over torchft (`autopar.runtime.fault_tolerance`):
+    # the groups average their gradients each step, a failed one rejoins from a peer
+    ft: FTGroup | None = None
 
     def lr_at(self, step: int) -> float:
         """The learning rate of 0-based step ``step``."""
@@ -275,16 +279,18 @@ def train(
     options = options or TrainOptions()
     prediction = prediction or Prediction()
     mesh = mesh or build_mesh(config, options.device)
-    group = options.diloco
-    offset = 0  # DiLoCo: this group's share of the step's global batch starts here
+    group = options.diloco or options.ft
+    offset = 0  # replica groups: this group's share of the step's global batch starts here
     if group is not None:
+        if options.diloco and options.ft:
+            raise ValueError("DiLoCo and fault-tolerant groups are one or the other")
         if global_batch_size % group.num_replicas:
             raise ValueError(
                 f"global batch {global_batch_size} does not split over {group.num_replicas} "
-                "DiLoCo replica groups"
+                "replica groups"
             )
         if options.checkpoint is not None:
-            raise ValueError("DiLoCo runs do not checkpoint yet: drop --checkpoint-dir")
+            raise ValueError("replica-group runs do not checkpoint yet: drop --checkpoint-dir")
         global_batch_size //= group.num_replicas
         offset = group.replica_id * global_batch_size
     num_data, mbs = mesh.num_data_ranks, config.micro_batch_size
@@ -351,12 +357,18 @@ def train(
     fewer = _held_fewer(pm, config)  # the gradient norm's weights: the parameters stay put
     world, start = dist.get_world_size(), offset + mesh.data_rank * per_rank
     outer = contextlib.ExitStack()
-    traffic = None
-    if group is not None:  # torchft's DiLoCo on the inner optimizer's steps
+    traffic = groups = None
+    if options.diloco is not None:  # torchft's DiLoCo on the inner optimizer's steps
         named = set(pm.blocks)
         blocks = [m for path, m in pm.model.named_modules() if path in named]
         diloco, traffic = attach_diloco(model, blocks, optimizer, group, mesh.rank, world)
         outer.enter_context(diloco)
+    steps = range(first_step, options.steps)
+    if options.ft is not None:  # the steps come from torchft's quorum (a healed group's
+        # from its peers)
+        groups = FaultTolerantGroups(model, optimizer, options.ft, mesh.rank, world)
+        outer.callback(groups.shutdown)
+        steps = groups.steps(options.steps)
     check_batch(task, start, start + per_rank, _reads_token_ids(model))
     if options.log and mesh.rank == 0:
         print(f"[autopar] {started.report.as_text()}", flush=True)
@@ -371,7 +383,7 @@ def train(
     first_step_s = None
     metrics = Metrics.open(options, prediction) if mesh.rank == 0 else None
     skipped = 0  # non-finite steps skipped so far (options.skip_nonfinite allows how many)
-    for step in range(first_step, options.steps):
+    for step in steps:
         t0 = time.perf_counter()
         ROUTED_ROWS.take()  # this step's rows only
         inputs, targets = task.batch(step, start, start + per_rank)
@@ -397,6 +409,8 @@ def train(
             pm.expert_parallel.sync_gradients(model)
         for data_parallel in pm.data_parallels:  # one per pipeline chunk
             data_parallel.sync_gradients()
+        if groups is not None:  # averaged over the replica groups alive
+            groups.sync_gradients()
         # a tied embedding's copy on the last stage is counted once (pipeline.norm_parameters)
         counted = model.parameters() if pm.pipeline is None else pm.pipeline.norm_parameters()
         grad_norm, mean_loss = _global_norm_and_loss(counted, loss_sum, mesh, world, fewer)
@@ -404,6 +418,11 @@ def train(
         if skip_nonfinite(step + 1, mean_loss, grad_norm, options.skip_nonfinite - skipped, log):
             optimizer.zero_grad(set_to_none=True)
             skipped += 1
+            continue
+        if groups is not None and not groups.should_commit():  # a group failed mid-step
+            optimizer.zero_grad(set_to_none=True)
+            if log:
+                print(f"[autopar] step {step + 1}: dropped (a replica group failed)", flush=True)
             continue
         where = options.checkpoint.directory if options.checkpoint else None
         check_finite(step + 1, mean_loss, grad_norm, where)  # every rank: the same numbers
@@ -433,7 +452,13 @@ def train(
             metrics.write(results[-1], lr)
         if ckpt:  # CHECKPOINT: log the step, save when due
             ckpt.after_step(step + 1, mean_loss, grad_norm)
-    outer.close()  # DiLoCo's hooks off the optimizer
+    if groups is not None and options.log:  # replicas that committed alike hold alike
+        print(
+            f"[autopar] replica group {options.ft.replica_id}, rank {mesh.rank}: parameters "
+            f"{groups.digest()} after step {groups.manager.current_step()}",
+            flush=True,
+        )
+    outer.close()  # DiLoCo's hooks off the optimizer; torchft's manager shut down
     if ckpt:
         ckpt.close()  # completes a pending asynchronous save
     if options.save_hf:  # WEIGHTS OUT: through a checkpoint, exported by rank 0

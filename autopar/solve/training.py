@@ -118,6 +118,8 @@ def _runtime_note(best: AlgorithmEstimate) -> str:
             "--lighthouse URL (autopar.runtime.diloco)"
         )
     return (
-        f"training: {best.replicas} fault-tolerant replica groups (torchft); the generated "
-        "program runs the same synchronous steps without them (a failure restarts the job)"
+        f"training: {best.replicas} fault-tolerant replica groups (torchft): start "
+        f"torchft_lighthouse once, and train.py as {best.replicas} jobs of "
+        f"1/{best.replicas} of the ranks with --ft-group G --lighthouse URL "
+        "(autopar.runtime.fault_tolerance)"
     )

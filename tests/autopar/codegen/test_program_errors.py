@@ -8,8 +8,8 @@ loss that is not a function, names a missing module, returns a vector, an int or
 without gradient, or turns NaN (the run stops at the step, naming where to resume); a data
 hook returning None or float token ids; a checkpoint directory or metrics log that cannot be
 written; a --hf-dataset file that does not parse or a Hub name offline, a --tokenizer that does
-not load; a checkpoint directory holding another model's checkpoint; a DiLoCo replica group
-without its lighthouse or outside the groups. A NaN step is skipped
+not load; a checkpoint directory holding another model's checkpoint; a DiLoCo or fault-tolerant
+replica group without its lighthouse, or outside the groups. A NaN step is skipped
 where --skip-nonfinite allows it. `--traceback` shows the traceback instead. What is refused
 before the process group starts runs on rank 0 alone: that it stops without waiting for rank 1
 is part of what is shown.
@@ -59,6 +59,7 @@ CASES = {
     "metrics": (["--metrics", "/proc/x/m.jsonl"], "--metrics /proc/x: cannot write there"),
     "skips negative": (["--skip-nonfinite", "-1"], "--skip-nonfinite must be a whole number"),
     "diloco without lighthouse": (["--diloco-group", "0"], "--diloco-group needs --lighthouse"),
+    "ft without lighthouse": (["--ft-group", "0"], "--ft-group needs --lighthouse"),
     "diloco group out of range": (
         ["--diloco-group", "2", "--lighthouse", "http://x:1"],
         "replica_id must be in [0, 2), got 2",
@@ -97,7 +98,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # rendezvous would wait there for rank 1 until the timeout), at half the processes
 BEFORE_INIT = {"lr nan", "lr negative", "loss not a function", "loss module missing",
                "checkpoint dir", "metrics", "skips negative", "diloco without lighthouse",
-               "diloco group out of range"}  # fmt: skip
+               "diloco group out of range", "ft without lighthouse"}  # fmt: skip
 
 
 def _run(program: Path, args: list[str], ranks: int = 2) -> list[subprocess.CompletedProcess]:

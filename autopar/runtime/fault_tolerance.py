@@ -1,0 +1,166 @@
+"""Fault-tolerant replica groups with torchft: groups that fail alone and rejoin from a peer.
+
+In: this rank's model (parallelised inside its group: FSDP2 over the group's own process
+group makes this HSDP with the replicate axis fault tolerant), its optimizer, and an `FTGroup`
+(which group, how many, the lighthouse, the fewest groups a step may commit with). Out: a
+`FaultTolerantGroups` the training loop drives each step:
+
+    steps(n)            the steps to run: each begins with torchft's quorum (the groups alive
+                        now); a group that (re)joins behind the others is healed there -- its
+                        model and optimizer state copied from a healthy peer's same rank
+                        (`state_dict` / `load_state_dict`, local shards) -- and its step set
+                        to theirs, so the loop goes on from the peers' step, not from 0
+    sync_gradients(m)   each gradient's local shard averaged over the groups in the quorum
+                        (torchft's fault-tolerant all-reduce): a failure there is recorded,
+                        not raised
+    should_commit()     whether this step's optimizer step may be taken: every rank of the
+                        group alike, false where an all-reduce failed or too few groups took
+                        part (the step is dropped everywhere it failed)
+    digest()            a hash of this rank's parameter shards, which the program prints at
+                        the end: the same rank of every group must print the same
+
+A failed group costs the others the step in flight and then only its share of the throughput
+while it restarts (its own torchrun --max-restarts) and heals; no global restart. What holds
+for the weights: after a step every group that committed holds the same parameters (each
+applied the same averaged gradient to the same state); steps a group missed are averaged over
+the groups that were there, so the weights differ from an uninterrupted run's -- the
+algorithm does not promise those (torchft's, and `autopar.estimate.algorithms` prices only the
+lost time).
+
+Written on torchft's Manager (quorum, healing transport, fault-tolerant gloo/NCCL groups); what
+is ours is the state a group hands its peers and the loop's hooks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+@dataclass(frozen=True)
+class FTGroup:
+    """This rank's replica group in a fault-tolerant run (module docstring)."""
+
+    replica_id: int
+    num_replicas: int
+    lighthouse: str  # "http://host:port"
+    min_replicas: int = 1  # the fewest groups a step commits with
+    timeout_s: float = 30.0  # an all-reduce with a dead group fails after this
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.replica_id < self.num_replicas:
+            raise ValueError(
+                f"replica_id must be in [0, {self.num_replicas}), got {self.replica_id}"
+            )
+        if not 1 <= self.min_replicas <= self.num_replicas:
+            raise ValueError(f"min_replicas must be in [1, {self.num_replicas}]")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class FaultTolerantGroups:
+    """The loop's hooks into torchft for one rank (module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        group: FTGroup,
+        rank: int,
+        world_size: int,
+    ) -> None:
+        # imported here: torchft is an optional dependency of this path only
+        from torchft import Manager, ProcessGroupGloo
+
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = optimizer
+        self.healed_at: int | None = None  # the step a heal set, if one happened
+        timeout = timedelta(seconds=group.timeout_s)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout),
+            min_replica_size=group.min_replicas,
+            load_state_dict=self._load,
+            state_dict=self._state,
+            use_async_quorum=False,  # heal before the forward, not during it
+            replica_id=f"group{group.replica_id}",
+            store_addr=os.environ["MASTER_ADDR"],
+            store_port=int(os.environ["MASTER_PORT"]),
+            rank=rank,
+            world_size=world_size,
+            lighthouse_addr=group.lighthouse,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=max(60.0, 2 * group.timeout_s)),
+            connect_timeout=timedelta(seconds=60),
+        )
+
+    # ---- the state a healthy peer hands a rejoining group: this rank's local shards
+    def _state(self) -> dict[str, Any]:
+        with torch.no_grad():
+            params = [_local(p).detach().clone() for p in self.params]
+            moments = [
+                {k: _local(v).detach().clone() for k, v in self.optimizer.state[p].items()}
+                for p in self.params
+            ]
+        return {"params": params, "optimizer": moments}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for p, value in zip(self.params, state["params"], strict=True):
+                _local(p).copy_(value)
+            for p, saved in zip(self.params, state["optimizer"], strict=True):
+                if not saved:
+                    continue
+                mine = self.optimizer.state[p]
+                for key, value in saved.items():
+                    if key not in mine:  # no step taken here yet: the peer's layout
+                        ref = p if value.dim() else None
+                        mine[key] = _like(ref, value)
+                    _local(mine[key]).copy_(value)
+        self.healed_at = self.manager.current_step()
+
+    # ---- the loop's hooks
+    def steps(self, total: int) -> Iterator[int]:
+        """Steps from the quorum's current one to ``total`` (a healed group's jumps ahead)."""
+        while True:
+            self.manager.start_quorum()
+            step = self.manager.current_step()
+            if step >= total:
+                return
+            yield step
+
+    def sync_gradients(self) -> None:
+        works = [self.manager.allreduce(_local(p.grad)) for p in self.params if p.grad is not None]
+        for work in works:
+            work.wait()
+
+    def should_commit(self) -> bool:
+        return self.manager.should_commit()
+
+    def digest(self) -> str:
+        """A SHA-256 of this rank's local parameter shards (16 hex digits): equal on the same
+        rank of every group that committed the same steps."""
+        h = hashlib.sha256()
+        for p in self.params:
+            h.update(_local(p).detach().contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _like(param: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """A fresh optimizer-state entry shaped as ``param`` (a DTensor's placements kept), or a
+    scalar as ``value`` (AdamW's step)."""
+    if param is None:
+        return value.clone()
+    return torch.zeros_like(param)

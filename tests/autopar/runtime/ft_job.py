@@ -1,0 +1,68 @@
+"""One replica group of the fault-tolerance test, as torchrun starts it.
+
+    torchrun --nproc-per-node=2 --max-restarts=1 ft_job.py GROUP LIGHTHOUSE OUT KILL_AT STEPS \
+        PACE DELAY
+
+Trains the tiny Llama under FSDP2 over the group's 2 ranks as one of 2 fault-tolerant replica
+groups (autopar.runtime.fault_tolerance) on the shipped token file. Group 1's rank 0 kills its
+own process (SIGKILL) when it first reads a batch of step KILL_AT or later, through the data
+hook (a marker file stops the restarted process doing it again): torchrun then restarts the
+group, which comes back DELAY seconds later (its ranks wait before starting) and rejoins from
+group 0. Every batch takes PACE seconds more (the data hook sleeps), so that group 0 has steps
+to take alone in between. Each rank writes OUT/g{GROUP}r{RANK}p{PID}.json: the steps
+it committed; the program's last line per rank gives its parameters' digest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from autopar.config import ParallelConfig
+from autopar.models.source import ZOO_FACTORY
+from autopar.runtime.data import TokenFile
+from autopar.runtime.fault_tolerance import FTGroup
+from autopar.runtime.mesh import init_distributed, shutdown_distributed
+from autopar.runtime.task import task_from_source
+from autopar.runtime.trainer import TrainOptions, train
+
+TOKENS = Path(__file__).resolve().parents[3] / "data" / "tokens" / "autopar-docs.bin"
+SEQ, BATCH = 32, 16
+
+
+def main() -> None:
+    group, lighthouse, out, kill_at, steps, pace, delay = sys.argv[1:8]
+    group, kill_at, steps, out = int(group), int(kill_at), int(steps), Path(out)
+    rank = int(os.environ["RANK"])
+    tokens = TokenFile(TOKENS, SEQ, BATCH)
+    marker = out / "killed"
+    if group == 1 and marker.exists():  # the restarted group: down a while longer
+        time.sleep(float(delay))
+
+    def data(step: int, start: int, stop: int):
+        if group == 1 and rank == 0 and step >= kill_at and not marker.exists():
+            marker.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(float(pace))
+        return tokens(step, start, stop)
+
+    task = task_from_source(
+        ZOO_FACTORY, {"name": "llama-tiny", "vocab_size": 256, "seq_len": SEQ},
+        global_batch_size=BATCH, seq_len=SEQ, data=data,
+    )  # fmt: skip
+    init_distributed("cpu")
+    ft = FTGroup(group, 2, lighthouse, min_replicas=1, timeout_s=5.0)
+    options = TrainOptions(steps=steps, lr=3e-3, ft=ft)  # every rank prints its digest
+    config = ParallelConfig(fsdp=2, zero_stage=3, micro_batch_size=4)
+    results = train(task, config, BATCH, options=options)
+    record = {"pid": os.getpid(), "steps": [r.step for r in results]}
+    (out / f"g{group}r{rank}p{os.getpid()}.json").write_text(json.dumps(record))
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()
