@@ -452,6 +452,9 @@ def main() -> None:
     # fault-tolerant replica groups over torchft (autopar.runtime.fault_tolerance)
     parser.add_argument("--ft-group", type=int, help="this fault-tolerant group's index")
     parser.add_argument("--ft-groups", type=int, default=FT_GROUPS)
+    parser.add_argument(
+        "--ft-timeout", type=float, default=30.0, help="seconds before a dead group's step drops"
+    )
     # --traceback: an error shows where it came from (`_fail`), not one line
     args = parser.parse_args([a for a in sys.argv[1:] if a != "--traceback"])
     diloco, batch = None, GLOBAL_BATCH_SIZE
@@ -474,7 +477,7 @@ def main() -> None:
             raise ValueError(
                 f"--ft-groups {{args.ft_groups}} must divide the plan's dp={{CONFIG.dp}}"
             )
-        ft = FTGroup(args.ft_group, args.ft_groups, args.lighthouse)
+        ft = FTGroup(args.ft_group, args.ft_groups, args.lighthouse, timeout_s=args.ft_timeout)
         config = dataclasses.replace(CONFIG, dp=CONFIG.dp // args.ft_groups)
 
     checkpoint = None

@@ -15,7 +15,9 @@ the one that reaches the token budget first.
                 axis): a failure costs the step in flight, which every group discards, and
                 the failed group's absence -- its restart R and its heal, copying the state S
                 from a healthy peer over the slowest link between groups -- while the other
-                M - 1 keep stepping: waste per failure T + (R + S / link) / M.
+                M - 1 keep stepping; before they drop that step they wait out the collective
+                timeout D (`AlgorithmOptions.ft_timeout_s`, the runtime's
+                `FTGroup.timeout_s`): waste per failure D + T + (R + S / link) / M.
     diloco      M replica groups (one per site) each take H inner steps of their own plan
                 (the global batch / M each) and then all-reduce a pseudo-gradient, the
                 parameters' change since the last outer step (P x b_outer bytes, fp32 by
@@ -84,6 +86,9 @@ class AlgorithmOptions:
     fragments: tuple[int, ...] = (1, 4)  # 1: blocking outer steps; F > 1: streaming
     diloco_token_overhead: float = 0.05  # the convergence assumption (module docstring)
     outer_bytes_per_param: float = 4.0  # the pseudo-gradient's element bytes (fp32)
+    # fault-tolerant groups: how long the survivors wait on a dead group's collective before
+    # dropping the step (`runtime.fault_tolerance.FTGroup.timeout_s`, the same default)
+    ft_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.choose not in ("auto", "sync", "ft", "diloco"):
@@ -207,19 +212,22 @@ def price_ft(
     num_params: float,
     optimizer: str,
     replicas: int,
+    timeout_s: float = 30.0,
 ) -> AlgorithmEstimate:
     """Synchronous steps over ``replicas`` fault-tolerant replica groups (module docstring)."""
     rate = cluster.world_size * reliability.failure_rate_per_device_hour / 3600.0
     link = _group_link(cluster, replicas)
     heal = _heal_s(num_params, optimizer, link)
-    waste = _failure_waste(rate, step_time_s + (reliability.restart_s + heal) / replicas)
+    lost = timeout_s + step_time_s + (reliability.restart_s + heal) / replicas
+    waste = _failure_waste(rate, lost)
     good = 1.0 - waste
     steps = budget / tokens_per_step
     return AlgorithmEstimate(
         "ft", replicas, 1, 1, cfg.as_text(), step_time_s, cross_bytes, good, 1.0,
         steps * step_time_s / max(good, 1e-9),
         f"a failed group of {replicas} restarts ({reliability.restart_s:.0f} s) and heals "
-        f"from a peer ({heal:.0f} s) while the others step; the step in flight is lost",
+        f"from a peer ({heal:.0f} s) while the others step; they lose the step in flight and "
+        f"the {timeout_s:.0f} s timeout that drops it",
         {"heal_s": heal},
     )  # fmt: skip
 

@@ -24,13 +24,13 @@ them to an autopar group and counting the bytes they send.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import nn
+
+from autopar.runtime.replica_groups import group_manager
 
 
 @dataclass(frozen=True)
@@ -103,26 +103,12 @@ def attach_diloco(
     """torchft's DiLoCo for this rank (enter it around the training loop) and its traffic
     record. ``rank``, ``world_size``: this rank's in its group."""
     # imported here: torchft is an optional dependency of the DiLoCo path only
-    from torchft import Manager, ProcessGroupGloo
     from torchft.local_sgd import DiLoCo
 
-    timeout = timedelta(seconds=group.timeout_s)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
-        min_replica_size=group.num_replicas,  # every group in every outer step
-        load_state_dict=None,
-        state_dict=None,
-        use_async_quorum=False,  # DiLoCo's requirement
-        replica_id=f"group{group.replica_id}",
-        store_addr=os.environ["MASTER_ADDR"],
-        store_port=int(os.environ["MASTER_PORT"]),
-        rank=rank,
-        world_size=world_size,
-        lighthouse_addr=group.lighthouse,
-        timeout=timeout,
-        quorum_timeout=timeout,
-        connect_timeout=timeout,
-    )
+    manager = group_manager(  # every group in every outer step
+        group.replica_id, group.lighthouse, rank, world_size, group.timeout_s,
+        group.num_replicas,
+    )  # fmt: skip
     traffic = OuterTraffic()
     sends = manager.allreduce
 

@@ -34,15 +34,15 @@ is ours is the state a group hands its peers and the loop's hooks.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from autopar.runtime.replica_groups import group_manager
 
 
 @dataclass(frozen=True)
@@ -79,29 +79,12 @@ class FaultTolerantGroups:
         rank: int,
         world_size: int,
     ) -> None:
-        # imported here: torchft is an optional dependency of this path only
-        from torchft import Manager, ProcessGroupGloo
-
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = optimizer
-        self.healed_at: int | None = None  # the step a heal set, if one happened
-        timeout = timedelta(seconds=group.timeout_s)
-        self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
-            min_replica_size=group.min_replicas,
-            load_state_dict=self._load,
-            state_dict=self._state,
-            use_async_quorum=False,  # heal before the forward, not during it
-            replica_id=f"group{group.replica_id}",
-            store_addr=os.environ["MASTER_ADDR"],
-            store_port=int(os.environ["MASTER_PORT"]),
-            rank=rank,
-            world_size=world_size,
-            lighthouse_addr=group.lighthouse,
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=max(60.0, 2 * group.timeout_s)),
-            connect_timeout=timedelta(seconds=60),
-        )
+        self.manager = group_manager(
+            group.replica_id, group.lighthouse, rank, world_size, group.timeout_s,
+            group.min_replicas, (self._load, self._state),
+        )  # fmt: skip
 
     # ---- the state a healthy peer hands a rejoining group: this rank's local shards
     def _state(self) -> dict[str, Any]:
@@ -126,7 +109,6 @@ class FaultTolerantGroups:
                         ref = p if value.dim() else None
                         mine[key] = _like(ref, value)
                     _local(mine[key]).copy_(value)
-        self.healed_at = self.manager.current_step()
 
     # ---- the loop's hooks
     def steps(self, total: int) -> Iterator[int]:

@@ -76,7 +76,9 @@ def model_shape(config: Any) -> ModelShape | None:
 
 def header_lines(plan: Plan, target: str, gaps: list[str], priced: Priced | None) -> list[str]:
     """Comment lines (without the comment marker) that open every exported file, each one
-    printable line (`one_line`)."""
+    printable line (`one_line`). The plan's training algorithm, where it is not synchronous,
+    is appended to ``gaps`` first (`training_gap`): no target's file runs it as planned."""
+    gaps += training_gap(plan, target)
     c = plan.config
     lines = [
         f"{target} configuration exported by autopar from the plan for {plan.model} on "
@@ -96,6 +98,26 @@ def header_lines(plan: Plan, target: str, gaps: list[str], priced: Priced | None
     else:
         lines.append(f"{target} expresses every decision of the plan")
     return [one_line(line) for line in lines]
+
+
+def training_gap(plan: Plan, target: str) -> list[str]:
+    """What the exported file leaves out of a plan whose training algorithm is DiLoCo or
+    fault-tolerant replica groups (`Plan.training`): the file configures one replica group's
+    synchronous training; autopar's own train.py runs the algorithm over torchft."""
+    chosen = plan.training.get("chosen", {}) if plan.training else {}
+    name = chosen.get("name", "sync")
+    if name == "sync":
+        return []
+    what = (
+        f"DiLoCo over {chosen['replicas']} replica groups (H={chosen['inner_steps']}, "
+        f"{chosen['fragments']} fragment(s)): this file is one group's plan"
+        if name == "diloco"
+        else f"{chosen['replicas']} fault-tolerant replica groups over the data-parallel axis"
+    )
+    where = {"torchtitan": "torchtitan's [fault_tolerance] section (torchft) can run it"}.get(
+        target, f"{target} has no such algorithm"
+    )
+    return [f"{what}; {where}; autopar's train.py runs it (--{name}-group G --lighthouse URL)"]
 
 
 def one_line(text: str) -> str:

@@ -279,6 +279,26 @@ def test_what_a_target_cannot_express_is_named():
         export_plan(plan, "colossalai")
 
 
+def test_a_plan_trained_by_diloco_names_the_algorithm_in_every_target():
+    """A plan whose training is DiLoCo across sites is one replica group's: every exported
+    file says so and where the algorithm runs (torchtitan's torchft section, or autopar's
+    train.py), and its gaps list it; a synchronous plan's do not."""
+    model = hf.build("llama-tiny-hf")
+    inputs = (torch.randint(0, 128, (1, 64), device="meta"),)
+    sites = autopar.Cluster.from_profile("dgx_h100", 2, sites=2, site_link_gbps=0.001)
+    options = autopar.PlanOptions(sensitivity=False)
+    plan = autopar.parallelize(model, sites, inputs, global_batch_size=16, options=options)
+    assert plan.training["chosen"]["name"] == "diloco"
+    for target in ("torchtitan", "megatron", "deepspeed", "accelerate"):
+        done = export_plan(plan, target)
+        named = [g for g in done.gaps if g.startswith("DiLoCo over 2 replica groups")]
+        assert len(named) == 1 and "--diloco-group G" in named[0], done.gaps
+        assert named[0] in done.text
+    assert "[fault_tolerance]" in export_plan(plan, "torchtitan").gaps[-1]
+    sync = autopar.evaluate(model, sites.one_site(), plan.config, inputs, global_batch_size=8)
+    assert not any("DiLoCo" in g for g in export_plan(sync, "torchtitan").gaps)
+
+
 @pytest.mark.slow
 def test_cli_plan_llama3_8b_then_export_to_torchtitan(tmp_path):
     """The issue's acceptance: plan Llama 3 8B on 2 DGX H100 nodes, export it, and torchtitan's

@@ -1,0 +1,49 @@
+"""torchft's Manager for one rank of a replica group: what DiLoCo and fault-tolerant groups share.
+
+In: the group's index, the lighthouse, this rank's rank and world in its group, the timeout,
+the fewest groups a step commits with, and the state a healthy peer hands a rejoining group
+(None: DiLoCo's own). Out: a `torchft.Manager` on a fault-tolerant gloo group, meeting its
+group through the group's own TCPStore (MASTER_ADDR / MASTER_PORT, as torchrun sets them).
+Synchronous quorum (`use_async_quorum=False`): DiLoCo requires it, and a rejoining group is
+healed before its forward rather than during it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+
+def group_manager(
+    replica_id: int,
+    lighthouse: str,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    min_replicas: int,
+    state: tuple[Callable[[Any], None], Callable[[], Any]] | None = None,
+) -> Any:
+    """A torchft Manager for this rank (module docstring); ``state``: (load, save)."""
+    # imported here: torchft is an optional dependency of the replica-group paths only
+    from torchft import Manager, ProcessGroupGloo
+
+    timeout = timedelta(seconds=timeout_s)
+    load, save = state if state is not None else (None, None)
+    return Manager(
+        pg=ProcessGroupGloo(timeout=timeout),
+        min_replica_size=min_replicas,
+        load_state_dict=load,
+        state_dict=save,
+        use_async_quorum=False,
+        replica_id=f"group{replica_id}",
+        store_addr=os.environ["MASTER_ADDR"],
+        store_port=int(os.environ["MASTER_PORT"]),
+        rank=rank,
+        world_size=world_size,
+        lighthouse_addr=lighthouse,
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=max(60.0, 2 * timeout_s)),
+        connect_timeout=timedelta(seconds=60),
+    )

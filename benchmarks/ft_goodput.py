@@ -1,0 +1,187 @@
+"""Goodput of fault-tolerant replica groups under injected failures, against checkpoint-restart.
+
+The gpt-tiny DP2 plan of `benchmarks/goodput.py` (local_cpu, 2 ranks) run two ways on the same
+work (the same steps), under the same seeded failure times (a killer thread SIGKILLs a random
+worker at exponentially distributed times of mean MTBF):
+- checkpoint-restart: `benchmarks/goodput.py`'s run -- one torchrun of 2 ranks, synchronous
+  checkpoints at the plan's interval, every failure restarts the job from the newest one;
+- fault-tolerant groups: the plan's 2 data-parallel replicas as 2 groups of one rank each,
+  each its own `torchrun --max-restarts` (`train.py --ft-group G --lighthouse URL
+  --ft-timeout D`), torchft's lighthouse between them: a failure costs the survivor the step
+  in flight and the timeout D before it drops it, then the failed group's absence (restart
+  and heal) while the survivor steps on alone.
+
+Measured goodput for the groups: committed group-steps (every group's --metrics lines) at the
+failure-free step time over groups x wall time (from the first step's end to the last's).
+Predicted: `estimate.algorithms.price_ft` with local_cpu's [reliability] restart_s (measured
+by `benchmarks/goodput.py calibrate`) and the failures the run met (kills / wall time), D the
+timeout passed; and for checkpoint-restart `benchmarks/goodput.py`'s own prediction.
+
+    python3 benchmarks/ft_goodput.py                      # MTBF 20 s and 60 s, 200 s of work
+    python3 benchmarks/ft_goodput.py --rates 30 --seconds 120
+
+Acceptance (issue 48): at two failure rates, the groups' predicted and measured goodput within
+10%, beside checkpoint-restart's on the same job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import goodput as cr  # noqa: E402  (benchmarks/goodput.py: the checkpoint-restart side)
+
+import autopar  # noqa: E402
+from autopar.estimate.algorithms import price_ft  # noqa: E402
+from autopar.runtime.mesh import free_port  # noqa: E402
+
+GROUPS = 2
+TIMEOUT_S = 3.0  # --ft-timeout: how long the survivor waits on a dead group's all-reduce
+
+
+def run_groups(directory: Path, steps: int, mtbf_s: float | None, seed: int) -> dict:
+    """One fault-tolerant run of ``steps`` steps; every group's metrics lines and the kills."""
+    lighthouse_bin = shutil.which("torchft_lighthouse")
+    if lighthouse_bin is None:
+        raise SystemExit("torchft_lighthouse is not on PATH: pip install torchft")
+    port = free_port()
+    lighthouse = subprocess.Popen(
+        [lighthouse_bin, "--min_replicas", "1", "--quorum_tick_ms", "50",
+         "--join_timeout_ms", "2000", "--bind", f"[::]:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(cr.REPO), "OMP_NUM_THREADS": "1",
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "RUST_LOG": "error"}  # fmt: skip
+    tag = f"{mtbf_s}-{seed}-{time.time_ns()}"
+    metrics = [directory / f"ft-{tag}-g{g}.jsonl" for g in range(GROUPS)]
+    agents = []
+    for g in range(GROUPS):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
+               "--standalone", "--max-restarts=1000", "--monitor-interval=0.1",
+               str(directory / "train.py"), "--steps", str(steps), "--ft-group", str(g),
+               "--ft-groups", str(GROUPS), "--lighthouse", f"http://localhost:{port}",
+               "--ft-timeout", str(TIMEOUT_S), "--metrics", str(metrics[g])]  # fmt: skip
+        agents.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.PIPE))  # fmt: skip
+    killer = _Killers([a.pid for a in agents], mtbf_s, seed) if mtbf_s else None
+    if killer:
+        killer.start()
+    try:
+        errs = [a.communicate(timeout=3600)[1] for a in agents]
+    finally:
+        if killer:
+            killer.stopped.set()
+        for a in agents:
+            a.kill()
+        lighthouse.kill()
+    for a, err in zip(agents, errs, strict=True):
+        if a.returncode != 0:
+            raise RuntimeError(f"a group failed ({a.returncode}): {err.decode()[-2000:]}")
+    logs = [[json.loads(x) for x in m.read_text().splitlines()] for m in metrics]
+    return {"logs": logs, "kills": killer.kills if killer else []}
+
+
+class _Killers(cr.Killer):
+    """`goodput.Killer` over several torchrun agents: a random worker of any of them."""
+
+    def __init__(self, agents: list[int], mtbf_s: float, seed: int) -> None:
+        super().__init__(agents[0], mtbf_s, seed)
+        self.agents = agents
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.rng.expovariate(1 / self.mtbf_s)):
+            workers = [w for a in self.agents for w in cr._workers(a)]
+            if workers:
+                os.kill(self.rng.choice(workers), 9)
+                self.kills.append(time.time())
+
+
+def step_time(logs: list[list[dict]]) -> float:
+    """The failure-free step time: the median gap between a group's consecutive steps."""
+    gaps = [
+        b["time"] - a["time"]
+        for log in logs
+        for a, b in zip(log, log[1:], strict=False)
+        if b["step"] == a["step"] + 1
+    ]
+    return statistics.median(gaps)
+
+
+def measured(logs: list[list[dict]], t_step: float, steps: int) -> tuple[float, float]:
+    """(goodput, wall seconds): committed group-steps at ``t_step`` over groups x wall, from
+    the first step's end to the moment a group commits the last step (the job is done then;
+    a group still restarting would find no peer and start over alone)."""
+    first = min(log[0]["time"] for log in logs)
+    end = min(r["time"] for log in logs for r in log if r["step"] == steps)
+    wall = end - first
+    done = sum(1 for log in logs for r in log if r["time"] <= end)
+    useful = (done - len(logs)) * t_step  # each group's first step ends at the clock's start
+    return useful / (len(logs) * wall), wall
+
+
+def predicted(plan: autopar.Plan, met_mtbf_s: float, t_step: float) -> float:
+    cluster = autopar.Cluster.from_profile("local_cpu", num_devices=cr.RANKS)
+    rel = cluster.profile.reliability
+    rate = 3600 / (met_mtbf_s * cluster.world_size)
+    from dataclasses import replace
+
+    rel = replace(rel, failure_rate_per_device_hour=rate)
+    est = price_ft(
+        t_step, plan.config, 1.0, 0.0, 1.0, cluster, rel, plan.num_params, plan.optimizer,
+        GROUPS, TIMEOUT_S,
+    )  # fmt: skip
+    return est.goodput
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=200, help="work per failing run")
+    parser.add_argument("--rates", default="20,60", help="MTBFs to inject, seconds")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        plan = cr.make_plan(directory)
+        quiet = run_groups(directory, 200, None, 0)["logs"]
+        t_ft = step_time(quiet)
+        steps = int(args.seconds / t_ft)
+        t_cr = cr.step_time(cr.run(directory, 200, 0, None, 0, 900)["log"])
+        print(f"failure-free step: groups {t_ft * 1e3:.1f} ms, one job {t_cr * 1e3:.1f} ms; "
+              f"{steps} steps a run", flush=True)  # fmt: skip
+        rows = []
+        for mtbf in (float(x) for x in args.rates.split(",")):
+            got = run_groups(directory, steps, mtbf, args.seed)
+            t_run = step_time(got["logs"])
+            meas, wall = measured(got["logs"], t_run, steps)
+            met = wall / max(1, len(got["kills"]))
+            pred = predicted(plan, met, t_run)
+            _, auto = cr.predicted(plan, mtbf, 1, t_cr)
+            base = cr.run(directory, steps, auto, mtbf, args.seed, 6 * args.seconds + 600)
+            t_base = cr.step_time(base["log"])
+            base_meas = cr.measured_goodput(base["log"])
+            base_wall = base["log"][-1]["time"] - base["log"][0]["time"]
+            base_met = base_wall / max(1, len(base["kills"]))
+            base_pred, _ = cr.predicted(plan, base_met, auto, t_base)
+            rows.append((mtbf, len(got["kills"]), meas, pred, len(base["kills"]), base_meas,
+                         base_pred))  # fmt: skip
+            print(f"MTBF {mtbf:4.0f} s  groups: failures {len(got['kills']):3d} measured "
+                  f"{meas:.3f} predicted {pred:.3f} ({pred / meas - 1:+.1%})  |  "
+                  f"checkpoint-restart every {auto}: failures {len(base['kills']):3d} measured "
+                  f"{base_meas:.3f} predicted {base_pred:.3f} ({base_pred / base_meas - 1:+.1%})",
+                  flush=True)  # fmt: skip
+        worst = max(abs(r[3] / r[2] - 1) for r in rows)
+        print(f"\ngroups: worst |predicted/measured - 1| {worst:.1%} (target <= 10%)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
