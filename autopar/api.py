@@ -40,6 +40,7 @@ from autopar.plan.build import (
 )
 from autopar.plan.files import directory_lock, ensure_directory, write_atomic
 from autopar.plan.rebuild import rebuild_model, replanned_note, resized_cluster, sample_inputs
+from autopar.plan.training import with_training
 from autopar.runtime.capability import (
     attention_refusal,
     mxfp8_tp_width,
@@ -54,7 +55,6 @@ from autopar.solve import PlanOptions, solve
 from autopar.solve.limits import default_batch_for, space_limits
 from autopar.solve.refine import RecordingEstimator
 from autopar.solve.space import shape_problems
-from autopar.solve.training import with_training
 from autopar.tracing import ModelGraph, trace
 from autopar.tracing.inputs import infer_example_inputs
 

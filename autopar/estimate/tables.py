@@ -80,18 +80,16 @@ class LayerTable:
     moe_num_experts: int = 0
     moe_top_k: int = 0
     moe_dispatch_bytes: float = 0.0  # one all-to-all's payload, per sample (tokens*k*h)
-    # what the layer's expert call takes, per sample (expert tensor parallelism gathers or
-    # copies it over tp): the hidden rows (tokens*h, traced precision), the routing weights
-    # (autopar's MoEBlock: tokens*E at the traced precision; a Hugging Face expert stack:
-    # tokens*k fp32, as its routers return them) and the top-k indices (a stack: tokens*k
-    # int64; none for the MoEBlock)
+    # what the layer's expert call takes, per sample (etp gathers or copies it over tp): the
+    # hidden rows (tokens*h, traced precision), the routing weights (autopar's MoEBlock:
+    # tokens*E, traced precision; a Hugging Face stack: tokens*k fp32, as its routers return
+    # them) and the top-k indices (a stack: tokens*k int64; none for the MoEBlock)
     moe_hidden_bytes: float = 0.0
     moe_weights_bytes: float = 0.0
     moe_index_bytes: float = 0.0
     vocab_logits_bytes: float = 0.0  # the head's logits per sample (the loss keeps them)
     # routed / traced expert work: top_k / num_experts for a dense-dispatch MoE (the graph runs
-    # every expert on every token), 1 when the graph already routes; `as_run.routed_layer`
-    # applies it
+    # every expert on every token), 1 where it already routes (`as_run.routed_layer`)
     moe_routed_fraction: float = 1.0
     token_embedding: bool = False  # a token embedding: vocabulary-parallel under TP
     position_table: bool = False  # a learned position embedding (read by computed positions)

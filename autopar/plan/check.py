@@ -92,7 +92,7 @@ def plan_problems(data: dict[str, Any]) -> list[str]:
             out.append(f"{name} must be an object, got {type(data[name]).__name__}")
     if isinstance(data.get("report"), dict):  # the search's and refine's records
         out += _fields("report", data["report"])
-    if isinstance(data.get("training"), dict):  # the algorithms priced (solve.training)
+    if isinstance(data.get("training"), dict):  # the algorithms priced (plan.training)
         out += _fields("training", data["training"])
     out += free_text_problems(data)
     if isinstance(data.get("stack"), str) and not _NAME.fullmatch(data["stack"]):

@@ -1,6 +1,6 @@
 """The lines summary() and explain() print about the training algorithm (`Plan.training`).
 
-In: the plan's `training` record (`autopar.solve.training`). Out: for summary() one line per
+In: the plan's `training` record (`autopar.plan.training`). Out: for summary() one line per
 algorithm priced -- its config, step time, cross-site bytes, goodput and time to the token
 budget -- the chosen one marked; for explain() why it was chosen and under what assumption.
 """

@@ -114,7 +114,7 @@ class Plan:
     tensor_parallel_roles: dict[str, str] = field(default_factory=dict)
     # the training algorithm chosen and every one priced -- synchronous, fault-tolerant
     # replica groups, DiLoCo across sites -- with the token budget and the convergence
-    # assumption (`autopar.solve.training`); empty where none was priced (evaluate)
+    # assumption (`autopar.plan.training`); empty where none was priced (evaluate)
     training: dict[str, Any] = field(default_factory=dict)
     schema_version: int = field(default=SCHEMA_VERSION)
     # wall-clock figures of this run (trace, search, ILP seconds): shown by summary() and

@@ -71,8 +71,6 @@ from autopar.config import ParallelConfig
 from autopar.config.precision import ALIASES
 from autopar.runtime.checkpoint import CheckpointOptions, open_checkpointer
 from autopar.runtime.collectives import ROUTED_ROWS
-from autopar.runtime.diloco import DiLoCoGroup, attach_diloco
-from autopar.runtime.fault_tolerance import FaultTolerantGroups, FTGroup
 from autopar.runtime.hf_export import save_run_as_hf
 from autopar.runtime.host_memory import release_freed_memory
 from autopar.runtime.low_precision import RUNTIME_PRECISIONS
@@ -90,6 +88,7 @@ from autopar.runtime.preflight import (
     check_options,
     skip_nonfinite,
 )
+from autopar.runtime.replicas import DiLoCoGroup, FTGroup, ReplicaRun, replica_share
 from autopar.runtime.run_report import print_rank_summary, step_line
 from autopar.runtime.startup.start import (
     WeightsFrom,
@@ -145,11 +144,8 @@ class TrainOptions:
     # skip up to this many steps whose loss or gradient norm is not finite (no optimizer step,
     # their gradients dropped, their samples consumed); 0: the first such step stops the run
     skip_nonfinite: int = 0
-    # this rank's replica group in a DiLoCo run over torchft (`autopar.runtime.diloco`): the
-    # group trains its share of the global batch and takes an outer step every H steps
+    # this rank's replica group over torchft, DiLoCo's or fault-tolerant (`runtime.replicas`)
     diloco: DiLoCoGroup | None = None
-    # this rank's fault-tolerant replica group over torchft (`autopar.runtime.fault_tolerance`):
-    # the groups average their gradients each step, a failed one rejoins from a peer
     ft: FTGroup | None = None
 
     def lr_at(self, step: int) -> float:
@@ -186,9 +182,7 @@ class StepResult:
     # expert parallelism: the rows this rank's all-to-alls sent and received this step
     # (`collectives.RoutedRows`); (0, 0) without ep
     routed_rows: tuple[int, int] = (0, 0)
-    # DiLoCo (`TrainOptions.diloco`): the bytes this rank all-reduced with the other replica
-    # groups during this step (the outer step's pseudo-gradient shards; 0 between them)
-    outer_bytes: float = 0.0
+    outer_bytes: float = 0.0  # DiLoCo: the bytes this rank sent other groups this step
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -279,20 +273,7 @@ def train(
     options = options or TrainOptions()
     prediction = prediction or Prediction()
     mesh = mesh or build_mesh(config, options.device)
-    group = options.diloco or options.ft
-    offset = 0  # replica groups: this group's share of the step's global batch starts here
-    if group is not None:
-        if options.diloco and options.ft:
-            raise ValueError("DiLoCo and fault-tolerant groups are one or the other")
-        if global_batch_size % group.num_replicas:
-            raise ValueError(
-                f"global batch {global_batch_size} does not split over {group.num_replicas} "
-                "replica groups"
-            )
-        if options.checkpoint is not None:
-            raise ValueError("replica-group runs do not checkpoint yet: drop --checkpoint-dir")
-        global_batch_size //= group.num_replicas
-        offset = group.replica_id * global_batch_size
+    global_batch_size, offset = replica_share(options, global_batch_size)  # DiLoCo/ft: a share
     num_data, mbs = mesh.num_data_ranks, config.micro_batch_size
     if global_batch_size % (num_data * mbs):
         raise ValueError(
@@ -356,19 +337,7 @@ def train(
         )
     fewer = _held_fewer(pm, config)  # the gradient norm's weights: the parameters stay put
     world, start = dist.get_world_size(), offset + mesh.data_rank * per_rank
-    outer = contextlib.ExitStack()
-    traffic = groups = None
-    if options.diloco is not None:  # torchft's DiLoCo on the inner optimizer's steps
-        named = set(pm.blocks)
-        blocks = [m for path, m in pm.model.named_modules() if path in named]
-        diloco, traffic = attach_diloco(model, blocks, optimizer, group, mesh.rank, world)
-        outer.enter_context(diloco)
-    steps = range(first_step, options.steps)
-    if options.ft is not None:  # the steps come from torchft's quorum (a healed group's
-        # from its peers)
-        groups = FaultTolerantGroups(model, optimizer, options.ft, mesh.rank, world)
-        outer.callback(groups.shutdown)
-        steps = groups.steps(options.steps)
+    replicas = ReplicaRun(options, pm, optimizer, mesh.rank, world)  # DiLoCo, ft or none
     check_batch(task, start, start + per_rank, _reads_token_ids(model))
     if options.log and mesh.rank == 0:
         print(f"[autopar] {started.report.as_text()}", flush=True)
@@ -383,7 +352,7 @@ def train(
     first_step_s = None
     metrics = Metrics.open(options, prediction) if mesh.rank == 0 else None
     skipped = 0  # non-finite steps skipped so far (options.skip_nonfinite allows how many)
-    for step in steps:
+    for step in replicas.steps(first_step, options.steps):
         t0 = time.perf_counter()
         ROUTED_ROWS.take()  # this step's rows only
         inputs, targets = task.batch(step, start, start + per_rank)
@@ -409,8 +378,7 @@ def train(
             pm.expert_parallel.sync_gradients(model)
         for data_parallel in pm.data_parallels:  # one per pipeline chunk
             data_parallel.sync_gradients()
-        if groups is not None:  # averaged over the replica groups alive
-            groups.sync_gradients()
+        replicas.sync_gradients()  # ft groups: averaged over the groups alive
         # a tied embedding's copy on the last stage is counted once (pipeline.norm_parameters)
         counted = model.parameters() if pm.pipeline is None else pm.pipeline.norm_parameters()
         grad_norm, mean_loss = _global_norm_and_loss(counted, loss_sum, mesh, world, fewer)
@@ -419,10 +387,8 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             skipped += 1
             continue
-        if groups is not None and not groups.should_commit():  # a group failed mid-step
+        if not replicas.commit(step, log):  # a replica group failed mid-step: dropped
             optimizer.zero_grad(set_to_none=True)
-            if log:
-                print(f"[autopar] step {step + 1}: dropped (a replica group failed)", flush=True)
             continue
         where = options.checkpoint.directory if options.checkpoint else None
         check_finite(step + 1, mean_loss, grad_norm, where)  # every rank: the same numbers
@@ -434,9 +400,9 @@ def train(
         lr = options.lr_at(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        sent = traffic.bytes if traffic is not None else 0.0
+        sent = replicas.bytes_sent
         optimizer.step()  # DiLoCo: its post-step hook takes the outer step every H
-        sent = (traffic.bytes if traffic is not None else 0.0) - sent
+        sent = replicas.bytes_sent - sent
         if device.type == "cuda":  # the step's kernels done: the time is the step's own
             torch.cuda.synchronize(device)
         step_time = time.perf_counter() - t0
@@ -452,13 +418,7 @@ def train(
             metrics.write(results[-1], lr)
         if ckpt:  # CHECKPOINT: log the step, save when due
             ckpt.after_step(step + 1, mean_loss, grad_norm)
-    if groups is not None and options.log:  # replicas that committed alike hold alike
-        print(
-            f"[autopar] replica group {options.ft.replica_id}, rank {mesh.rank}: parameters "
-            f"{groups.digest()} after step {groups.manager.current_step()}",
-            flush=True,
-        )
-    outer.close()  # DiLoCo's hooks off the optimizer; torchft's manager shut down
+    replicas.close(options.log)  # DiLoCo's hooks off; torchft's manager shut down
     if ckpt:
         ckpt.close()  # completes a pending asynchronous save
     if options.save_hf:  # WEIGHTS OUT: through a checkpoint, exported by rank 0

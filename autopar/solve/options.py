@@ -34,7 +34,7 @@ class PlanOptions:
     # device failures and checkpoint bandwidth for the plan's goodput; None: the profile's
     reliability: Reliability | None = None
     # the training algorithms priced (synchronous, fault-tolerant groups, DiLoCo across
-    # sites), the token budget and the convergence assumption (`autopar.solve.training`)
+    # sites), the token budget and the convergence assumption (`autopar.plan.training`)
     algorithms: AlgorithmOptions = field(default_factory=AlgorithmOptions)
 
     def __post_init__(self) -> None:

@@ -1,6 +1,6 @@
 """One replica group of the fault-tolerance test, as torchrun starts it.
 
-    torchrun --nproc-per-node=2 --max-restarts=1 ft_job.py GROUP LIGHTHOUSE OUT KILL_AT STEPS \
+    torchrun --nproc-per-node=2 --max-restarts=3 ft_job.py GROUP LIGHTHOUSE OUT KILL_AT STEPS \
         PACE DELAY
 
 Trains the tiny Llama under FSDP2 over the group's 2 ranks as one of 2 fault-tolerant replica

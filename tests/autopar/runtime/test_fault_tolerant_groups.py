@@ -1,8 +1,9 @@
 """Fault-tolerant replica groups over torchft: a killed group rejoins from a peer, the other
 never stops (issue 48, acceptance (a)).
 
-Two groups of two gloo ranks, each its own `torchrun --max-restarts=1` (FSDP2 inside: HSDP
-with a fault-tolerant replicate axis), torchft's lighthouse between them, 60 steps of the tiny
+Two groups of two gloo ranks, each its own `torchrun --max-restarts=3` (FSDP2 inside: HSDP
+with a fault-tolerant replicate axis; a restart that loses its store's port to another test
+tries again), torchft's lighthouse between them, 60 steps of the tiny
 Llama on the shipped token file, each batch taking 0.25 s more. Group 1's rank 0 SIGKILLs
 itself when it first reads a batch of step 6 or later (tests/autopar/runtime/ft_job.py's data
 hook); group 0's all-reduce fails after its 5 s timeout, it drops that step and steps on
@@ -56,7 +57,7 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_keeps_stepping(tmp
     try:
         for group in (0, 1):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node=2", "--max-restarts=1", str(HERE / "ft_job.py"),
+                   "--nproc-per-node=2", "--max-restarts=3", str(HERE / "ft_job.py"),
                    str(group), f"http://localhost:{port}", str(tmp_path), str(KILL_AT),
                    str(STEPS), str(PACE), str(DELAY)]  # fmt: skip
             jobs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,

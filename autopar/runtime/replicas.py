@@ -1,0 +1,95 @@
+"""The training loop's side of replica groups: DiLoCo or fault-tolerant groups, or neither.
+
+In: the `TrainOptions` (`diloco` or `ft`), the global batch, and once the model is made, this
+rank's model, blocks, optimizer, rank and world in its group. Out: `replica_share` (this group's
+share of each step's global batch and where it starts) and `ReplicaRun`, the hooks
+`trainer.train` calls each step -- which steps to run, the gradient average over the groups,
+whether to commit, the bytes sent to other groups -- all no-ops without replica groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+from autopar.runtime.diloco import DiLoCoGroup, attach_diloco
+from autopar.runtime.fault_tolerance import FaultTolerantGroups, FTGroup
+
+__all__ = ["DiLoCoGroup", "FTGroup", "ReplicaRun", "replica_share"]
+
+
+def replica_share(options: Any, global_batch_size: int) -> tuple[int, int]:
+    """(this group's batch per step, the sample it starts at): the whole batch from 0 without
+    replica groups. Raises ValueError for what replica groups do not run."""
+    group = options.diloco or options.ft
+    if group is None:
+        return global_batch_size, 0
+    if options.diloco and options.ft:
+        raise ValueError("DiLoCo and fault-tolerant groups are one or the other")
+    if global_batch_size % group.num_replicas:
+        raise ValueError(
+            f"global batch {global_batch_size} does not split over {group.num_replicas} "
+            "replica groups"
+        )
+    if options.checkpoint is not None:
+        raise ValueError("replica-group runs do not checkpoint yet: drop --checkpoint-dir")
+    share = global_batch_size // group.num_replicas
+    return share, group.replica_id * share
+
+
+class ReplicaRun:
+    """This rank's replica-group hooks for one run (module docstring)."""
+
+    def __init__(self, options: Any, pm: Any, optimizer: Any, rank: int, world: int) -> None:
+        """``pm``: the `parallelize.ParallelModel` (its model and its blocks' paths)."""
+        model: nn.Module = pm.model
+        named = set(pm.blocks)
+        blocks = [m for path, m in model.named_modules() if path in named]
+        self.context = contextlib.ExitStack()
+        self.traffic = self.groups = None
+        self.ft = options.ft
+        if options.diloco is not None:  # torchft's DiLoCo on the inner optimizer's steps
+            diloco, self.traffic = attach_diloco(
+                model, blocks, optimizer, options.diloco, rank, world
+            )
+            self.context.enter_context(diloco)
+        if options.ft is not None:
+            self.groups = FaultTolerantGroups(model, optimizer, options.ft, rank, world)
+            self.context.callback(self.groups.shutdown)
+        self.rank = rank
+
+    def steps(self, first: int, total: int) -> Iterable[int]:
+        """The steps to run: from torchft's quorum with ft groups (a healed group's from its
+        peers'), else ``first`` .. ``total`` - 1."""
+        return self.groups.steps(total) if self.groups else range(first, total)
+
+    def sync_gradients(self) -> None:
+        if self.groups is not None:  # averaged over the groups alive
+            self.groups.sync_gradients()
+
+    def commit(self, step: int, log: bool) -> bool:
+        """Whether 0-based ``step``'s optimizer step may be taken (false: a group failed
+        mid-step; said when ``log``)."""
+        if self.groups is None or self.groups.should_commit():
+            return True
+        if log:
+            print(f"[autopar] step {step + 1}: dropped (a replica group failed)", flush=True)
+        return False
+
+    @property
+    def bytes_sent(self) -> float:
+        """The bytes this rank has all-reduced with the other DiLoCo groups so far."""
+        return self.traffic.bytes if self.traffic is not None else 0.0
+
+    def close(self, log: bool) -> None:
+        """Print the ft digest line (replicas that committed alike hold alike) and detach."""
+        if self.groups is not None and log:
+            print(
+                f"[autopar] replica group {self.ft.replica_id}, rank {self.rank}: parameters "
+                f"{self.groups.digest()} after step {self.groups.manager.current_step()}",
+                flush=True,
+            )
+        self.context.close()
