@@ -56,7 +56,6 @@ goodput. The budget defaults to 20 tokens a parameter (Hoffmann et al. 2022), st
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -288,9 +287,3 @@ def choose(estimates: list[AlgorithmEstimate]) -> AlgorithmEstimate:
 
 
 _ORDER = {"sync": 0, "ft": 1, "diloco": 2}
-
-
-def days(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "never"
-    return f"{seconds / 86400:.1f} days" if seconds >= 86400 else f"{seconds / 3600:.1f} h"
