@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -43,7 +42,6 @@ import goodput as cr  # noqa: E402  (benchmarks/goodput.py: the checkpoint-resta
 
 import autopar  # noqa: E402
 from autopar.estimate.algorithms import price_ft  # noqa: E402
-from autopar.runtime.mesh import free_port  # noqa: E402
 
 GROUPS = 2
 TIMEOUT_S = 3.0  # --ft-timeout: how long the survivor waits on a dead group's all-reduce
@@ -51,15 +49,12 @@ TIMEOUT_S = 3.0  # --ft-timeout: how long the survivor waits on a dead group's a
 
 def run_groups(directory: Path, steps: int, mtbf_s: float | None, seed: int) -> dict:
     """One fault-tolerant run of ``steps`` steps; every group's metrics lines and the kills."""
-    lighthouse_bin = shutil.which("torchft_lighthouse")
-    if lighthouse_bin is None:
-        raise SystemExit("torchft_lighthouse is not on PATH: pip install torchft")
-    port = free_port()
-    lighthouse = subprocess.Popen(
-        [lighthouse_bin, "--min_replicas", "1", "--quorum_tick_ms", "50",
-         "--join_timeout_ms", "2000", "--bind", f"[::]:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    from torchft._torchft import LighthouseServer  # the lighthouse, in this process
+
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=2000, quorum_tick_ms=50
+    )
+    url = lighthouse.address()
     env = {**os.environ, "PYTHONPATH": str(cr.REPO), "OMP_NUM_THREADS": "1",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "RUST_LOG": "error"}  # fmt: skip
     tag = f"{mtbf_s}-{seed}-{time.time_ns()}"
@@ -69,7 +64,7 @@ def run_groups(directory: Path, steps: int, mtbf_s: float | None, seed: int) -> 
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1",
                "--standalone", "--max-restarts=1000", "--monitor-interval=0.1",
                str(directory / "train.py"), "--steps", str(steps), "--ft-group", str(g),
-               "--ft-groups", str(GROUPS), "--lighthouse", f"http://localhost:{port}",
+               "--ft-groups", str(GROUPS), "--lighthouse", url,
                "--ft-timeout", str(TIMEOUT_S), "--metrics", str(metrics[g])]  # fmt: skip
         err = open(directory / f"ft-{tag}-g{g}.err", "w")  # noqa: SIM115 (the agent's)
         agents.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err))
@@ -88,7 +83,7 @@ def run_groups(directory: Path, steps: int, mtbf_s: float | None, seed: int) -> 
             killer.stopped.set()
         for a in agents:
             a.kill()
-        lighthouse.kill()
+        lighthouse.shutdown()
     logs = [[json.loads(x) for x in m.read_text().splitlines()] for m in metrics]
     skipped = killer.skipped if killer else 0
     return {"logs": logs, "kills": killer.kills if killer else [], "skipped": skipped}

@@ -24,14 +24,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from autopar.runtime.mesh import free_port
 
 HERE = Path(__file__).resolve().parent
 STEPS, KILL_AT = 60, 5  # 0-based: step 6's batch
@@ -41,16 +38,11 @@ DIGEST = re.compile(r"replica group (\d), rank (\d): parameters (\w+) after step
 
 @pytest.mark.multiprocess
 def test_a_killed_group_rejoins_from_its_peer_while_the_other_keeps_stepping(tmp_path):
-    pytest.importorskip("torchft")
-    lighthouse_bin = shutil.which("torchft_lighthouse")
-    if lighthouse_bin is None:
-        pytest.skip("torchft_lighthouse is not on PATH")
-    port = free_port()
-    lighthouse = subprocess.Popen(
-        [lighthouse_bin, "--min_replicas", "1", "--quorum_tick_ms", "100",
-         "--join_timeout_ms", "10000", "--bind", f"[::]:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    torchft = pytest.importorskip("torchft._torchft")  # the lighthouse, in this process
+    lighthouse = torchft.LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=10000, quorum_tick_ms=100
+    )
+    url = lighthouse.address()
     env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1", RUST_LOG="error",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # fmt: skip
     jobs = []
@@ -58,7 +50,7 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_keeps_stepping(tmp
         for group in (0, 1):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nproc-per-node=2", "--max-restarts=3", str(HERE / "ft_job.py"),
-                   str(group), f"http://localhost:{port}", str(tmp_path), str(KILL_AT),
+                   str(group), url, str(tmp_path), str(KILL_AT),
                    str(STEPS), str(PACE), str(DELAY)]  # fmt: skip
             jobs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True))  # fmt: skip
@@ -66,7 +58,7 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_keeps_stepping(tmp
     finally:
         for job in jobs:
             job.kill()
-        lighthouse.kill()
+        lighthouse.shutdown()
     assert [job.returncode for job in jobs] == [0, 0], logs[1][-3000:]
 
     killed = int((tmp_path / "killed").read_text())
