@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -145,8 +146,6 @@ def predicted(plan: autopar.Plan, met_mtbf_s: float, t_step: float) -> float:
     cluster = autopar.Cluster.from_profile("local_cpu", num_devices=cr.RANKS)
     rel = cluster.profile.reliability
     rate = 3600 / (met_mtbf_s * cluster.world_size)
-    from dataclasses import replace
-
     rel = replace(rel, failure_rate_per_device_hour=rate)
     est = price_ft(
         t_step, plan.config, 1.0, 0.0, 1.0, cluster, rel, plan.num_params, plan.optimizer,

@@ -139,11 +139,10 @@ def cross_site_bytes(
     if cluster.sites == 1:
         return 0.0
     ranks = axis_ranks(cfg)
-    per_site = cluster.world_size // cluster.sites
     share = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0}
     total = 0.0
     stage_ranks = cluster.world_size // cfg.pp
-    stage_site = [s * stage_ranks // per_site for s in range(cfg.pp)]
+    stage_site = [cluster.site_of(s * stage_ranks) for s in range(cfg.pp)]
     cuts: dict[str, list[tuple[int, float]]] = {}
     for stage, collectives in enumerate(communication):
         for c in collectives:
@@ -151,7 +150,7 @@ def cross_site_bytes(
                 cuts.setdefault(c["layer"], []).append((stage, c["count"] * c["bytes"]))
                 continue
             group = ranks.get(c["axis"], tuple(range(cluster.world_size)))
-            sites = len({r // per_site for r in group})
+            sites = len({cluster.site_of(r) for r in group})
             if sites == 1 or c["kind"] not in share:
                 continue
             groups = stage_ranks / len(group)  # this stage's groups, all crossing at once

@@ -104,8 +104,7 @@ def _slowest_hop(cluster: Cluster, stages: tuple[int, ...], wraps: bool) -> tupl
     pairs = list(zip(stages, stages[1:], strict=False))
     if wraps:
         pairs.append((stages[-1], stages[0]))
-    per_site = cluster.world_size // cluster.sites
-    crossing = [p for p in pairs if p[0] // per_site != p[1] // per_site]
+    crossing = [p for p in pairs if cluster.site_of(p[0]) != cluster.site_of(p[1])]
     return crossing[0] if crossing else stages[:2]
 
 

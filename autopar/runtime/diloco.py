@@ -24,7 +24,7 @@ them to an autopar group and counting the bytes they send.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,12 +60,10 @@ class DiLoCoGroup:
 
 @dataclass
 class OuterTraffic:
-    """What this rank's all-reduces between groups moved: bytes and calls (the local shard
-    of each fragment's pseudo-gradient, as torchft hands it to the fault-tolerant group)."""
+    """The bytes this rank's all-reduces between groups moved (the local shard of each
+    fragment's pseudo-gradient, as torchft hands it to the fault-tolerant group)."""
 
     bytes: float = 0.0
-    calls: int = 0
-    per_call: list[float] = field(default_factory=list)
 
 
 def fragments_of(model: nn.Module, blocks: list[nn.Module], count: int) -> list[nn.Module]:
@@ -113,10 +111,7 @@ def attach_diloco(
     sends = manager.allreduce
 
     def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        nbytes = float(tensor.numel() * tensor.element_size())
-        traffic.bytes += nbytes
-        traffic.calls += 1
-        traffic.per_call.append(nbytes)
+        traffic.bytes += float(tensor.numel() * tensor.element_size())
         return sends(tensor, *args, **kwargs)
 
     manager.allreduce = counted  # type: ignore[method-assign]

@@ -105,9 +105,9 @@ class FaultTolerantGroups:
                     continue
                 mine = self.optimizer.state[p]
                 for key, value in saved.items():
-                    if key not in mine:  # no step taken here yet: the peer's layout
-                        ref = p if value.dim() else None
-                        mine[key] = _like(ref, value)
+                    if key not in mine:  # no step taken here yet: a moment shaped as p
+                        # (its placements kept), or a scalar as the peer's (AdamW's step)
+                        mine[key] = torch.zeros_like(p) if value.dim() else value.clone()
                     _local(mine[key]).copy_(value)
 
     # ---- the loop's hooks
@@ -138,11 +138,3 @@ class FaultTolerantGroups:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
-
-
-def _like(param: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
-    """A fresh optimizer-state entry shaped as ``param`` (a DTensor's placements kept), or a
-    scalar as ``value`` (AdamW's step)."""
-    if param is None:
-        return value.clone()
-    return torch.zeros_like(param)
