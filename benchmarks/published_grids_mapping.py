@@ -382,6 +382,13 @@ def _config(
         vp = 2
         notes.append("2 model chunks per rank: torchtitan's default for interleaved 1F1B")
     schedule = "interleaved_1f1b" if pp > 1 and vp > 1 else "1f1b"
+    slots: tuple[str, ...] = ()
+    if row["source_id"].startswith("mbridge") and "405B" in row["model"] and pp > 1:
+        # Megatron-Bridge's llama31_405b_pretrain_config (src/megatron/bridge/recipes/llama/
+        # llama3.py) sets account_for_embedding_in_pipeline_split and ..._loss_...: 126
+        # layers + 2 slots split over pp x vp chunks
+        slots = ("embedding", "loss")
+        notes.append("embedding and loss take a pipeline slot each: Megatron-Bridge's recipe")
     config = autopar.ParallelConfig(
         dp=dp,
         fsdp=fsdp,
@@ -395,6 +402,7 @@ def _config(
         recompute=recompute,
         sequence_parallel=tp > 1,
         ep=_int(row["ep"]) or 1,
+        pipeline_slots=slots,
     )
     if tp > 1:
         notes.append("sequence parallelism with tp (Megatron's and torchtitan's default)")

@@ -13,7 +13,11 @@ tokens' experts whole) or tp (each expert's intermediate width split over the tp
 per rank; global batch = micro_batch_size * num_microbatches * dp * fsdp. ``recompute`` is
 the policy; ``recompute_layers`` k applies it to only the first k repeated layers (blocks) of
 each model chunk (the whole model when pp = 1; one of the pp x virtual_stages chunks otherwise),
-the other blocks keep their activations; None applies it to every layer. ``axis_order`` lays
+the other blocks keep their activations; None applies it to every layer.
+``pipeline_slots`` makes the embedding and/or the loss (the head) count as a repeated layer
+when the blocks are split over the pp * virtual_stages chunks (Megatron's
+account_for_embedding/loss_in_pipeline_split: 126 layers + 2 slots over 128 chunks; the first
+or last chunk may then hold no block). ``axis_order`` lays
 the non-pipeline axes on the ranks, innermost (stride 1) first, pp always outermost: None is
 `DEFAULT_AXIS_ORDER` (tp, cp, fsdp, dp: tensor parallelism inside a node first); e.g.
 ("fsdp", "tp", "cp", "dp") puts fsdp inside the node and tp across nodes.
@@ -39,6 +43,8 @@ _MULTI_CHUNK = {"interleaved_1f1b": "at least 2", "dualpipe_v": "exactly 2"}
 DEGREES = ("dp", "fsdp", "cp", "tp", "pp")
 # Megatron's and torchtitan's rank layout, innermost first: what axis_order=None means.
 DEFAULT_AXIS_ORDER = ("tp", "cp", "fsdp", "dp")
+# what pipeline_slots may be: the embedding, the loss, or both take a chunk's layer slot
+PIPELINE_SLOTS = ((), ("embedding",), ("loss",), ("embedding", "loss"))
 
 
 # schedules that split the backward into input- and weight-gradient passes
@@ -68,12 +74,18 @@ class ParallelConfig:
     # expert tensor parallelism: 1, or tp (the experts split over the tp ranks). Left out of
     # to_dict() when 1, like recompute_layers.
     etp: int = 1
+    # pipeline slots the embedding and the loss (head) take as if each were a repeated layer
+    # (Megatron's account_for_embedding/loss_in_pipeline_split): () or ("embedding",),
+    # ("loss",), ("embedding", "loss"). Left out of to_dict() when empty.
+    pipeline_slots: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.axis_order, list):  # as plan.json spells it
             object.__setattr__(self, "axis_order", tuple(self.axis_order))
         if self.axis_order == DEFAULT_AXIS_ORDER:  # one spelling per layout: equal, same JSON
             object.__setattr__(self, "axis_order", None)
+        if isinstance(self.pipeline_slots, list):
+            object.__setattr__(self, "pipeline_slots", tuple(self.pipeline_slots))
 
     @property
     def order(self) -> tuple[str, ...]:
@@ -157,6 +169,14 @@ class ParallelConfig:
             )
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence_parallel needs tp > 1, got tp=1")
+        slots = self.pipeline_slots
+        if not isinstance(slots, tuple) or slots not in PIPELINE_SLOTS:
+            out.append(
+                f"pipeline_slots must be one of {', '.join(map(repr, PIPELINE_SLOTS))}, "
+                f"got {slots!r}"
+            )
+        elif slots and self.pp == 1:
+            out.append(f"pipeline_slots={slots!r} needs pp > 1: there is no split to count in")
         if self.etp not in (1, self.tp):
             out.append(
                 f"etp={self.etp} must be 1 (experts whole on every tp rank) or tp={self.tp} "
@@ -197,6 +217,8 @@ class ParallelConfig:
         extras += f" recompute={self.recompute_text}" + (" +sp" if self.sequence_parallel else "")
         if self.axis_order is not None:
             extras += f" order={','.join(self.axis_order)}"
+        if self.pipeline_slots:
+            extras += f" slots={'+'.join(self.pipeline_slots)}"
         return f"{degrees} | {extras}"
 
     @property
@@ -207,7 +229,8 @@ class ParallelConfig:
         return f"{self.recompute}:{self.recompute_layers}"
 
     def to_dict(self) -> dict[str, object]:
-        """The fields as JSON values; recompute_layers, axis_order and etp only when set (plans
+        """The fields as JSON values; recompute_layers, axis_order, etp and pipeline_slots only
+        when set (plans
         made before they existed load, and save byte-identical)."""
         data = asdict(self)
         for name in ("recompute_layers", "axis_order"):
@@ -215,4 +238,8 @@ class ParallelConfig:
                 del data[name]
         if data["etp"] == 1:
             del data["etp"]
+        if not data["pipeline_slots"]:
+            del data["pipeline_slots"]
+        else:
+            data["pipeline_slots"] = list(data["pipeline_slots"])
         return data

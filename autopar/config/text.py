@@ -10,10 +10,11 @@ alternatives print). Out: the ParallelConfig, checked by `ParallelConfig.validat
 cluster). Invariant: ``parse_config(cfg.as_text()) == cfg`` for every valid config.
 
 Grammar: items separated by commas, spaces or ``|``; an item is ``key=value`` (a field name
-or a short name: zero, mbs, v, sp, order), a bare schedule name, or ``+sp``. ``recompute``
+or a short name: zero, mbs, v, sp, order, slots), a bare schedule name, or ``+sp``. ``recompute``
 takes ``policy`` or ``policy:k`` (k = recompute_layers). ``order`` / ``axis_order`` take the
 four axes innermost first, joined by commas (``order=fsdp,tp,cp,dp``): the axis names after it
-continue it. Every error names the item it could not read.
+continue it. ``slots`` / ``pipeline_slots`` take ``embedding``, ``loss`` or
+``embedding+loss``. Every error names the item it could not read.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from autopar.config.parallel import DEFAULT_AXIS_ORDER, RECOMPUTE, SCHEDULES, Pa
 from autopar.errors import AutoparError, ConfigError
 
 ALIASES = {"zero": "zero_stage", "mbs": "micro_batch_size", "v": "virtual_stages",
-           "sp": "sequence_parallel", "order": "axis_order"}  # fmt: skip
+           "sp": "sequence_parallel", "order": "axis_order",
+           "slots": "pipeline_slots"}  # fmt: skip
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
 _SEPARATORS = str.maketrans({",": " ", "|": " "})
@@ -77,6 +79,8 @@ def parse_config(text: str) -> ParallelConfig:
                 _put(values, "recompute_layers", _integer(layers, item), item)
         elif key == "schedule":
             _put(values, key, _choice(raw, SCHEDULES, item), item)
+        elif key == "pipeline_slots":  # embedding+loss, embedding, loss, or none
+            _put(values, key, () if raw == "none" else tuple(raw.split("+")), item)
         elif key == "sequence_parallel":
             if raw.lower() not in _TRUE + _FALSE:
                 raise AutoparError(f"--config: {item!r}: sequence_parallel wants true or false")

@@ -6,7 +6,9 @@ and the names of the layers the recompute policy wraps. Pure functions: the esti
 their results.
 
 Chunks: the blocks (repeated layers) split into pp * v contiguous groups; the layers before
-the first block ride on chunk 0, those after the last block on the last chunk. Megatron's even
+the first block ride on chunk 0, those after the last block on the last chunk. With
+`ParallelConfig.pipeline_slots` the embedding and/or the loss count as one block each in the
+(even) split, so chunk 0 or the last may hold no block at all. Megatron's even
 split puts the extra blocks in the middle chunks; the balanced split minimises the slowest
 chunk's forward + backward (`linear_partition`), the embedding and the head counting with the
 first and last block. Chunk k runs on stage k mod pp (interleaved schedules), or on the V of
@@ -39,24 +41,35 @@ def split_chunks(
     n_chunks = cfg.pp * cfg.virtual_stages
     if n_chunks == 1:
         return [list(layers)]
-    if len(blocks) < n_chunks:
+    slots = cfg.pipeline_slots
+    if len(blocks) + len(slots) < n_chunks:  # `solve.space.shape_problems` says it first
+        counted = f" (+ the {'+'.join(slots)} slots)" if slots else ""
         raise ConfigError(
             f"pp={cfg.pp} x virtual_stages={cfg.virtual_stages} = {n_chunks} model chunks "
-            f"but the model has {len(blocks)} repeated layers to split"
+            f"but the model has {len(blocks)} repeated layers{counted} to split"
         )
-    if balanced_sizes is not None:
+    if slots:  # Megatron's even split of the blocks and the slots; a slot is no block
+        sizes = even_sizes(len(blocks) + len(slots), n_chunks)
+        sizes[0] -= "embedding" in slots
+        sizes[-1] -= "loss" in slots
+    elif balanced_sizes is not None:
         sizes = balanced_sizes(blocks, n_chunks)
-    else:  # Megatron's even split; extra blocks go to the middle chunks
-        base, extra = divmod(len(blocks), n_chunks)
-        middle = (n_chunks - extra) // 2
-        sizes = [base + (1 if middle <= k < middle + extra else 0) for k in range(n_chunks)]
+    else:
+        sizes = even_sizes(len(blocks), n_chunks)
     ends, count = [], 0
     for size in sizes:
-        count += size
-        ends.append(blocks[count - 1] + 1)
+        count += size  # a chunk of no block (an embedding slot) ends before the first
+        ends.append(blocks[count - 1] + 1 if count else blocks[0])
     ends[-1] = len(layers)  # layers after the last block ride on the last chunk
     starts = [0, *ends[:-1]]  # and those before the first block on the first
     return [list(layers[s:e]) for s, e in zip(starts, ends, strict=True)]
+
+
+def even_sizes(units: int, n_chunks: int) -> list[int]:
+    """Megatron's even split of ``units`` over ``n_chunks``: the extra ones to the middle."""
+    base, extra = divmod(units, n_chunks)
+    middle = (n_chunks - extra) // 2
+    return [base + (1 if middle <= k < middle + extra else 0) for k in range(n_chunks)]
 
 
 def chunk_weights(work: list[float], blocks: list[int]) -> list[float]:

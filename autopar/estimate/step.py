@@ -368,7 +368,12 @@ class Estimator:
         # schedule: `StageTimer.stage_times` adds it
         zero = 3 if cfg.zero_stage == 3 and zero3_apart else 0
         return replace(
-            cfg, zero_stage=zero, schedule="1f1b", virtual_stages=1, recompute_layers=None
+            cfg,
+            zero_stage=zero,
+            schedule="1f1b",
+            virtual_stages=1,
+            recompute_layers=None,
+            pipeline_slots=(),
         )
 
     def layer_times(self, cfg: ParallelConfig, mesh: MeshGroups) -> dict[str, LayerTime]:
@@ -433,7 +438,7 @@ class Estimator:
         key = self.times_key(cfg, self._zero3_apart)
         if self._times_cache.get(key) is not times:
             return self._split(cfg, times)
-        key = (key, cfg.pp, cfg.virtual_stages)
+        key = (key, cfg.pp, cfg.virtual_stages, cfg.pipeline_slots)
         if key not in self._chunks_cache:
             self._chunks_cache[key] = self._split(cfg, times)
         return self._chunks_cache[key]

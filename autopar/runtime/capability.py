@@ -76,7 +76,7 @@ from autopar.runtime.low_precision import (
 from autopar.runtime.parts import has_parts, sliding_window
 from autopar.runtime.split_check import CheckedRoles, checked_roles
 from autopar.runtime.tensor_parallel import find_blocks, tp_plan, unsplit_block
-from autopar.runtime.traced_stages import traced_blocks, why_no_block_list
+from autopar.runtime.traced_stages import NO_LOSS_SLOT, traced_blocks, why_no_block_list
 from autopar.solve.space import SpaceLimits
 from autopar.tracing import ModelGraph
 
@@ -349,6 +349,8 @@ def runtime_problems(
             )
         elif cut not in ("parts", "traced"):
             out.append(f"pp={config.pp}: {cut}")
+        if cut == "traced" and "loss" in config.pipeline_slots:
+            out.append(NO_LOSS_SLOT.format(name=name))
     if config.cp > 1 and (why := _cp_problem(model, seq_len, attention)):
         out.append(f"cp={config.cp}: {why}")
     if config.ep > 1 and not _dispatches_experts(model):

@@ -147,8 +147,16 @@ def layout_for(
     blocks_path, n = pipeline_blocks(model)
     schedule = schedule or config.schedule
     style = SCHEDULES[schedule].style if schedule in SCHEDULES else "loop"
-    if stage_layers is None:
-        return even_layout(n, config.pp, config.virtual_stages, style)  # type: ignore[arg-type]
+    if stage_layers is None or config.pipeline_slots:
+        # with slots the plan's stages cannot show a chunk that holds no block: the even
+        # split is the estimator's (`estimate.stages.split_chunks`), so rebuild it
+        return even_layout(
+            n,
+            config.pp,
+            config.virtual_stages,
+            style,
+            config.pipeline_slots,  # type: ignore[arg-type]
+        )
     return layout_from_stages(
         stage_layers,
         blocks_path,

@@ -6,7 +6,10 @@ model chunk holds and which pipeline rank runs it) and this rank's pp index. Out
 index).
 
 Layout. The blocks are cut into `num_chunks = pp * virtual_stages` consecutive chunks (uneven
-sizes allowed); the embedding rides on chunk 0 and the head on the last chunk. Chunk k runs on
+sizes allowed); the embedding rides on chunk 0 and the head on the last chunk. With pipeline
+slots (`ParallelConfig.pipeline_slots`, Megatron's account_for_*_in_pipeline_split) the
+embedding and the loss count as a block each in the even split, so chunk 0 may hold the
+embedding alone and the last chunk the head alone. Chunk k runs on
     pp rank k mod pp                      "loop" (GPipe, 1F1B, interleaved 1F1B, zero-bubble)
     pp rank k, or 2*pp - 1 - k for k >= pp   "v"  (DualPipeV, ZBV): the V of DeepSeek-V3
 as `autopar.estimate.step` places them, so a plan's `stages[i].layers` read back to the same
@@ -27,7 +30,7 @@ gradient norm (`StageModule.tied_copies`).
 
 Public functions:
     ChunkLayout(pp, bounds, style)            .stage_of(k), .chunks_on(pp_rank), .as_text()
-    even_layout(num_blocks, pp, virtual_stages=1, style="loop") -> ChunkLayout
+    even_layout(num_blocks, pp, virtual_stages=1, style="loop", slots=()) -> ChunkLayout
     layout_from_sizes(sizes, pp, style="loop") -> ChunkLayout
     layout_from_stages(stage_layers, blocks_path, num_blocks, pp, virtual_stages, style)
     build_stage_modules(model, layout, pp_rank, parts=None) -> list[StageModule]
@@ -45,6 +48,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from autopar.estimate.stages import even_sizes
 from autopar.runtime.parts import ModelParts, default_positions, parts_of, tied_parameters
 
 Style = Literal["loop", "v"]
@@ -68,12 +72,17 @@ class ChunkLayout:
             raise ValueError(f"ChunkLayout: a V needs 2 * pp = {2 * self.pp} chunks, got {n}")
         stop = 0
         for k, (a, b) in enumerate(self.bounds):
-            if a != stop or b <= a:
+            # the first and last chunk may hold only the embedding or the head (pipeline slots)
+            empty_ok = n > 1 and k in (0, n - 1)
+            if a != stop or b < a or (b == a and not empty_ok):
                 raise ValueError(
                     f"ChunkLayout: chunk {k} holds blocks [{a}, {b}), expected a non-empty "
-                    f"range starting at block {stop} (chunks must be consecutive)"
+                    f"range starting at block {stop} (chunks must be consecutive; only the "
+                    "first and the last may be empty)"
                 )
             stop = b
+        if self.num_blocks == 0:
+            raise ValueError("ChunkLayout: the chunks hold no block")
 
     @property
     def num_chunks(self) -> int:
@@ -99,7 +108,7 @@ class ChunkLayout:
 
     def as_text(self) -> str:
         parts = [
-            f"chunk {k} blocks {a}-{b - 1} on pp {self.stage_of(k)}"
+            f"chunk {k} {f'blocks {a}-{b - 1}' if b > a else 'no block'} on pp {self.stage_of(k)}"
             for k, (a, b) in enumerate(self.bounds)
         ]
         return f"pipeline ({self.style}, pp={self.pp}): " + "; ".join(parts)
@@ -115,18 +124,24 @@ def layout_from_sizes(sizes: Sequence[int], pp: int, style: Style = "loop") -> C
 
 
 def even_layout(
-    num_blocks: int, pp: int, virtual_stages: int = 1, style: Style = "loop"
+    num_blocks: int,
+    pp: int,
+    virtual_stages: int = 1,
+    style: Style = "loop",
+    slots: Sequence[str] = (),
 ) -> ChunkLayout:
-    """Megatron's even split (the extra blocks to the middle chunks), as the estimator's."""
+    """Megatron's even split (the extra blocks to the middle chunks), as the estimator's
+    (`autopar.estimate.stages.split_chunks`); ``slots`` (`ParallelConfig.pipeline_slots`)
+    count the embedding and/or the loss as a block each in the split."""
     n = pp * virtual_stages
-    if num_blocks < n:
+    if num_blocks + len(slots) < n:
         raise ValueError(
             f"pp={pp} x virtual_stages={virtual_stages} = {n} chunks but the model has "
-            f"{num_blocks} blocks"
+            f"{num_blocks} blocks" + (f" (+ {len(slots)} slots)" if slots else "")
         )
-    base, extra = divmod(num_blocks, n)
-    middle = (n - extra) // 2
-    sizes = [base + (1 if middle <= k < middle + extra else 0) for k in range(n)]
+    sizes = even_sizes(num_blocks + len(slots), n)
+    sizes[0] -= "embedding" in slots
+    sizes[-1] -= "loss" in slots
     return layout_from_sizes(sizes, pp, style)
 
 

@@ -317,6 +317,15 @@ def _ties(model: nn.Module, held: list[set[str]]) -> tuple[tuple[str, str], ...]
     return tuple(out)
 
 
+# the traced cut marks a chunk's start at a block; a last chunk of no block starts at the
+# head, a module the trace does not name
+NO_LOSS_SLOT = (
+    "a loss slot (pipeline_slots with 'loss': the head in a chunk of its own) needs a "
+    "ModelParts entry (autopar.runtime.parts) to find {name}'s head; its traced cut starts "
+    "chunks at blocks only (the embedding slot is fine)"
+)
+
+
 def traced_chunks(
     model: nn.Module,
     forward: Forward,
@@ -343,6 +352,8 @@ def traced_chunks(
     path, num_blocks = require_blocks(model)
     if layout.num_blocks != num_blocks:
         raise ValueError(f"the layout cuts {layout.num_blocks} blocks, the model has {num_blocks}")
+    if layout.bounds[-1][0] == layout.bounds[-1][1]:
+        raise ValueError(NO_LOSS_SLOT.format(name=type(model).__name__))
     spec = {f"{path}.{a}": SplitPoint.BEGINNING for a, _ in layout.bounds[1:]}
     root = _Root(model, forward)
     annotate_split_points(root, spec)  # each chunk's first block marks a cut when traced

@@ -7,7 +7,8 @@ parallel ranks split into dp x fsdp (fsdp > 1 with ZeRO 1, 2 or 3; both > 1 is H
 dp x fsdp x cp (the runtime folds it over those ranks, cp first; with fsdp the experts are sharded
 over the ranks holding the same ones; not searched with HSDP) and the number of experts. Per
 degree choice: sequence parallelism on or off with tp, micro-batch size, schedule (and virtual
-stages) with pp, recompute policy.
+stages, and pipeline slots where they make the chunks possible or even: `_slot_choices`) with
+pp, recompute policy.
 Per recompute policy (full, selective), `recompute_layer_choices` gives the per-layer variants:
 the policy on only the first k blocks of each of the pp x v model chunks, k = 1 ..
 ceil(num_blocks / (pp x v)) (`blocks_per_chunk`); `inner_choices` yields the all-layer config
@@ -82,10 +83,18 @@ def shape_problems(cfg: ParallelConfig, lim: SpaceLimits) -> list[str]:
     if cfg.tp > 1 and lim.num_kv_heads and lim.num_kv_heads % cfg.tp:
         out.append(f"tp={cfg.tp} does not divide the model's {lim.num_kv_heads} key/value heads")
     chunks = cfg.pp * cfg.virtual_stages
-    if chunks > 1 and chunks > lim.num_blocks:
+    slots = len(cfg.pipeline_slots)
+    if chunks > 1 and chunks > lim.num_blocks + slots:
+        counted = f" (+ the {'+'.join(cfg.pipeline_slots)} slots)" if slots else ""
+        hint = ""
+        if not slots and chunks <= lim.num_blocks + 2:
+            hint = (
+                ": pipeline_slots=('embedding', 'loss') counts the embedding and the loss as "
+                "a layer each (Megatron's account_for_*_in_pipeline_split)"
+            )
         out.append(
             f"pp={cfg.pp} x virtual_stages={cfg.virtual_stages} = {chunks} model chunks but "
-            f"the model has {lim.num_blocks} repeated layers to split"
+            f"the model has {lim.num_blocks} repeated layers{counted} to split{hint}"
         )
     k = cfg.recompute_layers
     if k is not None and k > blocks_per_chunk(lim, cfg):
@@ -124,8 +133,9 @@ def shape_problems(cfg: ParallelConfig, lim: SpaceLimits) -> list[str]:
 
 def blocks_per_chunk(lim: SpaceLimits, cfg: ParallelConfig) -> int:
     """Repeated layers of the fullest model chunk under the even split: the most blocks
-    ``recompute_layers`` may name."""
-    return -(-lim.num_blocks // (cfg.pp * cfg.virtual_stages))
+    ``recompute_layers`` may name (the pipeline slots count in the split; the fullest chunk
+    is a middle one, which holds none)."""
+    return -(-(lim.num_blocks + len(cfg.pipeline_slots)) // (cfg.pp * cfg.virtual_stages))
 
 
 def recompute_layer_choices(lim: SpaceLimits, cfg: ParallelConfig) -> range:
@@ -225,6 +235,9 @@ def _expert_degrees(lim: SpaceLimits, dp: int, fsdp: int, cp: int) -> list[int]:
     return [e for e in divisors(dp * fsdp * cp) if lim.num_experts % e == 0]
 
 
+SLOTS = ("embedding", "loss")
+
+
 def axis_orders(
     degrees: tuple[int, int, int, int, int, int],
 ) -> list[tuple[str, ...] | None]:
@@ -272,7 +285,9 @@ def inner_choices(
         if lim.global_batch_size % per_step:
             continue
         m = lim.global_batch_size // per_step
-        for schedule, v in _schedules(pp, m, lim.num_blocks):
+        # a traced cut starts chunks at blocks: no chunk for the head alone (the loss slot)
+        counted = ("embedding",) if lim.pipeline_alone else SLOTS
+        for schedule, v, slots in _schedules(pp, m, lim.num_blocks, counted):
             for zero in zeros:
                 for sp, etp, recompute in product(sps, etps, ("none", "selective", "full")):
                     if recompute != "none" and pp > 1 and schedule in SPLIT_BACKWARD:
@@ -292,18 +307,36 @@ def inner_choices(
                         sequence_parallel=sp,
                         axis_order=axis_order,
                         etp=etp,
+                        pipeline_slots=slots,
                     )
 
 
-def _schedules(pp: int, m: int, num_blocks: int) -> list[tuple[str, int]]:
+def _schedules(
+    pp: int, m: int, num_blocks: int, slots: tuple[str, ...] = ("embedding", "loss")
+) -> list[tuple[str, int, tuple[str, ...]]]:
+    """(schedule, virtual stages, pipeline slots) for pp; a multi-chunk schedule also with
+    ``slots`` taking a chunk slot each (`_slot_choices`)."""
     if pp == 1:
-        return [("1f1b", 1)]
-    out = [("gpipe", 1), ("zero_bubble", 1)]
+        return [("1f1b", 1, ())]
+    out: list[tuple[str, int, tuple[str, ...]]] = [("gpipe", 1, ()), ("zero_bubble", 1, ())]
     if m >= pp:  # torch's Schedule1F1B needs as many micro-batches as stages
-        out.append(("1f1b", 1))
+        out.append(("1f1b", 1, ()))
     for v in (2, 3, 4):
-        if m % pp == 0 and num_blocks >= pp * v:
-            out.append(("interleaved_1f1b", v))
-    if m >= 2 * pp and num_blocks >= 2 * pp:
-        out.append(("dualpipe_v", 2))
+        if m % pp == 0:
+            out += [("interleaved_1f1b", v, s) for s in _slot_choices(num_blocks, pp * v, slots)]
+    if m >= 2 * pp:
+        out += [("dualpipe_v", 2, s) for s in _slot_choices(num_blocks, 2 * pp, slots)]
+    return out
+
+
+def _slot_choices(num_blocks: int, chunks: int, slots: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Pipeline slots worth pricing for ``chunks`` model chunks: none where the blocks fill
+    them; ``slots`` (the embedding and the loss as a layer each: Megatron's
+    account_for_*_in_pipeline_split) where that makes a split possible (len(slots) blocks
+    short at most) or even (126 layers + 2 over 32 or 64 chunks)."""
+    out: list[tuple[str, ...]] = [()] if num_blocks >= chunks else []
+    units = num_blocks + len(slots)
+    even = units % chunks == 0 and num_blocks % chunks != 0
+    if units >= chunks and (not out or even):
+        out.append(slots)
     return out

@@ -9,6 +9,8 @@
                           --num-distributed-optimizer-instances dp)
     zero_stage 3          --use-torch-fsdp2 (not with pp or ep: there the distributed optimizer)
     schedule              1F1B; interleaved with --num-virtual-stages-per-pipeline-rank
+    pipeline_slots        --account-for-embedding-in-pipeline-split, ...-loss-... (the same
+                          even split of blocks and slots)
     recompute=full:k      --recompute-granularity full --recompute-method block
                           --recompute-num-layers k (the first k blocks of each chunk: the same
                           rule as autopar's); every block: --recompute-method uniform, 1
@@ -142,9 +144,12 @@ def _schedule(plan: Plan, gaps: list[str]) -> list[str]:
             + ("interleaved" if c.virtual_stages > 1 else "1F1B")
             + " set (a larger bubble than planned)"
         )
+    out = []
     if c.virtual_stages > 1:
-        return ["--num-virtual-stages-per-pipeline-rank", str(c.virtual_stages)]
-    return []
+        out += ["--num-virtual-stages-per-pipeline-rank", str(c.virtual_stages)]
+    for slot in c.pipeline_slots:
+        out.append(f"--account-for-{slot}-in-pipeline-split")
+    return out
 
 
 def _recompute(plan: Plan, gaps: list[str]) -> list[str]:

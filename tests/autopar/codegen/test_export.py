@@ -188,6 +188,22 @@ def test_megatron_per_layer_recompute_is_megatrons_block_method(tiny):
     assert any("the model's shape" in gap for gap in export_plan(plan, "megatron").gaps)
 
 
+def test_megatron_pipeline_slots_are_megatrons_split_accounting(tiny):
+    """A layout the slots make possible (4 blocks, 6 chunks) reaches Megatron as its own
+    account-for-embedding/loss flags, and a plan without them sets neither."""
+    model, graph = tiny
+    cluster = autopar.Cluster.from_profile("dgx_h100", num_devices=2)
+    parser = _megatron_parser()
+    for slots, v in (((), 2), (("embedding", "loss"), 3)):
+        config = autopar.ParallelConfig(
+            pp=2, schedule="interleaved_1f1b", virtual_stages=v, pipeline_slots=slots
+        )
+        plan = autopar.evaluate(model, cluster, config, global_batch_size=8, graph=graph)
+        args = parser.parse_args(_megatron_argv(export_plan(plan, "megatron").text))
+        assert args.account_for_embedding_in_pipeline_split == bool(slots)
+        assert args.account_for_loss_in_pipeline_split == bool(slots)
+
+
 def _deepspeed_load(config: dict, data_parallel_ranks: int) -> dict:
     """DeepSpeed's own DeepSpeedConfig on ``config``, in a fresh interpreter with a one-rank
     gloo group (DeepSpeed reads the world from its communication backend); the data-parallel

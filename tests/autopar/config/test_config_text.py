@@ -27,6 +27,7 @@ HAND_MADE = [
     ParallelConfig(dp=4, tp=2, cp=2, ep=4, recompute="full", axis_order=("fsdp", "tp", "cp", "dp")),
     ParallelConfig(fsdp=2, tp=2, zero_stage=2, axis_order=("fsdp", "tp", "cp", "dp")),
     ParallelConfig(pp=4, schedule="gpipe", recompute="full", recompute_layers=12),
+    ParallelConfig(pp=2, schedule="1f1b", pipeline_slots=("loss",)),
 ]
 
 
@@ -58,7 +59,7 @@ def _searched() -> list[ParallelConfig]:
 def test_printed_configs_parse_back_equal() -> None:
     configs = HAND_MADE + _searched()
     assert len(configs) > 1000
-    seen = {"order=", "recompute=full:", "+sp", "v=2", "dualpipe_v", "ep=2"}
+    seen = {"order=", "recompute=full:", "+sp", "v=2", "dualpipe_v", "ep=2", "slots=embedding+loss"}
     texts = [cfg.as_text() for cfg in configs]
     assert all(any(s in t for t in texts) for s in seen)  # the space covers every form
     for cfg, text in zip(configs, texts, strict=True):
@@ -94,6 +95,8 @@ def test_key_value_spellings() -> None:
         ("tp=2,order=tp,cp,xp,dp", "'xp' is neither key=value"),
         ("recompute=none:2", "recompute_layers=2 needs recompute full or selective"),
         ("fsdp=2", "fsdp=2 shards nothing with zero_stage=0"),
+        ("pp=1 slots=embedding", "pipeline_slots=('embedding',) needs pp > 1"),
+        ("pp=2 slots=loss+embedding", "pipeline_slots must be one of (), ('embedding',)"),
     ],
 )
 def test_bad_text_names_the_bad_item(text: str, message: str) -> None:

@@ -147,3 +147,52 @@ def test_hf_llama_chunks_compose_to_the_model():
     torch.testing.assert_close(
         last(first(ids, positions=positions), positions=positions), want, rtol=0, atol=0
     )
+
+
+def test_pipeline_slots_give_the_embedding_and_the_head_chunks_of_their_own():
+    # Megatron's account_for_embedding/loss_in_pipeline_split: 2 blocks + 2 slots, 4 chunks
+    layout = even_layout(2, pp=2, virtual_stages=2, slots=("embedding", "loss"))
+    assert layout.bounds == ((0, 0), (0, 1), (1, 2), (2, 2))
+    assert "chunk 0 no block on pp 0" in layout.as_text()
+    assert even_layout(6, pp=2, slots=("embedding",)).bounds == ((0, 3), (3, 6))
+    with pytest.raises(ValueError, match="4 chunks but the model has 1 blocks \\(\\+ 2 slots\\)"):
+        even_layout(1, pp=2, virtual_stages=2, slots=("embedding", "loss"))
+    with pytest.raises(ValueError, match="only the first and the last may be empty"):
+        ChunkLayout(2, ((0, 1), (1, 1), (1, 2), (2, 3)))
+    model = zoo.build("gpt-tiny", num_layers=2)  # a tied head: the last chunk's own copy
+    (ids,) = zoo.example_inputs("gpt-tiny", model, batch_size=2)
+    want = model(ids)
+    chunks = {c.chunk: c for r in range(2) for c in build_stage_modules(model, layout, r)}
+    assert "tok_emb.weight" in chunks[0].state_dict()
+    assert "lm_head.weight" in chunks[3].state_dict()
+    for k in (0, 3):
+        assert not [name for name in chunks[k].state_dict() if name.startswith("blocks.")]
+    h = ids
+    for k in range(4):
+        h = chunks[k](h)
+    torch.testing.assert_close(h, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "dualpipe_v"])
+def test_pipeline_slots_plan_and_layout_agree(schedule: str):
+    """The estimator's chunks under slots are the runtime's: the plan's stages hold the
+    blocks the layout puts on them, and a config the slots make possible is priced."""
+    model = zoo.build("llama-tiny", device="meta", num_layers=2)
+    cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=2)
+    inputs = zoo.example_inputs("llama-tiny", model)
+    bare = ParallelConfig(pp=2, schedule=schedule, virtual_stages=2)
+    with pytest.raises(autopar.ConfigError, match="pipeline_slots=\\('embedding', 'loss'\\)"):
+        autopar.evaluate(model, cluster, bare, inputs, global_batch_size=8)
+    config = ParallelConfig(
+        pp=2, schedule=schedule, virtual_stages=2, pipeline_slots=("embedding", "loss")
+    )
+    plan = autopar.evaluate(model, cluster, config, inputs, global_batch_size=8)
+    layout = layout_for(config, model, [s.layers for s in plan.stages])
+    assert layout.bounds == ((0, 0), (0, 1), (1, 2), (2, 2))
+    for stage in plan.stages:
+        held = [
+            f"layers.{i}" for k in layout.chunks_on(stage.index) for i in range(*layout.bounds[k])
+        ]
+        assert held == [n for n in stage.layers if n.startswith("layers.")]
+    assert "embed_tokens" in plan.stages[layout.stage_of(0)].layers
+    assert plan.stages[layout.stage_of(3)].layers[-1] == "lm_head"

@@ -1,6 +1,7 @@
 """PP2 through `trainer.train` trains exactly as one process: GPT (tied head), Llama, HF Llama
 and MoE under every torch schedule (GPipe, 1F1B, interleaved, zero-bubble, ZBV, DualPipeV) and
-uneven cuts given as the plan's stage layer lists, full and selective recompute inside the
+uneven cuts given as the plan's stage layer lists, the embedding and the head in chunks of
+their own (pipeline slots), full and selective recompute inside the
 chunks; 2 gloo ranks, one spawn."""
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ CASES = [
     pp2("moe-tiny", "interleaved_1f1b", 2),
     pp2("gpt-tiny", "1f1b", recompute="full"),
     pp2("llama-tiny", "interleaved_1f1b", 2, recompute="selective"),
+] + [  # the embedding and the loss in chunks of their own (pipeline slots): 2 blocks, 4 chunks
+    Case(
+        model,
+        C(pp=2, schedule=schedule, virtual_stages=2, pipeline_slots=("embedding", "loss")),
+        overrides={"num_layers": 2},
+    )
+    for model, schedule in (("gpt-tiny", "interleaved_1f1b"), ("llama-tiny", "dualpipe_v"))
 ]
 
 

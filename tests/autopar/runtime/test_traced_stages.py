@@ -85,3 +85,31 @@ def test_a_model_without_one_list_of_blocks_is_told_why():
     assert why_no_block_list(nn.Sequential(nn.Linear(4, 4))) == (
         "it has no nn.ModuleList of repeated blocks"
     )
+
+
+def test_an_embedding_slot_cuts_from_the_trace_and_a_loss_slot_is_refused():
+    """pipeline_slots on a model without a ModelParts entry: the embedding's chunk of its own
+    (no block) is cut before block 0; the head's would start at a module the trace does not
+    name, so that layout is refused by name."""
+
+    class Net3(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = nn.ModuleList(Block(8) for _ in range(3))
+
+    ids = torch.randint(0, 16, (2, 5))
+    want = Net3()(ids)
+    layout = even_layout(3, pp=2, virtual_stages=2, slots=("embedding",))
+    assert layout.bounds[0] == (0, 0)
+    chunks = {}
+    for rank in range(2):
+        for chunk in traced_chunks(Net3(), _call_any, (ids,), layout, rank)[0]:
+            chunks[chunk.chunk] = chunk
+    out: tuple | torch.Tensor = (ids,)
+    for k in range(4):
+        out = chunks[k](*out) if isinstance(out, tuple) else chunks[k](out)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    loss = even_layout(3, pp=2, virtual_stages=2, slots=("loss",))
+    with pytest.raises(ValueError, match="a loss slot .* needs a ModelParts entry .* Net3"):
+        traced_chunks(Net3(), _call_any, (ids,), loss, 0)
