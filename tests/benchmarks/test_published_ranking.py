@@ -1,0 +1,54 @@
+"""benchmarks/published_grids.py's ranking: measured rows the noise cannot order are ties, a
+grid of ties only is left out of Spearman (its pick still counts), an ordered grid is ranked."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import published_grids as pg  # noqa: E402
+
+
+def test_noise_ties_merge_rows_within_the_tolerance_of_a_runs_smallest():
+    assert pg.noise_ties([1.0, 1.5, 1.01]) == pytest.approx([1.005, 1.5, 1.005])
+    # no chaining: 1.03 is 3% from 1.00, so it starts a run of its own
+    assert pg.noise_ties([1.0, 1.015, 1.03]) == pytest.approx([1.0075, 1.0075, 1.03])
+    assert pg.noise_ties([1.0, 1.05, 1.10]) == [1.0, 1.05, 1.10]  # 5% apart: an order
+    assert pg.noise_ties([2.0, 1.0], tolerance=1.0) == [1.5, 1.5]
+
+
+def _rows(grid: str, measured: list[float], predicted: list[float]) -> list[pg.Priced]:
+    return [
+        pg.Priced(
+            f"{grid}#{i}", grid, "s", "c", m, p, 1.0, 1.0, 2.0, tokens_per_step=1, num_devices=1
+        )
+        for i, (m, p) in enumerate(zip(measured, predicted, strict=True), 1)
+    ]
+
+
+def test_a_grid_within_the_noise_is_not_ranked_and_an_ordered_one_is():
+    # measured 1% apart, predicted in the opposite order: no order to get wrong
+    noise = _rows("NOISE", [10.0, 10.1, 10.2], [3.0, 2.0, 1.0])
+    # measured 10% apart, predicted in the opposite order: Spearman -1
+    wrong = _rows("WRONG", [10.0, 11.0, 12.1], [3.0, 2.0, 1.0])
+    lines = pg.summary(noise + wrong)
+    assert any("grid NOISE: 3 rows, all within 2% of the best" in line and "no Spearman" in line
+               for line in lines)  # fmt: skip
+    assert any("grid WRONG: 3 rows, Spearman -1.00, pick +21.0%" in line for line in lines)
+    ranking = next(line for line in lines if line.startswith("ranking:"))
+    assert "1 grids of >= 3 rows ordered beyond the noise, Spearman min -1.00" in ranking
+    assert "1 grids all ties" in ranking and "pick worst +21.0% over 2 grids" in ranking
+
+
+def test_a_tie_is_ordered_as_predicted_and_never_costs_spearman():
+    # 10.0 and 10.1 tie; 12.0 is beyond the noise
+    tied = pg.noise_ties([10.1, 10.0, 12.0])
+    assert pg.ranks_within_noise(tied, [1.0, 2.0, 3.0]) == [0.0, 1.0, 2.0]
+    assert pg.spearman([1.0, 2.0, 3.0], pg.ranks_within_noise(tied, [1.0, 2.0, 3.0])) == 1.0
+    # the prediction's order of the row beyond the noise still counts
+    wrong = [3.0, 2.0, 1.0]
+    assert pg.spearman(wrong, pg.ranks_within_noise(tied, wrong)) == pytest.approx(-0.5)
