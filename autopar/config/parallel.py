@@ -17,7 +17,10 @@ the other blocks keep their activations; None applies it to every layer.
 ``pipeline_slots`` makes the embedding and/or the loss (the head) count as a repeated layer
 when the blocks are split over the pp * virtual_stages chunks (Megatron's
 account_for_embedding/loss_in_pipeline_split: 126 layers + 2 slots over 128 chunks; the first
-or last chunk may then hold no block). ``axis_order`` lays
+or last chunk may then hold no block). ``offload_layers`` k keeps the saved activations of the
+first k blocks of each model chunk in host memory between their forward and backward
+(copied out and back over the host link, overlapped with the next block's compute).
+``axis_order`` lays
 the non-pipeline axes on the ranks, innermost (stride 1) first, pp always outermost: None is
 `DEFAULT_AXIS_ORDER` (tp, cp, fsdp, dp: tensor parallelism inside a node first); e.g.
 ("fsdp", "tp", "cp", "dp") puts fsdp inside the node and tp across nodes.
@@ -78,6 +81,10 @@ class ParallelConfig:
     # (Megatron's account_for_embedding/loss_in_pipeline_split): () or ("embedding",),
     # ("loss",), ("embedding", "loss"). Left out of to_dict() when empty.
     pipeline_slots: tuple[str, ...] = ()
+    # activation offloading: the first k blocks of each model chunk keep their saved
+    # activations in host memory between forward and backward (Megatron's
+    # cpu_offloading_num_layers; torch's save_on_cpu). 0: none. Left out of to_dict() when 0.
+    offload_layers: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.axis_order, list):  # as plan.json spells it
@@ -151,6 +158,9 @@ class ParallelConfig:
                 f"backward passes, which recompute={self.recompute} cannot serve (torch's "
                 "checkpointing recomputes per pass); use 1f1b, interleaved_1f1b or gpipe"
             )
+        off = self.offload_layers
+        if isinstance(off, bool) or not isinstance(off, int) or off < 0:
+            out.append(f"offload_layers must be an integer >= 0, got {off!r}")
         k = self.recompute_layers
         if k is not None:
             if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -219,6 +229,8 @@ class ParallelConfig:
             extras += f" order={','.join(self.axis_order)}"
         if self.pipeline_slots:
             extras += f" slots={'+'.join(self.pipeline_slots)}"
+        if self.offload_layers:
+            extras += f" offload={self.offload_layers}"
         return f"{degrees} | {extras}"
 
     @property
@@ -229,8 +241,8 @@ class ParallelConfig:
         return f"{self.recompute}:{self.recompute_layers}"
 
     def to_dict(self) -> dict[str, object]:
-        """The fields as JSON values; recompute_layers, axis_order, etp and pipeline_slots only
-        when set (plans
+        """The fields as JSON values; recompute_layers, axis_order, etp, pipeline_slots and
+        offload_layers only when set (plans
         made before they existed load, and save byte-identical)."""
         data = asdict(self)
         for name in ("recompute_layers", "axis_order"):
@@ -238,6 +250,8 @@ class ParallelConfig:
                 del data[name]
         if data["etp"] == 1:
             del data["etp"]
+        if not data["offload_layers"]:
+            del data["offload_layers"]
         if not data["pipeline_slots"]:
             del data["pipeline_slots"]
         else:

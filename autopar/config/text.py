@@ -9,12 +9,13 @@ In: a string in either of two spellings, or a mix of them,
 alternatives print). Out: the ParallelConfig, checked by `ParallelConfig.validate` (without a
 cluster). Invariant: ``parse_config(cfg.as_text()) == cfg`` for every valid config.
 
-Grammar: items separated by commas, spaces or ``|``; an item is ``key=value`` (a field name
-or a short name: zero, mbs, v, sp, order, slots), a bare schedule name, or ``+sp``. ``recompute``
-takes ``policy`` or ``policy:k`` (k = recompute_layers). ``order`` / ``axis_order`` take the
-four axes innermost first, joined by commas (``order=fsdp,tp,cp,dp``): the axis names after it
-continue it. ``slots`` / ``pipeline_slots`` take ``embedding``, ``loss`` or
-``embedding+loss``. Every error names the item it could not read.
+Grammar: items separated by commas, spaces or ``|``; an item is ``key=value`` (a field name or
+a short name: zero, mbs, v, sp, order, slots, offload), a bare schedule name, or ``+sp``.
+``recompute`` takes ``policy`` or ``policy:k`` (k = recompute_layers). ``order`` /
+``axis_order`` take the four axes innermost first, joined by commas (``order=fsdp,tp,cp,dp``):
+the axis names after it continue it. ``slots`` / ``pipeline_slots`` take ``embedding``,
+``loss`` or ``embedding+loss``.
+Every error names the item it could not read.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from autopar.errors import AutoparError, ConfigError
 
 ALIASES = {"zero": "zero_stage", "mbs": "micro_batch_size", "v": "virtual_stages",
            "sp": "sequence_parallel", "order": "axis_order",
-           "slots": "pipeline_slots"}  # fmt: skip
+           "slots": "pipeline_slots", "offload": "offload_layers"}  # fmt: skip
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
 _SEPARATORS = str.maketrans({",": " ", "|": " "})

@@ -17,7 +17,9 @@ Peak memory of a stage (`StageMemory.stage_phases(...).peak()`):
                   and fsdp > 1 the experts over the dp x fsdp x cp / ep ranks holding the
                   same ones (`expert_shard_ways`) (`cost_models.memory.model_state_bytes`)
     activations   a_l under the layer's recompute policy, per micro-batch, times the
-                  micro-batches in flight n; where autocast computes over fp32 parameters
+                  micro-batches in flight n (an offloaded block's, `offload_layers`, wait in
+                  host memory instead: two of the largest such on the device, one going out
+                  and one coming back, under buffers); where autocast computes over fp32 parameters
                   (fsdp == 1, mixed precision), its bf16 weight copies,
                   `autocast_weight_bytes` per parameter of the layers not recomputed whole
                   (all of a pipeline stage's: one region over the step); saved activations
@@ -356,13 +358,15 @@ class StageMemory:
         inflight: float,
         recomputed: frozenset[str] | None = None,
         microbatches: int | None = None,
+        offloaded: frozenset[str] = frozenset(),
     ) -> StagePhases:
         """A stage holding ``layers`` with ``inflight`` micro-batches of activations, at the
         loss's peak and at a block's backward (its peak memory: ``.peak()``); ``recomputed``
         names the layers the recompute policy applies to (None: all); ``microbatches`` a step
-        runs (None: several)."""
+        runs (None: several); ``offloaded`` the blocks whose saved activations wait in host
+        memory (`stages.offloaded_layers`)."""
         state, per_mb, transient, logits, fp32_copies, buffers, copies = self._stage_parts(
-            cfg, layers, recomputed
+            cfg, layers, recomputed, offloaded
         )
         o = self.options
         one_fp32 = logits / PRECISION_BYTES[self.precision] * 4  # one logit-sized fp32 tensor
@@ -383,7 +387,11 @@ class StageMemory:
         )
 
     def _stage_parts(
-        self, cfg: ParallelConfig, layers: list[LayerTable], recomputed: frozenset[str] | None
+        self,
+        cfg: ParallelConfig,
+        layers: list[LayerTable],
+        recomputed: frozenset[str] | None,
+        offloaded: frozenset[str] = frozenset(),
     ) -> tuple[ModelStateBytes, float, float, float, float, float, float]:
         """(model state, activations per micro-batch, the largest recompute transient, logit
         bytes, the fp32 logit-sized tensors at the loss, communication buffers, autocast's
@@ -393,7 +401,7 @@ class StageMemory:
         first = self.tables.layers[0].name
         key = (cfg, tuple(
             (t.class_id if t.kind == "block" else t.name, t.name == first,
-             recomputed is None or t.name in recomputed)
+             recomputed is None or t.name in recomputed, t.name in offloaded)
             for t in layers
         ))  # fmt: skip
         cached = self._stage_cache.get(key)
@@ -403,17 +411,17 @@ class StageMemory:
         state = self.model_state(cfg, layers)
         b, t, c = cfg.micro_batch_size, cfg.tp, cfg.cp
         pbytes = PRECISION_BYTES[self.precision]
-        per_mb = transient = logits = cast = 0.0
+        per_mb = transient = logits = cast = staged = 0.0
         fp32_copies = self.options.logit_fp32_copies
         # autocast over fp32 parameters: without FSDP2's bf16 gathers, in mixed precision
         casts = cfg.fsdp == 1 and self.precision != "fp32" and self.options.autocast_weight_bytes
-        up_proj = cfg.recompute == "none" and self.options.recompute_up_projections
         for table in layers:
-            policy = "up_proj" if up_proj else cfg.recompute
-            if recomputed is not None and table.name not in recomputed:
-                policy = "none"
+            policy = self.policy(cfg, table, recomputed)
             kept, none = (self.activation_bytes(cfg, table, p) for p in (policy, "none"))
-            per_mb += kept
+            if table.name in offloaded:  # in host memory between its forward and backward
+                staged = max(staged, kept)
+            else:
+                per_mb += kept
             transient = max(transient, none - kept)
             split = t if table.vocab_split else 1  # the logits' vocabulary over tp
             logits += table.vocab_logits_bytes * b / (split * c) * self.act_scale
@@ -434,11 +442,26 @@ class StageMemory:
             buffers = 2 * min(self.options.ddp_bucket_bytes, params * self.options.grad_bytes)
         else:  # no data parallelism: no gradient buckets
             buffers = 0.0
+        # offloading: a block's activations on the device while they are copied out, and the
+        # next one's while they are copied back in, at most one of each at a time
+        buffers += 2 * staged
         if len(self._stage_cache) > 100_000:  # a long search's: bound the memory it holds
             self._stage_cache.clear()
         parts = (state, per_mb, transient, logits, fp32_copies, buffers, copies)
         cached = self._stage_cache[key] = parts
         return cached
+
+    def policy(
+        self, cfg: ParallelConfig, table: LayerTable, recomputed: frozenset[str] | None
+    ) -> str:
+        """The recompute policy ``table`` runs under: the config's where ``recomputed`` names
+        it (None: every layer), else none ("up_proj" where the stack recomputes MLA's
+        up-projections without a policy)."""
+        if recomputed is not None and table.name not in recomputed:
+            return "none"
+        if cfg.recompute == "none" and self.options.recompute_up_projections:
+            return "up_proj"
+        return cfg.recompute
 
     def _matmul_share(self, table: LayerTable) -> float:
         """The share of ``table``'s parameters that are matmul weights (autocast casts those,

@@ -25,6 +25,10 @@ class CostOptions:
     overlap_param_gather: bool = False
     # FSDP prefetches the next layer's parameters while the current one computes.
     fsdp_prefetch: bool = True
+    # activation offloading copies on a side stream, beside the next layer's compute
+    # (TransformerEngine's CPU offload); False: on the compute stream (torch's save_on_cpu,
+    # autopar's runtime), every byte's copy time exposed.
+    offload_overlap: bool = False
     # ZeRO-3 gathers each parameter tensor with its own collective (DeepSpeed 2021) instead of
     # one flat collective per layer (FSDP units): each call pays the group's latency.
     fsdp_per_tensor: bool = False

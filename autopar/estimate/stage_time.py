@@ -106,11 +106,13 @@ class StageTimer:
         recomputed: frozenset[str] | None = None,
         first_chunk: list[LayerTable] | tuple[()] = (),
         microbatches: int = 1,
+        offloaded: frozenset[str] = frozenset(),
     ) -> StageTimes:
         """Per micro-batch sums of ``layers``' times, and what the stage adds to them: the
         split backward's host time (its blocks outside ``first_chunk``, model chunk 0: kept
-        out of the layer times, which configs of every schedule share) and exposed FSDP
-        (`_fsdp_exposed`, over the step's ``microbatches``)."""
+        out of the layer times, which configs of every schedule share), exposed FSDP
+        (`_fsdp_exposed`, over the step's ``microbatches``) and the ``offloaded`` blocks'
+        host copies the compute does not hide (`_offload_exposed`)."""
         lt = [times[t.name] for t in layers]
         out = {
             "compute_forward": sum(x.compute_forward_s for x in lt),
@@ -144,7 +146,41 @@ class StageTimer:
         out["fsdp_comm"] = fsdp_f + fsdp_b
         out["forward"] += fsdp_f
         out["backward"] += fsdp_b
+        if offloaded:
+            off_f, off_b = self._offload_exposed(cfg, layers, times, recomputed, offloaded)
+            out["offload"] = off_f + off_b
+            out["forward"] += off_f
+            out["backward"] += off_b
         return out
+
+    def _offload_exposed(
+        self,
+        cfg: ParallelConfig,
+        layers: list[LayerTable],
+        times: dict[str, LayerTime],
+        recomputed: frozenset[str] | None,
+        offloaded: frozenset[str],
+    ) -> tuple[float, float]:
+        """The host copies of the offloaded blocks' saved activations that compute does not
+        hide, forward and backward, per micro-batch, at the profile's host copy bandwidth per
+        device. Where the stack copies on a side stream (`CostOptions.offload_overlap`:
+        TransformerEngine's CPU offload) a block's copy out runs beside the next layer's
+        forward and its copy back beside that layer's backward; else (torch's save_on_cpu,
+        autopar's runtime) on the compute stream, all of it exposed."""
+        rate = self.cluster.profile.reliability.host_copy_bytes_per_s
+        fwd = bwd = 0.0
+        for i, table in enumerate(layers):
+            if table.name not in offloaded:
+                continue
+            nbytes = self.memory.activation_bytes(
+                cfg, table, self.memory.policy(cfg, table, recomputed)
+            )
+            after = i + 1 < len(layers) and self.options.offload_overlap
+            beside = times[layers[i + 1].name] if after else None
+            copy_s = nbytes / rate
+            fwd += max(0.0, copy_s - (beside.forward_s if beside else 0.0))
+            bwd += max(0.0, copy_s - (beside.backward_s if beside else 0.0))
+        return fwd, bwd
 
     def _fsdp_exposed(
         self,
@@ -387,6 +423,8 @@ class StageTimer:
             "ep_comm": m * st["ep_comm"],
             "fsdp_comm": m * st["fsdp_comm"],
         }
+        if st.get("offload"):  # activation offloading's exposed host copies
+            terms["offload"] = m * st["offload"]
         terms["pipeline_bubble"] = max(0.0, pipe_s - sum(terms.values()))
         terms.update(tail)
         return terms

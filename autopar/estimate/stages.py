@@ -2,7 +2,8 @@
 
 In: the model's layer tables in order, a `ParallelConfig` and, for a balanced split, each
 layer's time. Out: pp * v model chunks (lists of layers), the layers of each pipeline stage,
-and the names of the layers the recompute policy wraps. Pure functions: the estimator caches
+and the names of the layers the recompute policy wraps and of those whose activations are
+offloaded to the host. Pure functions: the estimator caches
 their results.
 
 Chunks: the blocks (repeated layers) split into pp * v contiguous groups; the layers before
@@ -96,6 +97,25 @@ def recomputed_layers(cfg: ParallelConfig, chunks: Chunks) -> frozenset[str]:
     if k > top:
         raise ConfigError(
             f"recompute_layers={k} but the fullest of the {len(chunks)} model chunks "
+            f"(pp={cfg.pp} x virtual_stages={cfg.virtual_stages}) holds {top} repeated layers"
+        )
+    return frozenset(name for c in chunks for name in [t.name for t in c if t.kind == "block"][:k])
+
+
+def offloaded_layers(cfg: ParallelConfig, chunks: Chunks) -> frozenset[str]:
+    """Names of the blocks whose saved activations live in host memory: the first
+    offload_layers blocks of each chunk (as the runtime wraps them: autopar.runtime.offload).
+
+    Raises:
+        ConfigError: offload_layers exceeds the blocks of the fullest chunk.
+    """
+    k = cfg.offload_layers
+    if not k:
+        return frozenset()
+    top = max(sum(t.kind == "block" for t in c) for c in chunks)
+    if k > top:
+        raise ConfigError(
+            f"offload_layers={k} but the fullest of the {len(chunks)} model chunks "
             f"(pp={cfg.pp} x virtual_stages={cfg.virtual_stages}) holds {top} repeated layers"
         )
     return frozenset(name for c in chunks for name in [t.name for t in c if t.kind == "block"][:k])

@@ -64,6 +64,7 @@ from autopar.estimate.stages import (
     Chunks,
     chunk_weights,
     linear_partition,
+    offloaded_layers,
     recomputed_layers,
     split_chunks,
     stage_layers,
@@ -195,7 +196,8 @@ class Estimator:
         chunks = self.chunks(cfg, times)
         layers = stage_layers(cfg, chunks)
         rec = recomputed_layers(cfg, chunks)
-        per_stage = self._stage_times(cfg, mesh, layers, times, rec, chunks[0], m)
+        off = offloaded_layers(cfg, chunks)
+        per_stage = self._stage_times(cfg, mesh, layers, times, rec, chunks[0], m, off)
         bounded = time_bound_s is not None
         if bounded and self.timer.step_lower_bound(cfg, m, per_stage) > time_bound_s:
             return None
@@ -211,7 +213,7 @@ class Estimator:
                 layers=tuple(t.name for t in ls),
                 forward_s=st["forward"],
                 backward_s=st["backward"],
-                memory=self.memory.stage_phases(cfg, ls, inflight[i], rec, m).peak(),
+                memory=self.memory.stage_phases(cfg, ls, inflight[i], rec, m, off).peak(),
                 inflight_microbatches=inflight[i],
             )
             for i, (ls, st) in enumerate(zip(layers, per_stage, strict=True))
@@ -239,6 +241,7 @@ class Estimator:
         recomputed: frozenset[str] | None,
         first_chunk: list[LayerTable],
         microbatches: int,
+        offloaded: frozenset[str] = frozenset(),
     ) -> list[StageTimes]:
         """`StageTimer.stage_times` of every stage, priced once per distinct stage: what a
         stage's times read of a layer is its `LayerTime` (shared by the layers of a class),
@@ -249,12 +252,13 @@ class Estimator:
         out = []
         for ls in layers:
             key = tuple(
-                (id(times[t.name]), recomputed is None or t.name in recomputed, t.name in first)
+                (id(times[t.name]), recomputed is None or t.name in recomputed, t.name in first,
+                 t.name in offloaded)
                 for t in ls
-            )
+            )  # fmt: skip
             if key not in seen:
                 seen[key] = self.timer.stage_times(
-                    cfg, mesh, ls, times, recomputed, first_chunk, microbatches
+                    cfg, mesh, ls, times, recomputed, first_chunk, microbatches, offloaded
                 )
             out.append(seen[key])
         return out
@@ -374,6 +378,7 @@ class Estimator:
             virtual_stages=1,
             recompute_layers=None,
             pipeline_slots=(),
+            offload_layers=0,
         )
 
     def layer_times(self, cfg: ParallelConfig, mesh: MeshGroups) -> dict[str, LayerTime]:

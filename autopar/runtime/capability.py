@@ -338,6 +338,12 @@ def runtime_problems(
             f"tp={config.tp} cp={config.cp} ep={config.ep} on the {stack} stack: "
             + _no_compiled_split()
         )
+    if config.offload_layers and stack == COMPILED_STACK:
+        out.append(
+            f"offload_layers={config.offload_layers} on the {stack} stack: torch.compile "
+            "would trace save_on_cpu's saved-tensor hooks into each block; offload on the "
+            "eager stack (autopar)"
+        )
     if config.pp > 1:
         cut = _pipeline_cut(model, num_blocks, meta_constants)
         if cut == "traced" and max(config.tp, config.cp, config.ep) > 1:

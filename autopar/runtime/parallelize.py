@@ -8,7 +8,8 @@ chunks under their original paths), its `DataParallel` record(s), the applied TP
 the pipeline / context-parallel / expert-parallel records the loop calls.
 
 Order (as torchtitan): pipeline split -> tensor/sequence parallel -> context parallel ->
-expert parallel -> recompute -> torch.compile per block (optional) -> FSDP2 / replication;
+expert parallel -> recompute -> activation offload (`offload`) -> torch.compile per block
+(optional) -> FSDP2 / replication;
 with pp > 1 everything after the split is applied per chunk (`autopar.runtime.pipeline` calls
 back for each).
 
@@ -47,6 +48,7 @@ from torch import nn
 from autopar.config import ParallelConfig
 from autopar.runtime.data_parallel import DataParallel, apply_data_parallel, end_units
 from autopar.runtime.mesh import RuntimeMesh
+from autopar.runtime.offload import apply_offload
 from autopar.runtime.parts import has_parts, parts_of
 from autopar.runtime.pipeline import Pipeline, build_pipeline, layout_for
 from autopar.runtime.recompute import apply_recompute
@@ -236,6 +238,7 @@ def _parallelize_part(
             hand[name] = (*hand.get(name, ()), cut)
         split = frozenset(widths)
     apply_recompute(blocks, config.recompute, config.recompute_layers)  # first k: the plan's
+    apply_offload(blocks, config.offload_layers)  # outside the checkpoint: its input moves too
     if compile_blocks:  # after recompute (the checkpoint is compiled), before FSDP's hooks
         for _, block in blocks:
             block.compile(dynamic=False)

@@ -78,7 +78,7 @@ def header_lines(plan: Plan, target: str, gaps: list[str], priced: Priced | None
     """Comment lines (without the comment marker) that open every exported file, each one
     printable line (`one_line`). The plan's training algorithm, where it is not synchronous,
     is appended to ``gaps`` first (`training_gap`): no target's file runs it as planned."""
-    gaps += training_gap(plan, target)
+    gaps += training_gap(plan, target) + offload_gap(plan, target)
     c = plan.config
     lines = [
         f"{target} configuration exported by autopar from the plan for {plan.model} on "
@@ -98,6 +98,21 @@ def header_lines(plan: Plan, target: str, gaps: list[str], priced: Priced | None
     else:
         lines.append(f"{target} expresses every decision of the plan")
     return [one_line(line) for line in lines]
+
+
+# the targets whose file writes activation offloading (Megatron-LM: --cpu-offloading-num-layers)
+OFFLOADING_TARGETS = ("Megatron-LM",)
+
+
+def offload_gap(plan: Plan, target: str) -> list[str]:
+    """What a target that does not offload activations leaves out of a plan that does."""
+    k = plan.config.offload_layers
+    if not k or target in OFFLOADING_TARGETS:
+        return []
+    return [
+        f"offload_layers={k}: {target} keeps every block's activations on the device (more "
+        "activation memory than planned); autopar's train.py and Megatron-LM offload them"
+    ]
 
 
 def training_gap(plan: Plan, target: str) -> list[str]:

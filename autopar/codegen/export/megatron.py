@@ -15,6 +15,7 @@
                           --recompute-num-layers k (the first k blocks of each chunk: the same
                           rule as autopar's); every block: --recompute-method uniform, 1
     recompute=selective   --recompute-granularity selective (core attention)
+    offload_layers k      --cpu-offloading-num-layers k (TransformerEngine's CPU offload)
     the model's shape     --num-layers, --hidden-size, ... from its config, when it is a decoder
 
 Option names and choices are those of Megatron-LM's own parser (tests check every argument
@@ -64,6 +65,8 @@ def megatron_args(plan: Plan, shape: ModelShape | None, gaps: list[str]) -> list
     args += _sharding(plan, shape, gaps)
     args += _schedule(plan, gaps)
     args += _recompute(plan, gaps)
+    if c.offload_layers:  # TransformerEngine's CPU offload of the first k layers' activations
+        args += ["--cpu-offloading-num-layers", str(c.offload_layers)]
     args += _precision(plan, gaps)
     if c.axis_order is not None and c.axis_order != _MEGATRON_ORDER:
         gaps.append(

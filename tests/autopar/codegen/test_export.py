@@ -204,6 +204,19 @@ def test_megatron_pipeline_slots_are_megatrons_split_accounting(tiny):
         assert args.account_for_loss_in_pipeline_split == bool(slots)
 
 
+def test_activation_offload_reaches_megatron_and_the_others_name_the_gap(tiny):
+    model, graph = tiny
+    cluster = autopar.Cluster.from_profile("dgx_h100", num_devices=2)
+    config = autopar.ParallelConfig(dp=2, offload_layers=2)
+    plan = autopar.evaluate(model, cluster, config, global_batch_size=8, graph=graph)
+    args = _megatron_parser().parse_args(_megatron_argv(export_plan(plan, "megatron").text))
+    assert args.cpu_offloading_num_layers == 2
+    for target in ("torchtitan", "deepspeed", "accelerate"):
+        gaps = export_plan(plan, target).gaps
+        assert any(g.startswith("offload_layers=2: ") for g in gaps), target
+    assert not any("offload" in g for g in export_plan(plan, "megatron").gaps)
+
+
 def _deepspeed_load(config: dict, data_parallel_ranks: int) -> dict:
     """DeepSpeed's own DeepSpeedConfig on ``config``, in a fresh interpreter with a one-rank
     gloo group (DeepSpeed reads the world from its communication backend); the data-parallel

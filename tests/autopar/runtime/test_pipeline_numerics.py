@@ -21,43 +21,47 @@ def pp2(model: str, planned: str, v: int = 1, recompute: str = "none", **kwargs)
     return Case(model, config, overrides=overrides, seq_len=seq_len, **kwargs)
 
 
-CASES = [
-    pp2(model, schedule, v)
-    for model in ("gpt-tiny", "llama-tiny")
-    for schedule, v in (
-        ("gpipe", 1),
-        ("1f1b", 1),
-        ("interleaved_1f1b", 2),
-        ("zero_bubble", 1),
-        ("dualpipe_v", 2),
-    )
-] + [
-    pp2("gpt-tiny", "1f1b", 2, schedule="zbv"),
-    pp2(
-        "gpt-tiny",
-        "1f1b",
-        stage_layers=(("tok_emb", "blocks.0"), ("blocks.1", "blocks.2", "blocks.3")),
-    ),
-    pp2(
-        "llama-tiny",
-        "gpipe",
-        stage_layers=(
-            ("embed_tokens", "layers.0", "layers.1", "layers.2"),
-            ("layers.3", "lm_head"),
+CASES = (
+    [
+        pp2(model, schedule, v)
+        for model in ("gpt-tiny", "llama-tiny")
+        for schedule, v in (
+            ("gpipe", 1),
+            ("1f1b", 1),
+            ("interleaved_1f1b", 2),
+            ("zero_bubble", 1),
+            ("dualpipe_v", 2),
+        )
+    ]
+    + [
+        pp2("gpt-tiny", "1f1b", 2, schedule="zbv"),
+        pp2(
+            "gpt-tiny",
+            "1f1b",
+            stage_layers=(("tok_emb", "blocks.0"), ("blocks.1", "blocks.2", "blocks.3")),
         ),
-    ),
-    pp2("llama-tiny-hf", "1f1b"),
-    pp2("moe-tiny", "interleaved_1f1b", 2),
-    pp2("gpt-tiny", "1f1b", recompute="full"),
-    pp2("llama-tiny", "interleaved_1f1b", 2, recompute="selective"),
-] + [  # the embedding and the loss in chunks of their own (pipeline slots): 2 blocks, 4 chunks
-    Case(
-        model,
-        C(pp=2, schedule=schedule, virtual_stages=2, pipeline_slots=("embedding", "loss")),
-        overrides={"num_layers": 2},
-    )
-    for model, schedule in (("gpt-tiny", "interleaved_1f1b"), ("llama-tiny", "dualpipe_v"))
-]
+        pp2(
+            "llama-tiny",
+            "gpipe",
+            stage_layers=(
+                ("embed_tokens", "layers.0", "layers.1", "layers.2"),
+                ("layers.3", "lm_head"),
+            ),
+        ),
+        pp2("llama-tiny-hf", "1f1b"),
+        pp2("moe-tiny", "interleaved_1f1b", 2),
+        pp2("gpt-tiny", "1f1b", recompute="full"),
+        pp2("llama-tiny", "interleaved_1f1b", 2, recompute="selective"),
+    ]
+    + [  # the embedding and the loss in chunks of their own (pipeline slots): 2 blocks, 4 chunks
+        Case(
+            model,
+            C(pp=2, schedule=schedule, virtual_stages=2, pipeline_slots=("embedding", "loss")),
+            overrides={"num_layers": 2},
+        )
+        for model, schedule in (("gpt-tiny", "interleaved_1f1b"), ("llama-tiny", "dualpipe_v"))
+    ]
+)
 
 
 @pytest.mark.multiprocess
