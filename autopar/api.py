@@ -139,6 +139,8 @@ def parallelize(
         build_tables(graph), cluster, precision=precision, optimizer=optimizer, options=options.cost
     )
     limits = space_limits(model, graph, cluster, global_batch_size, options.micro_batch_sizes)
+    # async TP where the stack runs it and it hides more than the stack's own TP overlap
+    limits = replace(limits, async_tp=options.cost.async_tp_overlap > options.cost.tp_comm_overlap)
     bounded: list[str] = []
     roles: tuple[dict[str, str], str] = ({}, "")
     if own_runtime(options.cost.stack):  # only what autopar's runtime can run
@@ -282,6 +284,12 @@ def evaluate(
         width, _ = mxfp8_tp_width(model, roles[0])
         limits = replace(limits, token_multiple=multiple, tp_width=width)
     problems = config.problems(cluster) + shape_problems(config, limits)
+    if config.async_tp and not options.async_tp_overlap:
+        problems.append(
+            f"async_tp: the {options.stack} stack does not overlap TP matmuls with their "
+            "collectives (its async_tp_overlap is 0); torchtitan-compile (enable_async_tensor_"
+            "parallel) and Megatron-Core (--tp-comm-overlap) do"
+        )
     if own:
         attention = attention_refusal(model, graph) if config.cp > 1 else ""
         problems += runtime_problems(

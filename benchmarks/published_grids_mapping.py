@@ -194,12 +194,6 @@ def parse_row(row: dict[str, str], run_id: str) -> GridRun:
     )
 
 
-# torchtitan's async TP (torch._micro_pipeline_tp) splits each TP matmul and its all-gather /
-# reduce-scatter into tp steps and overlaps them, as TransformerEngine's userbuffers do: the
-# same hidden fraction as Megatron-Core's --tp-comm-overlap (the megatron-core stack's 0.8)
-ASYNC_TP_OVERLAP = 0.8
-
-
 def _option_changes(row: dict[str, str], notes: list[str]) -> tuple[tuple[str, object], ...]:
     """Settings the row states that differ from its stack's defaults."""
     changes: list[tuple[str, object]] = []
@@ -223,9 +217,6 @@ def _option_changes(row: dict[str, str], notes: list[str]) -> tuple[tuple[str, o
         # runs it over ZeRO's flat fp32 partition, casting and unscaling in passes of its own
         changes.append(("optimizer_fused", False))
         notes.append("transformers' AdamW, unfused (no optimizer in the DeepSpeed config)")
-    if "async" in (row["precision"] + row["notes"]).lower() and _int(row["tp"]) > 1:
-        changes.append(("tp_comm_overlap", ASYNC_TP_OVERLAP))
-        notes.append(f"async TP: {ASYNC_TP_OVERLAP:.0%} of the TP collectives hidden")
     return tuple(changes)
 
 
@@ -403,6 +394,8 @@ def _config(
         sequence_parallel=tp > 1,
         ep=_int(row["ep"]) or 1,
         pipeline_slots=slots,
+        # torchtitan's async TP: the config's, priced by the stack's async_tp_overlap
+        async_tp="async" in (row["precision"] + row["notes"]).lower() and tp > 1,
     )
     if tp > 1:
         notes.append("sequence parallelism with tp (Megatron's and torchtitan's default)")

@@ -20,7 +20,8 @@ account_for_embedding/loss_in_pipeline_split: 126 layers + 2 slots over 128 chun
 or last chunk may then hold no block). ``offload_layers`` k keeps the saved activations of the
 first k blocks of each model chunk in host memory between their forward and backward
 (copied out and back over the host link, overlapped with the next block's compute).
-``axis_order`` lays
+``async_tp`` overlaps each tensor-parallel matmul with its sequence-parallel all-gather or
+reduce-scatter (priced by the stack's `CostOptions.async_tp_overlap`). ``axis_order`` lays
 the non-pipeline axes on the ranks, innermost (stride 1) first, pp always outermost: None is
 `DEFAULT_AXIS_ORDER` (tp, cp, fsdp, dp: tensor parallelism inside a node first); e.g.
 ("fsdp", "tp", "cp", "dp") puts fsdp inside the node and tp across nodes.
@@ -85,6 +86,10 @@ class ParallelConfig:
     # activations in host memory between forward and backward (Megatron's
     # cpu_offloading_num_layers; torch's save_on_cpu). 0: none. Left out of to_dict() when 0.
     offload_layers: int = 0
+    # asynchronous tensor parallelism: each TP matmul and its all-gather / reduce-scatter
+    # split into steps that overlap (torchtitan's async TP, torch._micro_pipeline_tp;
+    # Megatron-Core's --tp-comm-overlap). Left out of to_dict() when False.
+    async_tp: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.axis_order, list):  # as plan.json spells it
@@ -179,6 +184,12 @@ class ParallelConfig:
             )
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence_parallel needs tp > 1, got tp=1")
+        if self.async_tp and not (self.tp > 1 and self.sequence_parallel):
+            out.append(
+                f"async_tp overlaps the sequence-parallel all-gathers and reduce-scatters of "
+                f"tp > 1: needs tp > 1 and sequence_parallel, got tp={self.tp}"
+                + ("" if self.sequence_parallel else " without sequence_parallel")
+            )
         slots = self.pipeline_slots
         if not isinstance(slots, tuple) or slots not in PIPELINE_SLOTS:
             out.append(
@@ -225,6 +236,7 @@ class ParallelConfig:
         if self.virtual_stages > 1:
             extras += f" v={self.virtual_stages}"
         extras += f" recompute={self.recompute_text}" + (" +sp" if self.sequence_parallel else "")
+        extras += " +async_tp" if self.async_tp else ""
         if self.axis_order is not None:
             extras += f" order={','.join(self.axis_order)}"
         if self.pipeline_slots:
@@ -241,8 +253,8 @@ class ParallelConfig:
         return f"{self.recompute}:{self.recompute_layers}"
 
     def to_dict(self) -> dict[str, object]:
-        """The fields as JSON values; recompute_layers, axis_order, etp, pipeline_slots and
-        offload_layers only when set (plans
+        """The fields as JSON values; recompute_layers, axis_order, etp, pipeline_slots,
+        offload_layers and async_tp only when set (plans
         made before they existed load, and save byte-identical)."""
         data = asdict(self)
         for name in ("recompute_layers", "axis_order"):
@@ -250,6 +262,8 @@ class ParallelConfig:
                 del data[name]
         if data["etp"] == 1:
             del data["etp"]
+        if not data["async_tp"]:
+            del data["async_tp"]
         if not data["offload_layers"]:
             del data["offload_layers"]
         if not data["pipeline_slots"]:

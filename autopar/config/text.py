@@ -10,7 +10,8 @@ alternatives print). Out: the ParallelConfig, checked by `ParallelConfig.validat
 cluster). Invariant: ``parse_config(cfg.as_text()) == cfg`` for every valid config.
 
 Grammar: items separated by commas, spaces or ``|``; an item is ``key=value`` (a field name or
-a short name: zero, mbs, v, sp, order, slots, offload), a bare schedule name, or ``+sp``.
+a short name: zero, mbs, v, sp, order, slots, offload), a bare schedule name, ``+sp`` or
+``+async_tp``.
 ``recompute`` takes ``policy`` or ``policy:k`` (k = recompute_layers). ``order`` /
 ``axis_order`` take the four axes innermost first, joined by commas (``order=fsdp,tp,cp,dp``):
 the axis names after it continue it. ``slots`` / ``pipeline_slots`` take ``embedding``,
@@ -59,10 +60,12 @@ def parse_config(text: str) -> ParallelConfig:
                 _put(values, "schedule", item, item)
             elif item == "+sp":
                 _put(values, "sequence_parallel", True, item)
+            elif item == "+async_tp":
+                _put(values, "async_tp", True, item)
             else:
                 raise AutoparError(
                     f"--config: {item!r} is neither key=value nor a schedule "
-                    f"({', '.join(SCHEDULES)}) nor +sp"
+                    f"({', '.join(SCHEDULES)}) nor +sp nor +async_tp"
                 )
             continue
         order = None
@@ -82,9 +85,9 @@ def parse_config(text: str) -> ParallelConfig:
             _put(values, key, _choice(raw, SCHEDULES, item), item)
         elif key == "pipeline_slots":  # embedding+loss, embedding, loss, or none
             _put(values, key, () if raw == "none" else tuple(raw.split("+")), item)
-        elif key == "sequence_parallel":
+        elif key in ("sequence_parallel", "async_tp"):
             if raw.lower() not in _TRUE + _FALSE:
-                raise AutoparError(f"--config: {item!r}: sequence_parallel wants true or false")
+                raise AutoparError(f"--config: {item!r}: {key} wants true or false")
             _put(values, key, raw.lower() in _TRUE, item)
         elif key == "recompute_layers" and raw.lower() == "none":
             _put(values, key, None, item)

@@ -19,6 +19,9 @@ class CostOptions:
     # Fraction of tensor-parallel communication hidden behind compute (Megatron-Core's
     # --tp-comm-overlap overlaps GEMMs with their collectives; plain PyTorch TP hides none).
     tp_comm_overlap: float = 0.0
+    # The share asynchronous TP (`ParallelConfig.async_tp`) hides where the config asks for
+    # it: torchtitan's micro-pipelined TP under torch.compile. 0: the stack cannot run it.
+    async_tp_overlap: float = 0.0
     # Gradient reduction overlapped with the backward (DDP buckets, --overlap-grad-reduce).
     overlap_grad_reduce: bool = True
     # ZeRO-1/2 parameter all-gather overlapped with the next forward (--overlap-param-gather).
@@ -187,8 +190,9 @@ class CostOptions:
     stack: str = ""
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.tp_comm_overlap <= 1.0:
-            raise ValueError(f"tp_comm_overlap must be in [0, 1], got {self.tp_comm_overlap}")
+        for name in ("tp_comm_overlap", "async_tp_overlap"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         for name in ("param_hook_s", "recipe_host_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):

@@ -148,6 +148,7 @@ class Estimator:
             self.options = replace(
                 self.options,
                 tp_comm_overlap=0.0,
+                async_tp_overlap=0.0,
                 overlap_grad_reduce=False,
                 overlap_param_gather=False,
                 fsdp_prefetch=False,
@@ -404,11 +405,14 @@ class Estimator:
             out[table.name] = by_class[key]
         return out
 
-    @property
-    def tp_overlap(self) -> float:
-        """The share of tp communication hidden under the GEMMs: the hidden part still slows
-        the GEMMs it overlaps (`CostOptions.comm_interference`)."""
-        return self.options.tp_comm_overlap * (1 - self.options.comm_interference)
+    def tp_overlap(self, cfg: ParallelConfig) -> float:
+        """The share of tp communication hidden under the GEMMs (the stack's, or its async
+        TP's where ``cfg.async_tp``): the hidden part still slows the GEMMs it overlaps
+        (`CostOptions.comm_interference`)."""
+        hidden = self.options.tp_comm_overlap
+        if cfg.async_tp:
+            hidden = max(hidden, self.options.async_tp_overlap)
+        return hidden * (1 - self.options.comm_interference)
 
     def price_layer(
         self, table: LayerTable, cfg: ParallelConfig, mesh: MeshGroups, *, model_overheads: bool
@@ -425,7 +429,7 @@ class Estimator:
             self.precision,
             self.act_scale,
             mesh.time,
-            self.tp_overlap,
+            self.tp_overlap(cfg),
             profile.runtime_overhead_s,
             profile.model_overhead_s if model_overheads else None,
             memory_traffic=self.memory_traffic,

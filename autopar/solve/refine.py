@@ -344,12 +344,12 @@ def _repriced(
             table, c, MeshGroups(estimator.cluster, c), model_overheads=False
         )
 
-    one = replace(cfg, tp=1, sequence_parallel=False, dp=cfg.dp * cfg.tp)
+    one = replace(cfg, tp=1, sequence_parallel=False, async_tp=False, dp=cfg.dp * cfg.tp)
     now, base = analytic(cfg), analytic(one)
     # the host's per-layer overhead (a third forward, two thirds backward) does not divide
     host_1, host = runtime_overhead_s(overheads, one), runtime_overhead_s(overheads, cfg)
     r = plan_t.compute_s / plan_1.compute_s
-    tp_s = plan_t.communication_s * (1 - estimator.tp_overlap) / 2
+    tp_s = plan_t.communication_s * (1 - estimator.tp_overlap(cfg)) / 2
     fwd = (base.compute_forward_s - host_1 / 3) * r + host / 3
     if cfg.recompute == "full":
         recompute = fwd + tp_s + now.cp_forward_s + now.ep_forward_s

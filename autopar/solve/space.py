@@ -8,7 +8,8 @@ dp x fsdp x cp (the runtime folds it over those ranks, cp first; with fsdp the e
 over the ranks holding the same ones; not searched with HSDP) and the number of experts. Per
 degree choice: sequence parallelism on or off with tp, micro-batch size, schedule (and virtual
 stages, and pipeline slots where they make the chunks possible or even: `_slot_choices`) with
-pp, recompute policy.
+pp, recompute policy; asynchronous TP beside plain with sequence parallelism where the stack
+runs it (`SpaceLimits.async_tp`).
 Per recompute policy (full, selective), `recompute_layer_choices` gives the per-layer variants:
 the policy on only the first k blocks of each of the pp x v model chunks, k = 1 ..
 ceil(num_blocks / (pp x v)) (`blocks_per_chunk`); `inner_choices` yields the all-layer config
@@ -52,6 +53,9 @@ class SpaceLimits:
     # pipeline plans only with tp = cp = ep = 1: the runtime cuts this model from its traced
     # graph (`autopar.runtime.traced_stages`), whose stages TP, CP and EP cannot split
     pipeline_alone: bool = False
+    # asynchronous TP offered beside plain TP with sequence parallelism (the stack runs it and
+    # hides more with it: `CostOptions.async_tp_overlap`)
+    async_tp: bool = False
     # tensor parallelism without sequence parallelism (`runtime.capability`: a block whose
     # projections the runtime cannot pair column/row)
     no_sequence_parallel: bool = False
@@ -292,23 +296,25 @@ def inner_choices(
                 for sp, etp, recompute in product(sps, etps, ("none", "selective", "full")):
                     if recompute != "none" and pp > 1 and schedule in SPLIT_BACKWARD:
                         continue  # ParallelConfig.problems: split backward passes
-                    yield ParallelConfig(
-                        dp=dp,
-                        fsdp=fsdp,
-                        tp=tp,
-                        pp=pp,
-                        cp=cp,
-                        ep=ep,
-                        zero_stage=zero,
-                        micro_batch_size=mbs,
-                        schedule=schedule,  # type: ignore[arg-type]
-                        virtual_stages=v,
-                        recompute=recompute,  # type: ignore[arg-type]
-                        sequence_parallel=sp,
-                        axis_order=axis_order,
-                        etp=etp,
-                        pipeline_slots=slots,
-                    )
+                    for async_tp in (False, True) if sp and lim.async_tp else (False,):
+                        yield ParallelConfig(
+                            dp=dp,
+                            fsdp=fsdp,
+                            tp=tp,
+                            pp=pp,
+                            cp=cp,
+                            ep=ep,
+                            zero_stage=zero,
+                            micro_batch_size=mbs,
+                            schedule=schedule,  # type: ignore[arg-type]
+                            virtual_stages=v,
+                            recompute=recompute,  # type: ignore[arg-type]
+                            sequence_parallel=sp,
+                            axis_order=axis_order,
+                            etp=etp,
+                            pipeline_slots=slots,
+                            async_tp=async_tp,
+                        )
 
 
 def _schedules(

@@ -2,6 +2,7 @@
 
     tp, pp, cp, ep        --tensor-, --pipeline-, --context-, --expert-model-parallel-size;
                           Megatron's data-parallel size is what is left: dp x fsdp
+    async_tp              --tp-comm-overlap (TransformerEngine's userbuffers)
     etp                   --expert-tensor-parallel-size, where ep or etp > 1 (Megatron's
                           default is tp: a plan's etp = 1 must say so)
     zero_stage 1-2        --use-distributed-optimizer (optimizer state sharded over the data-
@@ -54,6 +55,8 @@ def megatron_args(plan: Plan, shape: ModelShape | None, gaps: list[str]) -> list
     ]
     if c.sequence_parallel:
         args.append("--sequence-parallel")
+    if c.async_tp:  # TransformerEngine's userbuffers: TP GEMMs overlapped with their comms
+        args.append("--tp-comm-overlap")
     if c.ep > 1 or c.etp > 1:
         args += ["--expert-tensor-parallel-size", str(c.etp)]
     if c.ep > 1:

@@ -113,6 +113,9 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None, priced: Priced | Non
             + ", ".join(f"{len(s.layers)}" for s in plan.stages)
             + " of autopar's layers"
         )
+    if c.async_tp:  # torch's micro-pipelined TP: needs torch.compile on the blocks
+        parallelism["enable_async_tensor_parallel"] = True
+        sections.setdefault("compile", {})["enable"] = True
     if c.tp > 1 and not c.sequence_parallel:
         gaps.append(
             "tp without sequence parallelism: torchtitan always shards the norms' sequence "

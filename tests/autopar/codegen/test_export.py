@@ -217,6 +217,23 @@ def test_activation_offload_reaches_megatron_and_the_others_name_the_gap(tiny):
     assert not any("offload" in g for g in export_plan(plan, "megatron").gaps)
 
 
+def test_async_tp_reaches_torchtitan_and_megatron_as_their_own_switches(tiny, tmp_path):
+    _needs("torchtitan")
+    model, graph = tiny
+    cluster = autopar.Cluster.from_profile("dgx_h100", num_devices=2)
+    config = autopar.ParallelConfig(tp=2, sequence_parallel=True, async_tp=True)
+    plan = autopar.evaluate(
+        model, cluster, config, global_batch_size=8, graph=graph, stack="torchtitan-compile"
+    )
+    done = export_plan(plan, "torchtitan", _shape(tiny))
+    (tmp_path / done.filename).write_text(done.text)
+    job = _torchtitan_load(tmp_path / done.filename)
+    assert job["parallelism"]["enable_async_tensor_parallel"] is True
+    assert job["compile"]["enable"] is True
+    args = _megatron_parser().parse_args(_megatron_argv(export_plan(plan, "megatron").text))
+    assert args.tp_comm_overlap
+
+
 def _deepspeed_load(config: dict, data_parallel_ranks: int) -> dict:
     """DeepSpeed's own DeepSpeedConfig on ``config``, in a fresh interpreter with a one-rank
     gloo group (DeepSpeed reads the world from its communication backend); the data-parallel

@@ -28,6 +28,7 @@ HAND_MADE = [
     ParallelConfig(fsdp=2, tp=2, zero_stage=2, axis_order=("fsdp", "tp", "cp", "dp")),
     ParallelConfig(pp=4, schedule="gpipe", recompute="full", recompute_layers=12),
     ParallelConfig(pp=2, schedule="1f1b", pipeline_slots=("loss",)),
+    ParallelConfig(tp=4, sequence_parallel=True, async_tp=True, offload_layers=3),
 ]
 
 
