@@ -140,7 +140,11 @@ def parallelize(
     )
     limits = space_limits(model, graph, cluster, global_batch_size, options.micro_batch_sizes)
     # async TP where the stack runs it and it hides more than the stack's own TP overlap
-    limits = replace(limits, async_tp=options.cost.async_tp_overlap > options.cost.tp_comm_overlap)
+    limits = replace(
+        limits,
+        async_tp=options.cost.async_tp_overlap > options.cost.tp_comm_overlap,
+        ep_over_tp=not own_runtime(options.cost.stack),  # Megatron-Core's and torchtitan's
+    )
     bounded: list[str] = []
     roles: tuple[dict[str, str], str] = ({}, "")
     if own_runtime(options.cost.stack):  # only what autopar's runtime can run

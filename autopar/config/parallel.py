@@ -5,7 +5,9 @@ all-reduced), ``fsdp`` shards data-parallel state with ``zero_stage`` 1-3 saying
 (dp > 1 and fsdp > 1 together is HSDP); ``ep`` is not a further factor: expert layers re-fold
 the data- and context-parallel ranks of a stage, so ep divides dp * fsdp * cp (what
 `autopar.runtime.expert_parallel` runs; with fsdp > 1 the experts are sharded over the ranks
-holding the same ones; Megatron-Core's wider fold over tp is not supported). ``etp`` (expert
+holding the same ones), or, with etp = 1 and sequence parallelism, dp * fsdp * cp * tp
+(Megatron-Core's fold over the tp ranks too: `ep_folds_over_tp`; priced and exported, not run
+by autopar's runtime). ``etp`` (expert
 tensor parallelism, Megatron-Core's expert_tensor_parallel_size) is 1 (every tp rank runs its
 tokens' experts whole) or tp (each expert's intermediate width split over the tp ranks:
 `autopar.runtime.expert_tensor_parallel`).
@@ -115,6 +117,22 @@ class ParallelConfig:
         return out
 
     @property
+    def ep_folds_over_tp(self) -> bool:
+        """Whether ep spans tensor-parallel ranks: ep > 1 does not divide the dp x fsdp x cp
+        ranks but divides them times tp, each expert whole (etp = 1) and each tp rank on its
+        own sequence shard (sequence_parallel or tp = 1) -- Megatron-Core's MoE parallel
+        folding (DeepSeek-V3's TP2 x EP64 over 32 data ranks). The expert layers then
+        regroup the stage's ranks as ep (innermost) x the experts' data replicas."""
+        tokens = self.dp * self.fsdp * self.cp
+        return (
+            self.ep > 1
+            and tokens % self.ep != 0
+            and (tokens * self.tp) % self.ep == 0
+            and self.etp == 1
+            and (self.tp == 1 or self.sequence_parallel)
+        )
+
+    @property
     def world_size(self) -> int:
         return self.dp * self.fsdp * self.cp * self.tp * self.pp
 
@@ -204,14 +222,15 @@ class ParallelConfig:
                 "(each expert split over the tp ranks)"
             )
         tokens = self.dp * self.fsdp * self.cp
-        if self.ep > 1 and tokens % self.ep:
-            # the runtime folds ep over the ranks holding different tokens
-            # (autopar.runtime.expert_parallel.build_expert_groups: a fold over tp ranks
-            # would split the hidden states the experts need)
+        if self.ep > 1 and tokens % self.ep and not self.ep_folds_over_tp:
+            # autopar's runtime folds ep over the ranks holding different tokens
+            # (autopar.runtime.expert_parallel.build_expert_groups); Megatron-Core folds it
+            # over the tp ranks too where each holds its own sequence shard (ep_folds_over_tp)
             out.append(
                 f"ep={self.ep} must divide the dp x fsdp x cp = {tokens} ranks holding "
                 f"different tokens (expert parallelism folds over them): got dp={self.dp}, "
-                f"fsdp={self.fsdp}, cp={self.cp}"
+                f"fsdp={self.fsdp}, cp={self.cp}; or dp x fsdp x cp x tp = {tokens * self.tp} "
+                "with etp=1 and sequence_parallel (Megatron-Core's fold over the tp ranks)"
             )
         if cluster is not None and self.world_size != cluster.world_size:
             out.append(

@@ -175,19 +175,23 @@ def token_summed_params(cfg: ParallelConfig, layers: list[LayerTable]) -> float:
     ``layers``: whole weights that saw the rank's sequence shard, their gradients summed over
     tp after the backward (`autopar.runtime.tp_apply`, "token_sum"); as sharded on the rank
     (the experts over their replicas where ep and fsdp shard them, else over fsdp; not the
-    experts where etp = tp: each tp rank holds its own slice)."""
+    experts where etp = tp: each tp rank holds its own slice, nor where ep folds over tp)."""
     if not (cfg.sequence_parallel and cfg.tp > 1):
         return 0.0
     fsdp = cfg.fsdp if cfg.fsdp > 1 and cfg.zero_stage >= 1 else 1
-    experts = expert_params_on_rank(cfg, layers) if cfg.etp == 1 else 0.0
+    # folded over the tp ranks, each holds other experts: nothing of theirs to sum over tp
+    whole = cfg.etp == 1 and not cfg.ep_folds_over_tp
+    experts = expert_params_on_rank(cfg, layers) if whole else 0.0
     ways = expert_shard_ways(cfg) if cfg.ep > 1 else fsdp
     return sum(t.params_router for t in layers) / fsdp + experts / ways
 
 
 def expert_replicas(cfg: ParallelConfig) -> int:
-    """Ranks holding the same experts: the dp x fsdp x cp token ranks ep folds over, divided
-    by ep (`autopar.runtime.expert_parallel`)."""
-    return cfg.dp * cfg.fsdp * cfg.cp // cfg.ep
+    """Ranks holding the same experts: the dp x fsdp x cp token ranks ep folds over (x tp
+    where it folds over the tp ranks too, `ParallelConfig.ep_folds_over_tp`), divided by ep
+    (`autopar.runtime.expert_parallel`)."""
+    tp = cfg.tp if cfg.ep_folds_over_tp else 1
+    return cfg.dp * cfg.fsdp * cfg.cp * tp // cfg.ep
 
 
 def expert_shard_ways(cfg: ParallelConfig) -> int:

@@ -12,8 +12,9 @@ starting at rank 0. `autopar.runtime.mesh.build_mesh` lays the DeviceMesh out th
 Expert parallelism: where the runtime can run it (ep divides dp x fsdp x cp) ep folds over the
 ranks holding different tokens (index (dp * fsdp + fsdp) * cp + cp, cp inner), the ep of them
 nearest rank 0, as
-`autopar.runtime.expert_parallel.build_expert_groups` builds the groups; otherwise over the
-innermost ep non-pipeline ranks (Megatron-Core's fold; the runtime refuses those configs).
+`autopar.runtime.expert_parallel.build_expert_groups` builds the groups; otherwise
+(`ParallelConfig.ep_folds_over_tp`) over the innermost ep non-pipeline ranks and the experts'
+replicas every ep-th rank (Megatron-Core's fold; the runtime refuses those configs).
 "world" is every rank.
 
 `layout_signature` is what the cost model sees of a layout: two configs with equal signatures
@@ -55,6 +56,8 @@ def expert_data_ranks(cfg: ParallelConfig) -> tuple[int, ...]:
     ep-th: the expert data group `build_expert_groups` builds), where the experts' gradients
     are summed."""
     tokens = cfg.dp * cfg.fsdp * cfg.cp
+    if cfg.ep_folds_over_tp:  # ep innermost over the stage's ranks, its replicas outside
+        return tuple(j * cfg.ep for j in range(tokens * cfg.tp // cfg.ep))
     if cfg.ep == 1 or tokens % cfg.ep:
         return (0,)
     return tuple(_token_rank(cfg, j * cfg.ep) for j in range(tokens // cfg.ep))

@@ -361,6 +361,14 @@ def runtime_problems(
         out.append(f"cp={config.cp}: {why}")
     if config.ep > 1 and not _dispatches_experts(model):
         out.append(f"ep={config.ep}: {_no_ep(name)}")
+    if config.ep_folds_over_tp:
+        out.append(
+            f"ep={config.ep} folds over the tp ranks too (dp x fsdp x cp = "
+            f"{config.dp * config.fsdp * config.cp} does not hold it): autopar's runtime folds "
+            "expert parallelism over the ranks holding different tokens only; Megatron-Core "
+            "runs this layout (MoE parallel folding, stack megatron-core; autopar export --to "
+            "megatron)"
+        )
     if config.etp > 1:
         width, why = expert_width(model)
         if why:

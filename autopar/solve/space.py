@@ -56,6 +56,9 @@ class SpaceLimits:
     # asynchronous TP offered beside plain TP with sequence parallelism (the stack runs it and
     # hides more with it: `CostOptions.async_tp_overlap`)
     async_tp: bool = False
+    # ep folded over the tp ranks too (`ParallelConfig.ep_folds_over_tp`: Megatron-Core's
+    # MoE parallel folding; a stack that runs it, not autopar's runtime)
+    ep_over_tp: bool = False
     # tensor parallelism without sequence parallelism (`runtime.capability`: a block whose
     # projections the runtime cannot pair column/row)
     no_sequence_parallel: bool = False
@@ -180,7 +183,7 @@ def degree_choices(lim: SpaceLimits) -> Iterator[tuple[int, int, int, int, int, 
                 for fsdp in divisors(data):
                     dp = data // fsdp
                     alone = pp > 1 and lim.pipeline_alone
-                    for ep in [1] if alone else _expert_degrees(lim, dp, fsdp, cp):
+                    for ep in [1] if alone else _expert_degrees(lim, dp, fsdp, cp, tp):
                         yield dp, fsdp, cp, tp, pp, ep
 
 
@@ -227,16 +230,19 @@ def empty_space_reason(lim: SpaceLimits) -> str:
     )
 
 
-def _expert_degrees(lim: SpaceLimits, dp: int, fsdp: int, cp: int) -> list[int]:
+def _expert_degrees(lim: SpaceLimits, dp: int, fsdp: int, cp: int, tp: int = 1) -> list[int]:
     """ep over the data- and context-parallel ranks, as the runtime folds it (ep divides
-    dp x fsdp x cp; `ParallelConfig.problems`), dividing the experts. Not with HSDP (dp and
+    dp x fsdp x cp; `ParallelConfig.problems`), dividing the experts; with
+    ``lim.ep_over_tp`` also the degrees that fold over the tp ranks too (dividing
+    dp x fsdp x cp x tp only: `ParallelConfig.ep_folds_over_tp`). Not with HSDP (dp and
     fsdp > 1): the experts' state is sharded over all their replicas either way, so HSDP only
     changes the dense part's groups; measured on DeepSeek-V3 / 1,024 H100 the HSDP splits
     priced within 0.1% of fsdp alone, and they were five of the seven splits of each data
     degree the search priced."""
     if not lim.num_experts or (dp > 1 and fsdp > 1):
         return [1]
-    return [e for e in divisors(dp * fsdp * cp) if lim.num_experts % e == 0]
+    ranks = dp * fsdp * cp * (tp if lim.ep_over_tp else 1)
+    return [e for e in divisors(ranks) if lim.num_experts % e == 0]
 
 
 SLOTS = ("embedding", "loss")
@@ -284,6 +290,8 @@ def inner_choices(
         and lim.expert_width % (tp * lim.token_multiple) == 0
     )
     etps = (1, tp) if split else (1,)
+    if ep > 1 and (dp * fsdp * cp) % ep:  # folded over tp: whole experts on sequence shards
+        sps, etps = (True,) if sp_ok else (), (1,)
     for mbs in lim.micro_batch_sizes:
         per_step = mbs * dp * fsdp
         if lim.global_batch_size % per_step:

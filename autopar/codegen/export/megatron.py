@@ -59,7 +59,7 @@ def megatron_args(plan: Plan, shape: ModelShape | None, gaps: list[str]) -> list
         args.append("--tp-comm-overlap")
     if c.ep > 1 or c.etp > 1:
         args += ["--expert-tensor-parallel-size", str(c.etp)]
-    if c.ep > 1:
+    if c.ep > 1 and not c.ep_folds_over_tp:  # a fold over tp is Megatron's own
         gaps.append(
             f"ep={c.ep}: Megatron folds the experts over its data x context ranks; the plan "
             "folds them over the data-parallel replicas. MoE arguments (--num-experts, "

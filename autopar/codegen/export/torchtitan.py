@@ -81,7 +81,7 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None, priced: Priced | Non
     }
     if c.ep > 1:  # torchtitan reads it only with ep > 1 (with ep = 1 TP splits the experts)
         parallelism["expert_tensor_parallel_degree"] = c.etp
-        if c.etp == 1 and c.tp > 1:
+        if c.etp == 1 and c.tp > 1 and not c.ep_folds_over_tp:
             gaps.append(
                 f"etp=1 beside tp={c.tp}: torchtitan then folds ep over the tp ranks too; the "
                 "plan keeps each expert whole on every tp rank, ep over the data ranks only"
@@ -121,7 +121,12 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None, priced: Priced | Non
             "tp without sequence parallelism: torchtitan always shards the norms' sequence "
             "with tp (less activation memory, the same communication volume)"
         )
-    if c.ep > 1 and (c.cp > 1 or c.fsdp % c.ep):
+    if c.ep_folds_over_tp and (c.fsdp * c.cp * c.tp) % c.ep:
+        gaps.append(
+            f"ep={c.ep}: torchtitan folds the experts over its dp_shard x cp x tp ranks; the "
+            f"plan folds them over dp x fsdp x cp x tp (here dp={c.dp} fsdp={c.fsdp})"
+        )
+    elif c.ep > 1 and not c.ep_folds_over_tp and (c.cp > 1 or c.fsdp % c.ep):
         gaps.append(
             f"ep={c.ep}: torchtitan folds the experts over its dp_shard x cp ranks; the plan "
             f"folds them over the dp x fsdp data ranks (here dp={c.dp} fsdp={c.fsdp} cp={c.cp})"
