@@ -43,6 +43,7 @@ measured it.
 from __future__ import annotations
 
 from autopar.config import SPLIT_BACKWARD, ParallelConfig
+from autopar.errors import ConfigError
 from autopar.estimate.layer_cost import LayerTime, runtime_overhead_s, split_backward_overhead_s
 from autopar.estimate.memory import (
     PRECISION_BYTES,
@@ -167,7 +168,13 @@ class StageTimer:
         TransformerEngine's CPU offload) a block's copy out runs beside the next layer's
         forward and its copy back beside that layer's backward; else (torch's save_on_cpu,
         autopar's runtime) on the compute stream, all of it exposed."""
-        rate = self.cluster.profile.reliability.host_copy_bytes_per_s
+        reliability = self.cluster.profile.reliability
+        if reliability is None:
+            raise ConfigError(
+                f"offload_layers={cfg.offload_layers}: profile {self.cluster.profile.name} "
+                "states no host copy bandwidth ([reliability] host_copy_bytes_per_s)"
+            )
+        rate = reliability.host_copy_bytes_per_s
         fwd = bwd = 0.0
         for i, table in enumerate(layers):
             if table.name not in offloaded:

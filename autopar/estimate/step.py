@@ -331,6 +331,32 @@ class Estimator:
         k = bisect_left(range(1, top + 1), True, key=fits) + 1
         return k if k <= top else None
 
+    def fewest_offloaded_layers(
+        self, cfg: ParallelConfig, global_batch_size: int, capacity_bytes: float
+    ) -> int | None:
+        """The smallest ``offload_layers`` k (1 .. the blocks of the fullest chunk) for which
+        every stage of ``cfg`` fits in ``capacity_bytes``; None when none does. Memory only
+        (each stage's peak with its chunks' first k blocks offloaded, `stage_phases`); the
+        time of that k is evaluate()'s."""
+        cfg = self.as_run(cfg)
+        m = self.num_microbatches(cfg, global_batch_size)
+        chunks = self.chunks(cfg, self.layer_times(cfg, self.mesh(cfg)))
+        top = max(sum(t.kind == "block" for t in c) for c in chunks)
+        layers = stage_layers(cfg, chunks)
+        rec = recomputed_layers(cfg, chunks)
+        inflight = [1.0]  # the schedule's op order alone sets it: no simulation
+        if cfg.pp > 1:
+            inflight = list(peak_inflight_microbatches(cfg.schedule, cfg.pp, m, cfg.virtual_stages))
+        for k in range(1, top + 1):  # the copy buffers follow the largest block: scan, not bisect
+            off = offloaded_layers(replace(cfg, offload_layers=k), chunks)
+            if all(
+                self.memory.stage_phases(cfg, ls, inflight[i], rec, m, off).peak().total_bytes
+                <= capacity_bytes
+                for i, ls in enumerate(layers)
+            ):
+                return k
+        return None
+
     def as_run(self, cfg: ParallelConfig) -> ParallelConfig:
         """``cfg`` as the stack runs it: under a pipeline that keeps its stages gathered with
         unsharded gradients over the step (`CostOptions.pp_keeps_unsharded`), FSDP's ZeRO-1

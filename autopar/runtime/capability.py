@@ -272,6 +272,8 @@ def runtime_limits(
         if why:
             limits = replace(limits, max_tp=1)
             notes.append(f"no tensor-parallel plans in {precision}: {why}")
+    if stack == COMPILED_STACK:  # save_on_cpu's hooks are not compiled (runtime_problems)
+        limits = replace(limits, offload=False)
     if stack == COMPILED_STACK and (limits.max_tp != 1 or limits.max_cp > 1 or limits.num_experts):
         limits = replace(limits, max_tp=1, max_cp=1, num_experts=0)
         notes.append(f"no tensor-, context- or expert-parallel plans: {_no_compiled_split()}")

@@ -6,6 +6,9 @@
             skip if dominated, or memory lower bound > capacity   (`_Bounds`, no pricing)
             per-layer recompute: k = the fewest recomputed layers per chunk that fit
                 (Estimator.fewest_recomputed_layers, memory only); price k instead of all
+            offload: a config without recompute that does not fit is priced again with the
+                fewest offloaded blocks per chunk that fit (Estimator.fewest_offloaded_layers,
+                memory only; more only add host copies)
             skip if a step lower bound > best step so far         (branch and bound:
                 the busiest stage's work, and a pipeline's fill and drain chains,
                 `StageTimer.step_lower_bound`, before the pipeline is simulated)
@@ -184,15 +187,23 @@ def search(
                 if cfg.recompute == "none":
                     bounded.add(key)
                 continue
-            if est.peak_memory_bytes <= capacity:
-                feasible.append(est)
-                if cfg.recompute == "none":
-                    settled.add(_without_recompute(_memory_key(cfg)))
-                if not feasible_best or est.step_time_s < feasible_best[0]:
-                    feasible_best[:] = [est.step_time_s]
-            else:
+            if est.peak_memory_bytes > capacity:
                 over.append(est)
                 over_memory.add(_memory_key(candidate))
+                if cfg.recompute != "none" or not _can_offload(estimator, limits):
+                    continue
+                # over with every activation kept: the fewest offloaded blocks that fit
+                num_configs += 1
+                offloaded = _offloaded(estimator, limits, cfg, capacity, best_s)
+                if offloaded is None:
+                    pruned["memory (offload: no block count fits, or slower than the best)"] += 1
+                    continue
+                est = offloaded
+            feasible.append(est)
+            if cfg.recompute == "none" and not est.config.offload_layers:
+                settled.add(_without_recompute(_memory_key(cfg)))
+            if not feasible_best or est.step_time_s < feasible_best[0]:
+                feasible_best[:] = [est.step_time_s]
         if num_equivalent:  # every order has the same configs (the space's inner choices)
             same = (num_configs - first) // len(orders) * num_equivalent
             pruned["equivalent axis order (same groups on the levels)"] += same
@@ -229,6 +240,31 @@ def _sp_dominates(estimator: Estimator) -> bool:
     return not profile.runtime_overhead_s and not any(
         lv.collective_latency_s for lv in profile.levels
     )
+
+
+def _can_offload(estimator: Estimator, limits: SpaceLimits) -> bool:
+    """Whether the search tries offloading: the runtime runs it and the profile states the
+    host copy bandwidth it is priced by."""
+    return limits.offload and estimator.cluster.profile.reliability is not None
+
+
+def _offloaded(
+    estimator: Estimator,
+    limits: SpaceLimits,
+    cfg: ParallelConfig,
+    capacity: float,
+    best_s: float | None,
+) -> Estimate | None:
+    """``cfg`` (no recompute, over memory) with the fewest offloaded blocks per chunk that fit
+    (`Estimator.fewest_offloaded_layers`), priced; None where no count fits or it is slower
+    than ``best_s``. More offloaded blocks only add host copies, so fewer is never slower."""
+    k = estimator.fewest_offloaded_layers(cfg, limits.global_batch_size, capacity)
+    if k is None:
+        return None
+    est = estimator.evaluate(
+        replace(cfg, offload_layers=k), limits.global_batch_size, time_bound_s=best_s
+    )
+    return est if est is not None and est.peak_memory_bytes <= capacity else None
 
 
 def _fewest_layers(

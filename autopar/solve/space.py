@@ -59,6 +59,9 @@ class SpaceLimits:
     # ep folded over the tp ranks too (`ParallelConfig.ep_folds_over_tp`: Megatron-Core's
     # MoE parallel folding; a stack that runs it, not autopar's runtime)
     ep_over_tp: bool = False
+    # activation offloading tried where a config keeps every activation and does not fit
+    # (not on the compiled stack: `runtime.capability`)
+    offload: bool = True
     # tensor parallelism without sequence parallelism (`runtime.capability`: a block whose
     # projections the runtime cannot pair column/row)
     no_sequence_parallel: bool = False

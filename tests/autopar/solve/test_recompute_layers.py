@@ -42,9 +42,20 @@ def gpt():
     return model, autopar.trace(model, zoo.example_inputs("gpt-tiny", model))
 
 
-def _cluster(tmp_path: Path, memory_mib: float, num_devices: int) -> Cluster:
-    profile = tmp_path / f"round_{memory_mib:g}.toml"
+def _cluster(
+    tmp_path: Path, memory_mib: float, num_devices: int, host_copy: float | None = None
+) -> Cluster:
+    """The round machine with ``memory_mib`` per device; with ``host_copy`` (bytes/s) a
+    reliability table stating it, so offloading can be priced (none without: not tried)."""
+    profile = tmp_path / f"round_{memory_mib:g}_{host_copy}.toml"
     text = ROUND.read_text().replace("memory_bytes = 80e9", f"memory_bytes = {memory_mib * MiB}")
+    if host_copy is not None:
+        text += (
+            "\n[reliability]\nfailure_rate_per_device_hour = 1e-5\nrestart_s = 60.0\n"
+            "storage_bytes_per_s_per_device = 1e9\n"
+            f"host_copy_bytes_per_s = {host_copy:g}\ncheckpoint_overhead_s = 1.0\n"
+            'source = "test: a host link fast enough that offloading is nearly free"\n'
+        )
     profile.write_text(text)
     return Cluster.from_profile(profile, num_devices=num_devices)
 
@@ -85,6 +96,38 @@ def test_search_equals_brute_force_with_per_layer_recompute(gpt, tmp_path, memor
     assert plan.step_time_s == pytest.approx(best.step_time_s, rel=1e-12)
     assert plan.report["num_configs"] == count
     assert plan.config.recompute_layers is not None  # the tight memory asks for it
+
+
+def test_offload_fallback_equals_brute_force_where_host_copies_are_cheap(gpt, tmp_path):
+    """With a host link fast enough that copies cost nearly nothing, a config that keeps every
+    activation and does not fit is priced again with the fewest offloaded blocks that fit, and
+    that beats recomputing: the search's best equals brute force over every offload count."""
+    model, graph = gpt
+    cluster = _cluster(tmp_path, 330, 2, host_copy=1e15)
+    plan = autopar.parallelize(model, cluster, global_batch_size=8, graph=graph)
+    estimator = Estimator(build_tables(graph), cluster, options=autopar.PlanOptions().cost)
+    limits = _limits(graph, 2, 8)
+    capacity = cluster.profile.device.memory_bytes
+    best = None
+    for degrees in degree_choices(limits):
+        for cfg in inner_choices(limits, degrees):
+            ks = [(k, 0) for k in (None, *recompute_layer_choices(limits, cfg))]
+            if cfg.recompute == "none":  # and every offload count
+                ks += [(None, k) for k in range(1, limits.num_blocks // cfg.pp + 1)]
+            for k, off in ks:
+                try:
+                    variant = replace(cfg, recompute_layers=k, offload_layers=off)
+                    est = estimator.evaluate(variant, 8)
+                except ConfigError:  # more blocks than a chunk holds
+                    continue
+                if est.peak_memory_bytes <= capacity and (
+                    best is None or est.step_time_s < best.step_time_s
+                ):
+                    best = est
+    assert plan.config.offload_layers > 0 and plan.config.recompute == "none"
+    assert plan.step_time_s == pytest.approx(best.step_time_s, rel=1e-12)
+    offloaded = estimator.fewest_offloaded_layers(plan.config, 8, capacity)
+    assert offloaded == plan.config.offload_layers  # the fewest that fit
 
 
 def test_tight_memory_gets_partial_recompute(gpt, tmp_path):
