@@ -22,6 +22,8 @@ account_for_embedding/loss_in_pipeline_split: 126 layers + 2 slots over 128 chun
 or last chunk may then hold no block). ``offload_layers`` k keeps the saved activations of the
 first k blocks of each model chunk in host memory between their forward and backward
 (copied out and back over the host link, overlapped with the next block's compute).
+``cp_attention`` is how attention crosses the cp shards: "all_gather" (K and V gathered
+before attention) or "ring" (K/V blocks passed around the ring beside each block's attention).
 ``async_tp`` overlaps each tensor-parallel matmul with its sequence-parallel all-gather or
 reduce-scatter (priced by the stack's `CostOptions.async_tp_overlap`). ``axis_order`` lays
 the non-pipeline axes on the ranks, innermost (stride 1) first, pp always outermost: None is
@@ -51,6 +53,8 @@ DEGREES = ("dp", "fsdp", "cp", "tp", "pp")
 DEFAULT_AXIS_ORDER = ("tp", "cp", "fsdp", "dp")
 # what pipeline_slots may be: the embedding, the loss, or both take a chunk's layer slot
 PIPELINE_SLOTS = ((), ("embedding",), ("loss",), ("embedding", "loss"))
+# how attention crosses the context-parallel shards (`autopar.runtime.context_parallel`)
+CP_ATTENTION = ("all_gather", "ring")
 
 
 # schedules that split the backward into input- and weight-gradient passes
@@ -92,6 +96,10 @@ class ParallelConfig:
     # split into steps that overlap (torchtitan's async TP, torch._micro_pipeline_tp;
     # Megatron-Core's --tp-comm-overlap). Left out of to_dict() when False.
     async_tp: bool = False
+    # how attention crosses the cp shards: "all_gather" (K and V gathered, dK and dV
+    # reduce-scattered) or "ring" (K/V blocks passed around the cp ranks, each step beside a
+    # block's attention). Left out of to_dict() when all_gather.
+    cp_attention: str = "all_gather"
 
     def __post_init__(self) -> None:
         if isinstance(self.axis_order, list):  # as plan.json spells it
@@ -202,6 +210,12 @@ class ParallelConfig:
             )
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence_parallel needs tp > 1, got tp=1")
+        if self.cp_attention not in CP_ATTENTION:
+            out.append(
+                f"cp_attention must be one of {', '.join(CP_ATTENTION)}, got {self.cp_attention!r}"
+            )
+        elif self.cp_attention != "all_gather" and self.cp == 1:
+            out.append(f"cp_attention={self.cp_attention} needs cp > 1, got cp=1")
         if self.async_tp and not (self.tp > 1 and self.sequence_parallel):
             out.append(
                 f"async_tp overlaps the sequence-parallel all-gathers and reduce-scatters of "
@@ -256,6 +270,7 @@ class ParallelConfig:
             extras += f" v={self.virtual_stages}"
         extras += f" recompute={self.recompute_text}" + (" +sp" if self.sequence_parallel else "")
         extras += " +async_tp" if self.async_tp else ""
+        extras += f" cp_attn={self.cp_attention}" if self.cp_attention != "all_gather" else ""
         if self.axis_order is not None:
             extras += f" order={','.join(self.axis_order)}"
         if self.pipeline_slots:
@@ -273,7 +288,7 @@ class ParallelConfig:
 
     def to_dict(self) -> dict[str, object]:
         """The fields as JSON values; recompute_layers, axis_order, etp, pipeline_slots,
-        offload_layers and async_tp only when set (plans
+        offload_layers, async_tp and cp_attention only when set (plans
         made before they existed load, and save byte-identical)."""
         data = asdict(self)
         for name in ("recompute_layers", "axis_order"):
@@ -281,6 +296,8 @@ class ParallelConfig:
                 del data[name]
         if data["etp"] == 1:
             del data["etp"]
+        if data["cp_attention"] == "all_gather":
+            del data["cp_attention"]
         if not data["async_tp"]:
             del data["async_tp"]
         if not data["offload_layers"]:

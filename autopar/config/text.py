@@ -10,7 +10,7 @@ alternatives print). Out: the ParallelConfig, checked by `ParallelConfig.validat
 cluster). Invariant: ``parse_config(cfg.as_text()) == cfg`` for every valid config.
 
 Grammar: items separated by commas, spaces or ``|``; an item is ``key=value`` (a field name or
-a short name: zero, mbs, v, sp, order, slots, offload), a bare schedule name, ``+sp`` or
+a short name: zero, mbs, v, sp, order, slots, offload, cp_attn), a bare schedule name, ``+sp`` or
 ``+async_tp``.
 ``recompute`` takes ``policy`` or ``policy:k`` (k = recompute_layers). ``order`` /
 ``axis_order`` take the four axes innermost first, joined by commas (``order=fsdp,tp,cp,dp``):
@@ -24,12 +24,19 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from autopar.config.parallel import DEFAULT_AXIS_ORDER, RECOMPUTE, SCHEDULES, ParallelConfig
+from autopar.config.parallel import (
+    CP_ATTENTION,
+    DEFAULT_AXIS_ORDER,
+    RECOMPUTE,
+    SCHEDULES,
+    ParallelConfig,
+)
 from autopar.errors import AutoparError, ConfigError
 
 ALIASES = {"zero": "zero_stage", "mbs": "micro_batch_size", "v": "virtual_stages",
            "sp": "sequence_parallel", "order": "axis_order",
-           "slots": "pipeline_slots", "offload": "offload_layers"}  # fmt: skip
+           "slots": "pipeline_slots", "offload": "offload_layers",
+           "cp_attn": "cp_attention"}  # fmt: skip
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
 _SEPARATORS = str.maketrans({",": " ", "|": " "})
@@ -83,6 +90,8 @@ def parse_config(text: str) -> ParallelConfig:
                 _put(values, "recompute_layers", _integer(layers, item), item)
         elif key == "schedule":
             _put(values, key, _choice(raw, SCHEDULES, item), item)
+        elif key == "cp_attention":
+            _put(values, key, _choice(raw, CP_ATTENTION, item), item)
         elif key == "pipeline_slots":  # embedding+loss, embedding, loss, or none
             _put(values, key, () if raw == "none" else tuple(raw.split("+")), item)
         elif key in ("sequence_parallel", "async_tp"):

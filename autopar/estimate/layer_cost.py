@@ -187,7 +187,7 @@ def layer_time(
     fwd = max(fwd, converted * recipe_host_s)
     bwd = max(bwd, 2 * converted * recipe_host_s)
     tp_f = _tp_comm(table, cfg, act_scale, comm) * (1 - tp_overlap)
-    cp_f, cp_b = _cp_comm(table, cfg, act_scale, comm)
+    cp_f, cp_b = _cp_comm(table, cfg, act_scale, comm, attn_fwd, attn_bwd)
     ep = _ep_comm(table, cfg, act_scale, comm)
     etp_f, etp_b = _etp_comm(table, cfg, act_scale, comm)
     if cfg.recompute == "full":
@@ -320,15 +320,32 @@ def _tp_comm(table: LayerTable, cfg: ParallelConfig, act_scale: float, comm: Com
 
 
 def _cp_comm(
-    table: LayerTable, cfg: ParallelConfig, act_scale: float, comm: CommFn
+    table: LayerTable,
+    cfg: ParallelConfig,
+    act_scale: float,
+    comm: CommFn,
+    attn_fwd: float = 0.0,
+    attn_bwd: float = 0.0,
 ) -> tuple[float, float]:
+    """Forward and backward seconds of context parallelism's attention traffic, exposed:
+    all_gather, K and V gathered before attention and dK, dV reduce-scattered after it, none
+    hidden; ring, cp - 1 steps that each pass a rank's K and V block to its neighbour (in
+    the backward K, V, dK and dV, and the dK, dV blocks home at the end), each step beside
+    one block's attention (``attn_fwd`` / cp of the layer's), only its excess exposed."""
     if cfg.cp == 1 or not table.attention:
         return 0.0, 0.0
     fwd = bwd = 0.0
+    c = cfg.cp
     for op in table.attention:
         gathered = op.kv_bytes * cfg.micro_batch_size * act_scale / (2 * cfg.tp)  # K or V
-        fwd += 2 * comm("all_gather", gathered, "cp")
-        bwd += 2 * comm("reduce_scatter", gathered, "cp")
+        if cfg.cp_attention == "ring":
+            block = gathered / c  # one rank's K (or V)
+            fwd += (c - 1) * max(0.0, comm("send_recv", 2 * block, "cp") - attn_fwd / c)
+            bwd += (c - 1) * max(0.0, comm("send_recv", 4 * block, "cp") - attn_bwd / c)
+            bwd += comm("send_recv", 2 * block, "cp")
+        else:
+            fwd += 2 * comm("all_gather", gathered, "cp")
+            bwd += 2 * comm("reduce_scatter", gathered, "cp")
     return fwd, bwd
 
 

@@ -214,9 +214,10 @@ def _parallelize_part(
     context = experts = None
     if config.cp > 1:  # attention over the cp ranks' sequence shards
         # imported here: the module is optional until the cp-ep helper's collectives land
-        from autopar.runtime.context_parallel import apply_context_parallel
+        from autopar.runtime.context_parallel import CPOptions, apply_context_parallel
 
-        context = apply_context_parallel(whole or model, mesh.group("cp"))
+        options = CPOptions(kind=config.cp_attention)  # type: ignore[arg-type]
+        context = apply_context_parallel(whole or model, mesh.group("cp"), options)
     if expert_groups is not None:  # ep > 1: this rank's experts, all-to-all token dispatch
         from autopar.runtime.expert_parallel import apply_expert_parallel
 

@@ -309,7 +309,8 @@ def _without_recompute(cfg: ParallelConfig) -> tuple:
     """``cfg`` less its recompute, for the search's dominance sets."""
     return (*_degrees(cfg), cfg.zero_stage, cfg.micro_batch_size, cfg.schedule,
             cfg.virtual_stages, cfg.sequence_parallel, cfg.axis_order, cfg.etp,
-            cfg.pipeline_slots, cfg.async_tp, cfg.offload_layers)  # fmt: skip
+            cfg.pipeline_slots, cfg.async_tp, cfg.offload_layers,
+            cfg.cp_attention)  # fmt: skip
 
 
 def _distinct_orders(

@@ -9,7 +9,8 @@ over the ranks holding the same ones; not searched with HSDP) and the number of 
 degree choice: sequence parallelism on or off with tp, micro-batch size, schedule (and virtual
 stages, and pipeline slots where they make the chunks possible or even: `_slot_choices`) with
 pp, recompute policy; asynchronous TP beside plain with sequence parallelism where the stack
-runs it (`SpaceLimits.async_tp`).
+runs it (`SpaceLimits.async_tp`); with cp > 1 both ways attention crosses the shards
+(all-gather of K and V, or the ring).
 Per recompute policy (full, selective), `recompute_layer_choices` gives the per-layer variants:
 the policy on only the first k blocks of each of the pp x v model chunks, k = 1 ..
 ceil(num_blocks / (pp x v)) (`blocks_per_chunk`); `inner_choices` yields the all-layer config
@@ -307,7 +308,10 @@ def inner_choices(
                 for sp, etp, recompute in product(sps, etps, ("none", "selective", "full")):
                     if recompute != "none" and pp > 1 and schedule in SPLIT_BACKWARD:
                         continue  # ParallelConfig.problems: split backward passes
-                    for async_tp in (False, True) if sp and lim.async_tp else (False,):
+                    for async_tp, cp_attention in product(
+                        (False, True) if sp and lim.async_tp else (False,),
+                        ("all_gather", "ring") if cp > 1 else ("all_gather",),
+                    ):
                         yield ParallelConfig(
                             dp=dp,
                             fsdp=fsdp,
@@ -325,6 +329,7 @@ def inner_choices(
                             etp=etp,
                             pipeline_slots=slots,
                             async_tp=async_tp,
+                            cp_attention=cp_attention,
                         )
 
 

@@ -2,6 +2,7 @@
 
     tp, pp, cp, ep        --tensor-, --pipeline-, --context-, --expert-model-parallel-size;
                           Megatron's data-parallel size is what is left: dp x fsdp
+    cp_attention          --cp-comm-type allgather, or p2p for the ring
     async_tp              --tp-comm-overlap (TransformerEngine's userbuffers)
     etp                   --expert-tensor-parallel-size, where ep or etp > 1 (Megatron's
                           default is tp: a plan's etp = 1 must say so)
@@ -55,6 +56,8 @@ def megatron_args(plan: Plan, shape: ModelShape | None, gaps: list[str]) -> list
     ]
     if c.sequence_parallel:
         args.append("--sequence-parallel")
+    if c.cp > 1:  # Megatron's p2p is the ring; allgather gathers K and V as autopar's default
+        args += ["--cp-comm-type", "p2p" if c.cp_attention == "ring" else "allgather"]
     if c.async_tp:  # TransformerEngine's userbuffers: TP GEMMs overlapped with their comms
         args.append("--tp-comm-overlap")
     if c.ep > 1 or c.etp > 1:

@@ -76,6 +76,8 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None, priced: Priced | Non
         "data_parallel_shard_degree": c.fsdp,
         "tensor_parallel_degree": c.tp,
         "context_parallel_degree": c.cp,
+        # torch's context parallel is always a ring; its K/V rotate by all-gather or by p2p
+        "context_parallel_rotate_method": "alltoall" if c.cp_attention == "ring" else "allgather",
         "pipeline_parallel_degree": c.pp,
         "expert_parallel_degree": c.ep,
     }

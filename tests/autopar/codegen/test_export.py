@@ -234,6 +234,22 @@ def test_async_tp_reaches_torchtitan_and_megatron_as_their_own_switches(tiny, tm
     assert args.tp_comm_overlap
 
 
+def test_cp_attention_reaches_torchtitan_and_megatron(tiny, tmp_path):
+    _needs("torchtitan")
+    model, graph = tiny
+    cluster = autopar.Cluster.from_profile("dgx_h100", num_devices=2)
+    ways = (("ring", "alltoall", "p2p"), ("all_gather", "allgather", "allgather"))
+    for kind, rotate, megatron in ways:
+        config = autopar.ParallelConfig(cp=2, cp_attention=kind)
+        plan = autopar.evaluate(model, cluster, config, global_batch_size=8, graph=graph)
+        done = export_plan(plan, "torchtitan", _shape(tiny))
+        (tmp_path / done.filename).write_text(done.text)
+        job = _torchtitan_load(tmp_path / done.filename)
+        assert job["parallelism"]["context_parallel_rotate_method"] == rotate
+        args = _megatron_parser().parse_args(_megatron_argv(export_plan(plan, "megatron").text))
+        assert args.cp_comm_type == [megatron]
+
+
 def _deepspeed_load(config: dict, data_parallel_ranks: int) -> dict:
     """DeepSpeed's own DeepSpeedConfig on ``config``, in a fresh interpreter with a one-rank
     gloo group (DeepSpeed reads the world from its communication backend); the data-parallel

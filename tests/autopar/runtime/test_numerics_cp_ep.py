@@ -1,5 +1,6 @@
 """Context and expert parallelism through `trainer.train` on 2 gloo ranks match one process:
-CP2 for GPT (learned positions, tied head), Llama (RoPE, GQA) and a Hugging Face Llama; EP2
+CP2 for GPT (learned positions, tied head), Llama (RoPE, GQA) and a Hugging Face Llama (also
+with the plan's ring attention, `cp_attention`); EP2
 folded over DP2 for the zoo MoE and for transformers' stacked experts (Mixtral, Qwen3-MoE,
 DeepSeek-V3 with its shared expert, dense first layer and MLA: `autopar.runtime.hf_experts`);
 and Qwen3-MoE under TP2, whose per-head q/k norms see only the rank's heads (their weight
@@ -27,6 +28,8 @@ def test_cp2_and_ep2_match_single_process_on_2_ranks():
         Case("gpt-tiny", C(cp=2, micro_batch_size=2)),
         Case("llama-tiny", C(cp=2)),
         Case("llama-tiny-hf", C(cp=2), seq_len=32),
+        # the plan's ring (cp_attention) through the trainer, on a Hugging Face decoder
+        Case("llama-tiny-hf", C(cp=2, cp_attention="ring"), seq_len=32),
         Case("moe-tiny", C(dp=2, ep=2)),
         Case("moe-tiny", C(dp=2, ep=2, recompute="full", micro_batch_size=2)),
         *(Case(m, C(dp=2, ep=2), seq_len=32) for m in HF_MOE),
