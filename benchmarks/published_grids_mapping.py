@@ -394,12 +394,21 @@ def _config(
         sequence_parallel=tp > 1,
         ep=_int(row["ep"]) or 1,
         pipeline_slots=slots,
+        # Megatron-Core's context parallelism passes K/V around the ring by default
+        # (--cp-comm-type p2p: megatron/training/arguments.py; TransformerEngine's
+        # AttnFuncWithCPAndKVP2P); torchtitan's and llm-foundry's gather them
+        cp_attention="ring" if cp > 1 and _megatron_core(row) else "all_gather",
         # torchtitan's async TP: the config's, priced by the stack's async_tp_overlap
         async_tp="async" in (row["precision"] + row["notes"]).lower() and tp > 1,
     )
     if tp > 1:
         notes.append("sequence parallelism with tp (Megatron's and torchtitan's default)")
     return config, batch
+
+
+def _megatron_core(row: dict[str, str]) -> bool:
+    """Whether the row ran on Megatron-Core (Megatron-LM, NeMo, Megatron-Bridge)."""
+    return row["source_id"].startswith(("megatron", "mbridge", "dgxc"))
 
 
 def _recompute(text: str, notes: list[str]) -> str:

@@ -330,8 +330,8 @@ def _cp_comm(
     """Forward and backward seconds of context parallelism's attention traffic, exposed:
     all_gather, K and V gathered before attention and dK, dV reduce-scattered after it, none
     hidden; ring, cp - 1 steps that each pass a rank's K and V block to its neighbour (in
-    the backward K, V, dK and dV, and the dK, dV blocks home at the end), each step beside
-    one block's attention (``attn_fwd`` / cp of the layer's), only its excess exposed."""
+    the backward K and V again and the dK, dV partial sums), each step beside one block's
+    attention (``attn_fwd`` / cp of the layer's), only its excess exposed."""
     if cfg.cp == 1 or not table.attention:
         return 0.0, 0.0
     fwd = bwd = 0.0
@@ -342,7 +342,6 @@ def _cp_comm(
             block = gathered / c  # one rank's K (or V)
             fwd += (c - 1) * max(0.0, comm("send_recv", 2 * block, "cp") - attn_fwd / c)
             bwd += (c - 1) * max(0.0, comm("send_recv", 4 * block, "cp") - attn_bwd / c)
-            bwd += comm("send_recv", 2 * block, "cp")
         else:
             fwd += 2 * comm("all_gather", gathered, "cp")
             bwd += 2 * comm("reduce_scatter", gathered, "cp")
