@@ -143,7 +143,7 @@ def parallelize(
     limits = replace(
         limits,
         async_tp=options.cost.async_tp_overlap > options.cost.tp_comm_overlap,
-        ep_over_tp=not own_runtime(options.cost.stack),  # Megatron-Core's and torchtitan's
+        ep_over_tp=options.cost.stack in EP_FOLDING_STACKS,
     )
     bounded: list[str] = []
     roles: tuple[dict[str, str], str] = ({}, "")
@@ -175,6 +175,12 @@ def parallelize(
         return plan
     # the site's search ran inside this one: the total is both
     return replace(plan, timings={**plan.timings, "total": time.perf_counter() - start})
+
+
+# the stacks whose runtimes fold expert parallelism over the tp ranks too (Megatron-Core's
+# MoE parallel folding; torchtitan's ep over dp_shard x cp x tp with etp = 1)
+EP_FOLDING_STACKS = ("megatron-core", "megatron-bridge", "megatron-lm", "torchtitan",
+                     "torchtitan-compile")  # fmt: skip
 
 
 def _prices_diloco(cluster: Cluster, options: PlanOptions, global_batch_size: int) -> bool:

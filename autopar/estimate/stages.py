@@ -93,13 +93,7 @@ def recomputed_layers(cfg: ParallelConfig, chunks: Chunks) -> frozenset[str]:
     k = cfg.recompute_layers
     if k is None:
         return frozenset(t.name for c in chunks for t in c if t.kind == "block")
-    top = max(sum(t.kind == "block" for t in c) for c in chunks)
-    if k > top:
-        raise ConfigError(
-            f"recompute_layers={k} but the fullest of the {len(chunks)} model chunks "
-            f"(pp={cfg.pp} x virtual_stages={cfg.virtual_stages}) holds {top} repeated layers"
-        )
-    return frozenset(name for c in chunks for name in [t.name for t in c if t.kind == "block"][:k])
+    return _first_blocks(cfg, chunks, k, "recompute_layers")
 
 
 def offloaded_layers(cfg: ParallelConfig, chunks: Chunks) -> frozenset[str]:
@@ -110,12 +104,15 @@ def offloaded_layers(cfg: ParallelConfig, chunks: Chunks) -> frozenset[str]:
         ConfigError: offload_layers exceeds the blocks of the fullest chunk.
     """
     k = cfg.offload_layers
-    if not k:
-        return frozenset()
+    return _first_blocks(cfg, chunks, k, "offload_layers") if k else frozenset()
+
+
+def _first_blocks(cfg: ParallelConfig, chunks: Chunks, k: int, field: str) -> frozenset[str]:
+    """The first ``k`` blocks of each chunk, by name; ``field`` names k in the error."""
     top = max(sum(t.kind == "block" for t in c) for c in chunks)
     if k > top:
         raise ConfigError(
-            f"offload_layers={k} but the fullest of the {len(chunks)} model chunks "
+            f"{field}={k} but the fullest of the {len(chunks)} model chunks "
             f"(pp={cfg.pp} x virtual_stages={cfg.virtual_stages}) holds {top} repeated layers"
         )
     return frozenset(name for c in chunks for name in [t.name for t in c if t.kind == "block"][:k])
