@@ -274,6 +274,9 @@ def runtime_limits(
             notes.append(f"no tensor-parallel plans in {precision}: {why}")
     if stack == COMPILED_STACK:  # save_on_cpu's hooks are not compiled (runtime_problems)
         limits = replace(limits, offload=False)
+    if limits.max_cp > 1 and (p := attention_dropout(model)):
+        limits = replace(limits, cp_ring=False)
+        notes.append(f"no ring context parallelism: {name} drops attention probabilities (p={p})")
     if stack == COMPILED_STACK and (limits.max_tp != 1 or limits.max_cp > 1 or limits.num_experts):
         limits = replace(limits, max_tp=1, max_cp=1, num_experts=0)
         notes.append(f"no tensor-, context- or expert-parallel plans: {_no_compiled_split()}")
@@ -361,6 +364,12 @@ def runtime_problems(
             out.append(NO_LOSS_SLOT.format(name=name))
     if config.cp > 1 and (why := _cp_problem(model, seq_len, attention)):
         out.append(f"cp={config.cp}: {why}")
+    if config.cp_attention == "ring" and (p := attention_dropout(model)):
+        out.append(
+            f"cp_attention=ring: {type(model).__name__} drops attention probabilities (p={p}), "
+            "which the ring's blockwise softmax does not (context_parallel.ring_attention); "
+            "cp_attention=all_gather computes it"
+        )
     if config.ep > 1 and not _dispatches_experts(model):
         out.append(f"ep={config.ep}: {_no_ep(name)}")
     if config.ep_folds_over_tp:
@@ -453,6 +462,27 @@ def _no_ep(name: str) -> str:
         f"dimension, forward(hidden_states, top_k_index, top_k_weights)), not {name}'s, whose "
         "experts it would run replicated"
     )
+
+
+# where a model states its attention dropout: the zoo GPT's attention modules, Hugging Face
+# configs by family
+_ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+
+
+def attention_dropout(model: nn.Module) -> float:
+    """The dropout probability ``model`` applies to its attention probabilities in training:
+    its config's (Hugging Face names) or its attention modules' ``dropout`` (the zoo's), 0.0
+    where it states none."""
+    config = getattr(model, "config", None)
+    for key in _ATTENTION_DROPOUT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int | float) and value > 0:
+            return float(value)
+    for module in model.modules():
+        value = getattr(module, "dropout", None)
+        if hasattr(module, "attention_fn") and isinstance(value, int | float) and value > 0:
+            return float(value)
+    return 0.0
 
 
 def _cp_problem(model: nn.Module, seq_len: int, attention: str | None) -> str:

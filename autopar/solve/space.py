@@ -63,6 +63,9 @@ class SpaceLimits:
     # activation offloading tried where a config keeps every activation and does not fit
     # (not on the compiled stack: `runtime.capability`)
     offload: bool = True
+    # ring attention offered beside the all-gather with cp > 1 (not for a model whose
+    # attention drops probabilities: `runtime.capability.attention_dropout`)
+    cp_ring: bool = True
     # tensor parallelism without sequence parallelism (`runtime.capability`: a block whose
     # projections the runtime cannot pair column/row)
     no_sequence_parallel: bool = False
@@ -310,7 +313,7 @@ def inner_choices(
                         continue  # ParallelConfig.problems: split backward passes
                     for async_tp, cp_attention in product(
                         (False, True) if sp and lim.async_tp else (False,),
-                        ("all_gather", "ring") if cp > 1 else ("all_gather",),
+                        ("all_gather", "ring") if cp > 1 and lim.cp_ring else ("all_gather",),
                     ):
                         yield ParallelConfig(
                             dp=dp,

@@ -62,3 +62,21 @@ def test_ring_is_checked_searched_and_exported():
     configs = list(inner_choices(lim, (1, 1, 2, 1, 1, 1)))  # cp=2
     assert {c.cp_attention for c in configs} == {"all_gather", "ring"}
     assert len(configs) == 2 * len({replace(c, cp_attention="all_gather") for c in configs})
+
+
+def test_ring_is_refused_and_not_offered_where_attention_drops_probabilities():
+    model = zoo.build("gpt-tiny", device="meta", dropout=0.1, num_layers=2)
+    inputs = zoo.example_inputs("gpt-tiny", model)
+    cluster = autopar.Cluster.from_profile("dgx_h100", num_devices=2)
+    ring = ParallelConfig(cp=2, cp_attention="ring")
+    with pytest.raises(autopar.ConfigError, match="cp_attention=ring: GPT drops attention"):
+        autopar.evaluate(model, cluster, ring, inputs, global_batch_size=2)
+    gathered = replace(ring, cp_attention="all_gather")
+    assert autopar.evaluate(model, cluster, gathered, inputs, global_batch_size=2).fits
+    from autopar.runtime.capability import runtime_limits
+    from autopar.solve.limits import space_limits
+
+    graph = autopar.trace(model, inputs)
+    lim = replace(space_limits(model, graph, cluster, 2), max_cp=2)
+    bounded, notes = runtime_limits(model, lim, "autopar", ({}, ""), "bf16")
+    assert not bounded.cp_ring and any("no ring context parallelism" in n for n in notes)
