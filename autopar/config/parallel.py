@@ -57,6 +57,12 @@ PIPELINE_SLOTS = ((), ("embedding",), ("loss",), ("embedding", "loss"))
 CP_ATTENTION = ("all_gather", "ring")
 
 
+# the fields to_dict() leaves out at these values (added after plans were first written)
+_OMITTED_AT_DEFAULT = {"recompute_layers": None, "axis_order": None, "etp": 1,
+                       "pipeline_slots": (), "offload_layers": 0, "async_tp": False,
+                       "cp_attention": "all_gather"}  # fmt: skip
+
+
 # schedules that split the backward into input- and weight-gradient passes
 SPLIT_BACKWARD = ("zero_bubble", "dualpipe_v")
 
@@ -291,19 +297,9 @@ class ParallelConfig:
         offload_layers, async_tp and cp_attention only when set (plans
         made before they existed load, and save byte-identical)."""
         data = asdict(self)
-        for name in ("recompute_layers", "axis_order"):
-            if data[name] is None:
+        for name, default in _OMITTED_AT_DEFAULT.items():
+            if data[name] == default:
                 del data[name]
-        if data["etp"] == 1:
-            del data["etp"]
-        if data["cp_attention"] == "all_gather":
-            del data["cp_attention"]
-        if not data["async_tp"]:
-            del data["async_tp"]
-        if not data["offload_layers"]:
-            del data["offload_layers"]
-        if not data["pipeline_slots"]:
-            del data["pipeline_slots"]
-        else:
+        if "pipeline_slots" in data:
             data["pipeline_slots"] = list(data["pipeline_slots"])
         return data

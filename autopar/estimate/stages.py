@@ -18,7 +18,7 @@ DualPipe-V: chunks 0 .. pp-1 down the stages, pp .. 2pp-1 back up (`stage_of_chu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from autopar.config import ParallelConfig
 from autopar.errors import ConfigError
@@ -49,14 +49,10 @@ def split_chunks(
             f"pp={cfg.pp} x virtual_stages={cfg.virtual_stages} = {n_chunks} model chunks "
             f"but the model has {len(blocks)} repeated layers{counted} to split"
         )
-    if slots:  # Megatron's even split of the blocks and the slots; a slot is no block
-        sizes = even_sizes(len(blocks) + len(slots), n_chunks)
-        sizes[0] -= "embedding" in slots
-        sizes[-1] -= "loss" in slots
-    elif balanced_sizes is not None:
+    if balanced_sizes is not None and not slots:  # slots ask for Megatron's even split
         sizes = balanced_sizes(blocks, n_chunks)
     else:
-        sizes = even_sizes(len(blocks), n_chunks)
+        sizes = even_sizes(len(blocks), n_chunks, slots)
     ends, count = [], 0
     for size in sizes:
         count += size  # a chunk of no block (an embedding slot) ends before the first
@@ -66,11 +62,16 @@ def split_chunks(
     return [list(layers[s:e]) for s, e in zip(starts, ends, strict=True)]
 
 
-def even_sizes(units: int, n_chunks: int) -> list[int]:
-    """Megatron's even split of ``units`` over ``n_chunks``: the extra ones to the middle."""
-    base, extra = divmod(units, n_chunks)
+def even_sizes(num_blocks: int, n_chunks: int, slots: Sequence[str] = ()) -> list[int]:
+    """The blocks of each chunk under Megatron's even split of ``num_blocks`` and the
+    ``slots`` (`ParallelConfig.pipeline_slots`) over ``n_chunks``, the extra ones to the
+    middle; the embedding's and the loss's slots hold no block."""
+    base, extra = divmod(num_blocks + len(slots), n_chunks)
     middle = (n_chunks - extra) // 2
-    return [base + (1 if middle <= k < middle + extra else 0) for k in range(n_chunks)]
+    sizes = [base + (1 if middle <= k < middle + extra else 0) for k in range(n_chunks)]
+    sizes[0] -= "embedding" in slots
+    sizes[-1] -= "loss" in slots
+    return sizes
 
 
 def chunk_weights(work: list[float], blocks: list[int]) -> list[float]:

@@ -279,18 +279,13 @@ class Estimator:
         if cfg.recompute == "none":
             return None
         cfg = replace(self.as_run(cfg), recompute_layers=None)
-        m = self.num_microbatches(cfg, global_batch_size)
-        chunks = self.chunks(cfg, self.layer_times(cfg, self.mesh(cfg)))
+        m, chunks, layers, inflight = self._memory_setup(cfg, global_batch_size)
         blocks = [[t for t in c if t.kind == "block"] for c in chunks]
         top = max(len(b) for b in blocks)
         if max_layers is not None:
             top = min(top, max_layers)
         if top < 1:
             return None
-        layers = stage_layers(cfg, chunks)
-        inflight = [1.0]  # the schedule's op order alone sets it: no simulation
-        if cfg.pp > 1:
-            inflight = list(peak_inflight_microbatches(cfg.schedule, cfg.pp, m, cfg.virtual_stages))
         # per stage and block position j in its chunks: bytes dropped (summed), transient (max)
         dropped = [[0.0] * top for _ in layers]
         transient = [[0.0] * top for _ in layers]
@@ -339,14 +334,9 @@ class Estimator:
         (each stage's peak with its chunks' first k blocks offloaded, `stage_phases`); the
         time of that k is evaluate()'s."""
         cfg = self.as_run(cfg)
-        m = self.num_microbatches(cfg, global_batch_size)
-        chunks = self.chunks(cfg, self.layer_times(cfg, self.mesh(cfg)))
+        m, chunks, layers, inflight = self._memory_setup(cfg, global_batch_size)
         top = max(sum(t.kind == "block" for t in c) for c in chunks)
-        layers = stage_layers(cfg, chunks)
         rec = recomputed_layers(cfg, chunks)
-        inflight = [1.0]  # the schedule's op order alone sets it: no simulation
-        if cfg.pp > 1:
-            inflight = list(peak_inflight_microbatches(cfg.schedule, cfg.pp, m, cfg.virtual_stages))
         for k in range(1, top + 1):  # the copy buffers follow the largest block: scan, not bisect
             off = offloaded_layers(replace(cfg, offload_layers=k), chunks)
             if all(
@@ -356,6 +346,19 @@ class Estimator:
             ):
                 return k
         return None
+
+    def _memory_setup(
+        self, cfg: ParallelConfig, global_batch_size: int
+    ) -> tuple[int, Chunks, Chunks, list[float]]:
+        """What the memory-only searches read of ``cfg``: its micro-batches, chunks, stages'
+        layers and each stage's micro-batches in flight (the schedule's op order alone sets
+        them: no simulation)."""
+        m = self.num_microbatches(cfg, global_batch_size)
+        chunks = self.chunks(cfg, self.layer_times(cfg, self.mesh(cfg)))
+        inflight = [1.0]
+        if cfg.pp > 1:
+            inflight = list(peak_inflight_microbatches(cfg.schedule, cfg.pp, m, cfg.virtual_stages))
+        return m, chunks, stage_layers(cfg, chunks), inflight
 
     def as_run(self, cfg: ParallelConfig) -> ParallelConfig:
         """``cfg`` as the stack runs it: under a pipeline that keeps its stages gathered with

@@ -139,10 +139,7 @@ def even_layout(
             f"pp={pp} x virtual_stages={virtual_stages} = {n} chunks but the model has "
             f"{num_blocks} blocks" + (f" (+ {len(slots)} slots)" if slots else "")
         )
-    sizes = even_sizes(num_blocks + len(slots), n)
-    sizes[0] -= "embedding" in slots
-    sizes[-1] -= "loss" in slots
-    return layout_from_sizes(sizes, pp, style)
+    return layout_from_sizes(even_sizes(num_blocks, n, slots), pp, style)
 
 
 def layout_from_stages(

@@ -299,21 +299,22 @@ def inner_choices(
     etps = (1, tp) if split else (1,)
     if ep > 1 and (dp * fsdp * cp) % ep:  # folded over tp: whole experts on sequence shards
         sps, etps = (True,) if sp_ok else (), (1,)
+    # a traced cut starts chunks at blocks: no chunk for the head alone (the loss slot)
+    counted = ("embedding",) if lim.pipeline_alone else SLOTS
+    async_tps = (False, True) if lim.async_tp else (False,)
+    cp_attentions = ("all_gather", "ring") if cp > 1 and lim.cp_ring else ("all_gather",)
     for mbs in lim.micro_batch_sizes:
         per_step = mbs * dp * fsdp
         if lim.global_batch_size % per_step:
             continue
         m = lim.global_batch_size // per_step
-        # a traced cut starts chunks at blocks: no chunk for the head alone (the loss slot)
-        counted = ("embedding",) if lim.pipeline_alone else SLOTS
         for schedule, v, slots in _schedules(pp, m, lim.num_blocks, counted):
             for zero in zeros:
                 for sp, etp, recompute in product(sps, etps, ("none", "selective", "full")):
                     if recompute != "none" and pp > 1 and schedule in SPLIT_BACKWARD:
                         continue  # ParallelConfig.problems: split backward passes
                     for async_tp, cp_attention in product(
-                        (False, True) if sp and lim.async_tp else (False,),
-                        ("all_gather", "ring") if cp > 1 and lim.cp_ring else ("all_gather",),
+                        async_tps if sp else (False,), cp_attentions
                     ):
                         yield ParallelConfig(
                             dp=dp,
@@ -337,7 +338,7 @@ def inner_choices(
 
 
 def _schedules(
-    pp: int, m: int, num_blocks: int, slots: tuple[str, ...] = ("embedding", "loss")
+    pp: int, m: int, num_blocks: int, slots: tuple[str, ...] = SLOTS
 ) -> list[tuple[str, int, tuple[str, ...]]]:
     """(schedule, virtual stages, pipeline slots) for pp; a multi-chunk schedule also with
     ``slots`` taking a chunk slot each (`_slot_choices`)."""
