@@ -30,6 +30,7 @@ one process (`tests/autopar/runtime/test_any_model.py`).
 
 Public:
     cp_refusal(model, inputs) -> str     # "" when context parallelism computes its attention
+    attention_dropout(model) -> float    # the ring (no dropout) refuses a model with p > 0
 """
 
 from __future__ import annotations
@@ -54,6 +55,27 @@ PROBE = "autopar_attention_probe"  # registered in transformers' attention and m
 class _Seen:
     masks: dict[int, tuple[torch.Tensor, str, int | None]] = field(default_factory=dict)
     calls: list[tuple[nn.Module, str, int | None, dict[str, Any]]] = field(default_factory=list)
+
+
+# where a model states its attention dropout: the zoo GPT's attention modules, Hugging Face
+# configs by family
+_ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+
+
+def attention_dropout(model: nn.Module) -> float:
+    """The dropout probability ``model`` applies to its attention probabilities in training:
+    its config's (Hugging Face names) or its attention modules' ``dropout`` (the zoo's), 0.0
+    where it states none."""
+    config = getattr(model, "config", None)
+    for key in _ATTENTION_DROPOUT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int | float) and value > 0:
+            return float(value)
+    for module in model.modules():
+        value = getattr(module, "dropout", None)
+        if hasattr(module, "attention_fn") and isinstance(value, int | float) and value > 0:
+            return float(value)
+    return 0.0
 
 
 def cp_refusal(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str:

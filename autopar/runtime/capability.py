@@ -63,7 +63,7 @@ from autopar.errors import ConfigError
 from autopar.estimate.stacks import load_stack, stack_names
 from autopar.estimate.tables import tensor_parallel_roles
 from autopar.hardware.profile import HardwareProfile
-from autopar.runtime.attention_check import cp_refusal
+from autopar.runtime.attention_check import attention_dropout, cp_refusal
 from autopar.runtime.expert_parallel import is_moe_block
 from autopar.runtime.expert_tensor_parallel import expert_split_problem
 from autopar.runtime.hf_experts import is_hf_experts
@@ -462,27 +462,6 @@ def _no_ep(name: str) -> str:
         f"dimension, forward(hidden_states, top_k_index, top_k_weights)), not {name}'s, whose "
         "experts it would run replicated"
     )
-
-
-# where a model states its attention dropout: the zoo GPT's attention modules, Hugging Face
-# configs by family
-_ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
-
-
-def attention_dropout(model: nn.Module) -> float:
-    """The dropout probability ``model`` applies to its attention probabilities in training:
-    its config's (Hugging Face names) or its attention modules' ``dropout`` (the zoo's), 0.0
-    where it states none."""
-    config = getattr(model, "config", None)
-    for key in _ATTENTION_DROPOUT_KEYS:
-        value = getattr(config, key, None)
-        if isinstance(value, int | float) and value > 0:
-            return float(value)
-    for module in model.modules():
-        value = getattr(module, "dropout", None)
-        if hasattr(module, "attention_fn") and isinstance(value, int | float) and value > 0:
-            return float(value)
-    return 0.0
 
 
 def _cp_problem(model: nn.Module, seq_len: int, attention: str | None) -> str:

@@ -64,7 +64,7 @@ class SpaceLimits:
     # (not on the compiled stack: `runtime.capability`)
     offload: bool = True
     # ring attention offered beside the all-gather with cp > 1 (not for a model whose
-    # attention drops probabilities: `runtime.capability.attention_dropout`)
+    # attention drops probabilities: `runtime.attention_check.attention_dropout`)
     cp_ring: bool = True
     # tensor parallelism without sequence parallelism (`runtime.capability`: a block whose
     # projections the runtime cannot pair column/row)
