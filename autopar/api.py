@@ -28,6 +28,7 @@ from autopar.config import ParallelConfig
 from autopar.config.precision import base_precision, canonical
 from autopar.errors import ConfigError
 from autopar.estimate import CostOptions, Estimator, build_tables
+from autopar.estimate.module_regions import model_regions, module_sets
 from autopar.estimate.stacks import load_stack, stack_options
 from autopar.hardware import Cluster, Reliability
 from autopar.plan import Plan
@@ -144,6 +145,11 @@ def parallelize(
         limits,
         async_tp=options.cost.async_tp_overlap > options.cost.tp_comm_overlap,
         ep_over_tp=options.cost.stack in EP_FOLDING_STACKS,
+        recompute_modules=(
+            module_sets(model_regions(graph))
+            if options.cost.stack in MODULE_RECOMPUTE_STACKS
+            else ()
+        ),
     )
     bounded: list[str] = []
     roles: tuple[dict[str, str], str] = ({}, "")
@@ -177,6 +183,8 @@ def parallelize(
     return replace(plan, timings={**plan.timings, "total": time.perf_counter() - start})
 
 
+# the stacks that recompute named parts of a block (Megatron-Core's --recompute-modules)
+MODULE_RECOMPUTE_STACKS = ("megatron-core", "megatron-bridge")
 # the stacks whose runtimes fold expert parallelism over the tp ranks too (Megatron-Core's
 # MoE parallel folding; torchtitan's ep over dp_shard x cp x tp with etp = 1)
 EP_FOLDING_STACKS = ("megatron-core", "megatron-bridge", "megatron-lm", "torchtitan",

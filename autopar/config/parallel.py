@@ -16,6 +16,11 @@ per rank; global batch = micro_batch_size * num_microbatches * dp * fsdp. ``reco
 the policy; ``recompute_layers`` k applies it to only the first k repeated layers (blocks) of
 each model chunk (the whole model when pp = 1; one of the pp x virtual_stages chunks otherwise),
 the other blocks keep their activations; None applies it to every layer.
+``recompute_modules`` names the parts of each block that recompute="selective" re-runs, as
+Megatron-Core's --recompute-modules does (`RECOMPUTE_MODULES`: core_attn, mlp, moe, moe_act,
+shared_experts, layernorm, mla_up_proj); empty is torch's selective policy (save the matmul
+and attention outputs). Which ops of a block each name covers is found from the trace
+(`autopar.estimate.module_regions`).
 ``pipeline_slots`` makes the embedding and/or the loss (the head) count as a repeated layer
 when the blocks are split over the pp * virtual_stages chunks (Megatron's
 account_for_embedding/loss_in_pipeline_split: 126 layers + 2 slots over 128 chunks; the first
@@ -53,6 +58,10 @@ DEGREES = ("dp", "fsdp", "cp", "tp", "pp")
 DEFAULT_AXIS_ORDER = ("tp", "cp", "fsdp", "dp")
 # what pipeline_slots may be: the embedding, the loss, or both take a chunk's layer slot
 PIPELINE_SLOTS = ((), ("embedding",), ("loss",), ("embedding", "loss"))
+# the parts of a block Megatron-Core's selective recompute can re-run (--recompute-modules,
+# megatron/core/transformer/transformer_config.py), in its order
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "shared_experts", "layernorm",
+                     "mla_up_proj")  # fmt: skip
 # how attention crosses the context-parallel shards (`autopar.runtime.context_parallel`)
 CP_ATTENTION = ("all_gather", "ring")
 
@@ -60,7 +69,7 @@ CP_ATTENTION = ("all_gather", "ring")
 # the fields to_dict() leaves out at these values (added after plans were first written)
 _OMITTED_AT_DEFAULT = {"recompute_layers": None, "axis_order": None, "etp": 1,
                        "pipeline_slots": (), "offload_layers": 0, "async_tp": False,
-                       "cp_attention": "all_gather"}  # fmt: skip
+                       "cp_attention": "all_gather", "recompute_modules": ()}  # fmt: skip
 
 
 # schedules that split the backward into input- and weight-gradient passes
@@ -106,6 +115,10 @@ class ParallelConfig:
     # reduce-scattered) or "ring" (K/V blocks passed around the cp ranks, each step beside a
     # block's attention). Left out of to_dict() when all_gather.
     cp_attention: str = "all_gather"
+    # with recompute="selective", the parts of each block re-run in the backward (Megatron's
+    # --recompute-modules; `RECOMPUTE_MODULES`); () is torch's op policy. Left out of
+    # to_dict() when empty.
+    recompute_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.axis_order, list):  # as plan.json spells it
@@ -114,6 +127,11 @@ class ParallelConfig:
             object.__setattr__(self, "axis_order", None)
         if isinstance(self.pipeline_slots, list):
             object.__setattr__(self, "pipeline_slots", tuple(self.pipeline_slots))
+        if isinstance(self.recompute_modules, (list, tuple)) and all(
+            m in RECOMPUTE_MODULES for m in self.recompute_modules
+        ):  # one spelling per set: Megatron's order, each once
+            ordered = tuple(m for m in RECOMPUTE_MODULES if m in self.recompute_modules)
+            object.__setattr__(self, "recompute_modules", ordered)
 
     @property
     def order(self) -> tuple[str, ...]:
@@ -195,6 +213,7 @@ class ParallelConfig:
                 f"backward passes, which recompute={self.recompute} cannot serve (torch's "
                 "checkpointing recomputes per pass); use 1f1b, interleaved_1f1b or gpipe"
             )
+        out += self._module_problems()
         off = self.offload_layers
         if isinstance(off, bool) or not isinstance(off, int) or off < 0:
             out.append(f"offload_layers must be an integer >= 0, got {off!r}")
@@ -260,6 +279,31 @@ class ParallelConfig:
             )
         return out
 
+    def _module_problems(self) -> list[str]:
+        """What is wrong with ``recompute_modules`` (empty when nothing)."""
+        mods = self.recompute_modules
+        if not isinstance(mods, tuple) or any(m not in RECOMPUTE_MODULES for m in mods):
+            return [
+                f"recompute_modules must name parts of {', '.join(RECOMPUTE_MODULES)}, got {mods!r}"
+            ]
+        if mods and self.recompute != "selective":
+            return [
+                f"recompute_modules={'+'.join(mods)} needs recompute=selective (Megatron's "
+                f"selective granularity), got recompute={self.recompute}"
+            ]
+        if mods and self.recompute_layers is not None:
+            return [
+                f"recompute_modules={'+'.join(mods)} with recompute_layers="
+                f"{self.recompute_layers}: Megatron recomputes named modules in every block"
+            ]
+        inside = [m for m in ("moe_act", "shared_experts") if m in mods]
+        if "moe" in mods and inside:
+            return [
+                f"recompute_modules: moe re-runs the whole MoE layer, {' and '.join(inside)} "
+                "with it; name moe alone"
+            ]
+        return []
+
     def validate(self, cluster: Cluster | None = None) -> ParallelConfig:
         """Return self if valid; otherwise raise ConfigError listing every problem."""
         problems = self.problems(cluster)
@@ -283,6 +327,8 @@ class ParallelConfig:
             extras += f" slots={'+'.join(self.pipeline_slots)}"
         if self.offload_layers:
             extras += f" offload={self.offload_layers}"
+        if self.recompute_modules:
+            extras += f" modules={'+'.join(self.recompute_modules)}"
         return f"{degrees} | {extras}"
 
     @property
@@ -294,12 +340,13 @@ class ParallelConfig:
 
     def to_dict(self) -> dict[str, object]:
         """The fields as JSON values; recompute_layers, axis_order, etp, pipeline_slots,
-        offload_layers, async_tp and cp_attention only when set (plans
+        offload_layers, async_tp, cp_attention and recompute_modules only when set (plans
         made before they existed load, and save byte-identical)."""
         data = asdict(self)
         for name, default in _OMITTED_AT_DEFAULT.items():
             if data[name] == default:
                 del data[name]
-        if "pipeline_slots" in data:
-            data["pipeline_slots"] = list(data["pipeline_slots"])
+        for name in ("pipeline_slots", "recompute_modules"):
+            if name in data:
+                data[name] = list(data[name])
         return data

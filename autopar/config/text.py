@@ -10,12 +10,13 @@ alternatives print). Out: the ParallelConfig, checked by `ParallelConfig.validat
 cluster). Invariant: ``parse_config(cfg.as_text()) == cfg`` for every valid config.
 
 Grammar: items separated by commas, spaces or ``|``; an item is ``key=value`` (a field name or
-a short name: zero, mbs, v, sp, order, slots, offload, cp_attn), a bare schedule name, ``+sp`` or
-``+async_tp``.
+a short name: zero, mbs, v, sp, order, slots, offload, cp_attn, modules), a bare schedule name,
+``+sp`` or ``+async_tp``.
 ``recompute`` takes ``policy`` or ``policy:k`` (k = recompute_layers). ``order`` /
 ``axis_order`` take the four axes innermost first, joined by commas (``order=fsdp,tp,cp,dp``):
 the axis names after it continue it. ``slots`` / ``pipeline_slots`` take ``embedding``,
-``loss`` or ``embedding+loss``.
+``loss`` or ``embedding+loss``; ``modules`` / ``recompute_modules`` the parts of a block
+selective recompute re-runs, joined by ``+`` (``modules=mlp+layernorm``).
 Every error names the item it could not read.
 """
 
@@ -36,7 +37,7 @@ from autopar.errors import AutoparError, ConfigError
 ALIASES = {"zero": "zero_stage", "mbs": "micro_batch_size", "v": "virtual_stages",
            "sp": "sequence_parallel", "order": "axis_order",
            "slots": "pipeline_slots", "offload": "offload_layers",
-           "cp_attn": "cp_attention"}  # fmt: skip
+           "cp_attn": "cp_attention", "modules": "recompute_modules"}  # fmt: skip
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
 _SEPARATORS = str.maketrans({",": " ", "|": " "})
@@ -92,7 +93,7 @@ def parse_config(text: str) -> ParallelConfig:
             _put(values, key, _choice(raw, SCHEDULES, item), item)
         elif key == "cp_attention":
             _put(values, key, _choice(raw, CP_ATTENTION, item), item)
-        elif key == "pipeline_slots":  # embedding+loss, embedding, loss, or none
+        elif key in ("pipeline_slots", "recompute_modules"):  # a+b, a, or none
             _put(values, key, () if raw == "none" else tuple(raw.split("+")), item)
         elif key in ("sequence_parallel", "async_tp"):
             if raw.lower() not in _TRUE + _FALSE:

@@ -4,6 +4,8 @@ build_tables(ModelGraph) -> ModelTables                     once per model and s
 Estimator(tables, cluster, ...).evaluate(config, global_batch_size) -> Estimate
 
 tables.py         per-layer cost tables (FLOPs, bytes, tp shard classes, activations)
+saved_split.py    a layer's saved activations by recompute policy and shard class
+module_regions.py the parts of a block Megatron-Core's module recompute names, from the trace
 layer_cost.py     one layer's time under a config (compute, TP/CP/EP collectives)
 stages.py         model chunks, pipeline stages, the layers a policy recomputes
 stage_time.py     stage times, the pipeline, the data-parallel tail, the breakdown

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from autopar.estimate.saved_split import module_kinds
 from autopar.estimate.tables import LayerTable, MatmulOp
 
 
@@ -38,7 +39,8 @@ def routed_layer(table: LayerTable, imbalance: float = 1.0) -> LayerTable:
     term -- matmul FLOPs and activation bytes, memory-bound bytes, saved activations (the
     "expert" and the hidden-wide "routed" ones) -- scales by f = k / E; weights, the router and
     the combine's replicated work do not. The dispatch itself keeps two more copies of the
-    routed rows without recompute (D = moe_dispatch_bytes, k T H per sample, in "routed"):
+    routed rows without recompute, or under a module policy that does not re-run the MoE layer
+    (D = moe_dispatch_bytes, k T H per sample, in "routed"):
     each expert's gathered input rows (the dense graph's experts share the block's x) and the
     weighted rows `index_add` keeps (`autopar.runtime.expert_parallel`;
     measured on moe-tiny EP2: rows of 64 x 64 fp32, two per layer beyond the experts').
@@ -50,7 +52,10 @@ def routed_layer(table: LayerTable, imbalance: float = 1.0) -> LayerTable:
     if not table.moe_num_experts or (f == 1.0 and imbalance == 1.0):
         return table
     dispatch = table.moe_dispatch_bytes * imbalance
-    extra = {"none": 2 * dispatch} if f != 1.0 else {}
+    # the rows are kept without recompute, and by a module policy that keeps the MoE layer's
+    keeps_rows = [p for p in table.activations
+                  if p == "none" or "moe" not in (module_kinds(p) or ("moe",))]  # fmt: skip
+    extra = dict.fromkeys(keeps_rows, 2 * dispatch) if f != 1.0 else {}
     f *= imbalance
 
     def matmul(op: MatmulOp) -> MatmulOp:
@@ -67,10 +72,11 @@ def routed_layer(table: LayerTable, imbalance: float = 1.0) -> LayerTable:
     return replace(
         table,
         matmuls=tuple(matmul(op) for op in table.matmuls),
-        memory_ops=tuple(
-            (shard, nbytes * f if shard == "expert" else nbytes, count)
-            for shard, nbytes, count in table.memory_ops
-        ),
+        memory_ops=_routed_ops(table.memory_ops, f),
+        module_regions={
+            k: replace(r, memory_ops=_routed_ops(r.memory_ops, f))
+            for k, r in table.module_regions.items()
+        },
         # the dispatch's rows are hidden-wide: their own class ("routed", which expert tensor
         # parallelism does not split)
         activations={
@@ -83,3 +89,10 @@ def routed_layer(table: LayerTable, imbalance: float = 1.0) -> LayerTable:
         moe_dispatch_bytes=dispatch,
         moe_routed_fraction=1.0,
     )
+
+
+def _routed_ops(
+    ops: tuple[tuple[str, float, int], ...], f: float
+) -> tuple[tuple[str, float, int], ...]:
+    """Memory-bound ops (shard, bytes, count) with the experts' bytes at f of the traced."""
+    return tuple((s, b * f if s == "expert" else b, n) for s, b, n in ops)

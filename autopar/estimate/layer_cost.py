@@ -44,7 +44,12 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
         x b / d_r x ep, d_r the "routed" divisor of `shard_divisors`: every rank of the ep
         group sends it its tokens' share, the whole tp group's where etp = tp).
     recompute: full re-runs the forward (compute and its collectives); selective re-runs the
-        memory-bound ops (the matmul and attention outputs are kept); under none, a stack
+        memory-bound ops (the matmul and attention outputs are kept); with recompute_modules,
+        each named region's forward (`module_regions`: its matmuls with their casts, its
+        attention and memory-bound ops) and the collectives inside it: the tp all-reduces of
+        its row-parallel matmuls (their share of the layer's, SP's gather and scatter with
+        them), context parallelism's with the attention, the dispatch's all-to-alls and etp's
+        with the whole MoE layer; under none, a stack
         that recomputes multi-latent attention's up-projections re-runs their GEMMs
         (`CostOptions.recompute_up_projections`; the rotary's few element-wise ops not priced).
     runtime overhead (profiles measured by `autopar profile`, [runtime]): o per repeated layer
@@ -75,6 +80,7 @@ from dataclasses import dataclass
 from autopar.config import SPLIT_BACKWARD, ParallelConfig
 from autopar.config.precision import MX_BLOCK, Recipe
 from autopar.estimate.memory import shard_divisors, token_ways
+from autopar.estimate.module_regions import RegionTable
 from autopar.estimate.tables import LayerTable, MatmulOp
 from cost_models.compute import DeviceSpec, op_time_s
 
@@ -148,6 +154,7 @@ def layer_time(
     fwd = bwd = wgrad = up_fwd = 0.0
     cast_f = cast_b = 0.0  # a recipe's scaling, casts and transposes (module docstring)
     converted = 0  # linears in the recipe
+    op_fwd: list[float] = []  # each matmul's forward with its casts (a module region re-runs)
     for op in table.matmuls:
         d = flop_div[op.shard]
         acts = op.activation_bytes * b * act_scale / d
@@ -164,11 +171,14 @@ def layer_time(
         up_fwd += gemm_fwd if op.up_projection else 0.0
         back = _gemms_time(device, op.backward_flops * b / d * scale, 2 * io, gemm, groups)
         bwd += back
+        op_fwd.append(gemm_fwd)
         if low:
             converted += 1
             (fa, fw), (ba, bw) = recipe.cast_forward, recipe.cast_backward
-            cast_f += op_time_s(device, "elementwise", 0.0, (fa * acts + fw * weights)
+            op_cast = op_time_s(device, "elementwise", 0.0, (fa * acts + fw * weights)
                                 * cast_traffic, "fp32")  # fmt: skip
+            cast_f += op_cast
+            op_fwd[-1] += op_cast
             cast_b += op_time_s(device, "elementwise", 0.0, (ba * acts + bw * weights)
                                 * cast_traffic, "fp32")  # fmt: skip
         if op.backward_flops:
@@ -178,8 +188,9 @@ def layer_time(
         d = t * c
         io = op.io_bytes * b * act_scale / d
         attn_fwd += op_time_s(device, "attention", op.flops * b / d, io, dtype)
+        op_fwd.append(op_time_s(device, "attention", op.flops * b / d, io, dtype))
         attn_bwd += op_time_s(device, "attention", op.backward_flops * b / d, 2 * io, dtype)
-    mem = _memory_ops_time(table, cfg, device, act_scale * memory_traffic)
+    mem = _memory_ops_time(table.memory_ops, cfg, device, act_scale * memory_traffic)
     host = runtime_overhead_s(overheads if table.kind == "block" else model_overheads, cfg)
     fwd += attn_fwd + mem + host / 3 + cast_f
     bwd += attn_bwd + 2 * mem + 2 * host / 3 + cast_b
@@ -190,15 +201,50 @@ def layer_time(
     cp_f, cp_b = _cp_comm(table, cfg, act_scale, comm, attn_fwd, attn_bwd)
     ep = _ep_comm(table, cfg, act_scale, comm)
     etp_f, etp_b = _etp_comm(table, cfg, act_scale, comm)
-    if cfg.recompute == "full":
+    if cfg.recompute_modules:
+        tp_bytes = sum(table.tp_allreduce_bytes)
+        recompute = sum(
+            _region_forward(r, table, cfg, device, act_scale * memory_traffic, op_fwd)
+            + (tp_f * r.tp_allreduce_bytes / tp_bytes if tp_bytes else 0.0)
+            + (cp_f if r.has_attention else 0.0)
+            + (ep + etp_f if r.whole_moe else 0.0)
+            for r in regions_run(table, cfg.recompute_modules, recompute_up_projections)
+        )
+    elif cfg.recompute == "full":
         recompute = fwd + tp_f + etp_f + cp_f + ep
     elif cfg.recompute == "selective":
         recompute = mem
     else:
         recompute = up_fwd if recompute_up_projections else 0.0
-    if cfg.recompute != "none" and table.kind == "block":
+    if cfg.recompute != "none" and table.kind == "block" and not cfg.recompute_modules:
         recompute += recompute_overhead_s(overheads, cfg.recompute)
     return LayerTime(fwd, bwd, wgrad, recompute, tp_f + etp_f, tp_f + etp_b, cp_f, cp_b, ep, ep)
+
+
+def regions_run(
+    table: LayerTable, modules: tuple[str, ...], up_projections: bool
+) -> list[RegionTable]:
+    """The regions of ``table`` that ``modules`` re-run (with MLA's up-projections where the
+    stack recomputes them anyway: `CostOptions.recompute_up_projections`)."""
+    wanted = set(modules) | ({"mla_up_proj"} if up_projections else set())
+    return [r for k, r in table.module_regions.items() if k in wanted]
+
+
+def _region_forward(
+    region: RegionTable,
+    table: LayerTable,
+    cfg: ParallelConfig,
+    device: DeviceSpec,
+    traffic_scale: float,
+    op_fwd: list[float],
+) -> float:
+    """The forward compute of ``region`` again: its matmuls (with a recipe's casts), its
+    attention and its memory-bound ops; ``op_fwd``: the layer's matmuls' forward times, then
+    its attention ops'."""
+    n = len(table.matmuls)
+    total = sum(op_fwd[i] for i in region.matmuls)
+    total += sum(op_fwd[n + i] for i in region.attention)
+    return total + _memory_ops_time(region.memory_ops, cfg, device, traffic_scale)
 
 
 def in_recipe(op: MatmulOp, recipe: Recipe | None, torchao_linears: bool) -> bool:
@@ -296,11 +342,14 @@ def recompute_overhead_s(overheads: Mapping[str, float] | None, policy: str) -> 
 
 
 def _memory_ops_time(
-    table: LayerTable, cfg: ParallelConfig, device: DeviceSpec, act_scale: float
+    memory_ops: tuple[tuple[str, float, int], ...],
+    cfg: ParallelConfig,
+    device: DeviceSpec,
+    act_scale: float,
 ) -> float:
     div = shard_divisors(cfg)
     total = 0.0
-    for shard, nbytes, count in table.memory_ops:
+    for shard, nbytes, count in memory_ops:
         per_op = nbytes * cfg.micro_batch_size * act_scale / div[shard] / count
         total += count * op_time_s(device, "elementwise", 0.0, per_op, "fp32")
     return total

@@ -53,9 +53,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from autopar.config import ParallelConfig
+from autopar.config import RECOMPUTE_MODULES, ParallelConfig
 from autopar.estimate.as_run import routed_layer
 from autopar.estimate.options import CostOptions
+from autopar.estimate.saved_split import MODULES, module_policy
 from autopar.estimate.tables import LayerTable, ModelTables
 from cost_models.memory import (
     DEFAULT_RESERVE_MINIMUM_BYTES,
@@ -460,9 +461,15 @@ class StageMemory:
     ) -> str:
         """The recompute policy ``table`` runs under: the config's where ``recomputed`` names
         it (None: every layer), else none ("up_proj" where the stack recomputes MLA's
-        up-projections without a policy)."""
+        up-projections without a policy); with ``recompute_modules``, the regions of them the
+        layer has (`saved_split.module_policy`, "none" where it has none)."""
         if recomputed is not None and table.name not in recomputed:
             return "none"
+        if cfg.recompute_modules:
+            up = ("mla_up_proj",) if self.options.recompute_up_projections else ()
+            wanted = set(cfg.recompute_modules) | set(up)
+            return module_policy(tuple(k for k in RECOMPUTE_MODULES if k in wanted
+                                       and k in table.module_regions))  # fmt: skip
         if cfg.recompute == "none" and self.options.recompute_up_projections:
             return "up_proj"
         return cfg.recompute
@@ -490,18 +497,26 @@ class StageMemory:
             # "up_proj": "none" less MLA's q, k and v; fused kernels keep less of either
             # (`kernel_savings`)
             parts = [("none" if policy == "up_proj" else policy, 1.0)]
-            if policy in ("none", "up_proj") and self.options.fused_kernel_activations:
-                parts.append(("-fused", -1.0))
-            elif policy in ("none", "up_proj") and "+fp32" in splits:
+            # a module policy's own parts (`saved_split`): what of its kept values the fused
+            # kernels keep otherwise, or keep in fp32
+            prefix = policy if policy.startswith(MODULES) else ""
+            eager = policy in ("none", "up_proj") or bool(prefix)
+            if eager and self.options.fused_kernel_activations:
+                parts.append((prefix + "-fused", -1.0))
+            elif eager and prefix + "+fp32" in splits:
                 # eager norms' fp32 upcasts: their traced bytes at fp32's width, not scaled
                 # to the precision (`kernel_savings.norm_upcasts`)
-                parts.append(("+fp32", 1.0 / self.act_scale - 1.0))
+                parts.append((prefix + "+fp32", 1.0 / self.act_scale - 1.0))
             if policy == "up_proj":
                 parts.append(("-up_proj", -1.0))
             kept = sum(
                 sign * v * b / div[k] for name, sign in parts for k, v in splits[name].items()
             )
-            if c > 1 and policy in ("none", "up_proj"):
+            whole_kv = policy in ("none", "up_proj") or (
+                bool(prefix) and not any(table.module_regions[k].has_attention
+                                         for k in policy[len(MODULES):].split("+"))
+            )  # fmt: skip
+            if c > 1 and whole_kv:
                 # context parallelism all-gathers K and V: the backward keeps the whole
                 # sequence's, not the 1/c shard counted above (autopar.runtime.context_parallel)
                 kept += sum(op.kv_bytes for op in table.attention) * b / t * (1 - 1 / c)

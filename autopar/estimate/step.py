@@ -296,7 +296,8 @@ class Estimator:
             for j, table in enumerate(chunk[:top]):
                 d = by_class.get(table.class_id)
                 if d is None:
-                    d = activations(cfg, table, "none") - activations(cfg, table, cfg.recompute)
+                    policy = self.memory.policy(cfg, table, None)
+                    d = activations(cfg, table, "none") - activations(cfg, table, policy)
                     by_class[table.class_id] = d
                 dropped[s][j] += d
                 transient[s][j] = max(transient[s][j], d)

@@ -22,10 +22,12 @@ top_k / num_experts), which is what the all-to-all dispatch of expert parallelis
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from autopar.config import RECOMPUTE_MODULES
 from autopar.estimate.kernel_savings import fused_kernel_surplus, norm_upcasts, up_projection_region
+from autopar.estimate.module_regions import RegionTable, block_regions, region_tables
+from autopar.estimate.saved_split import activation_split, value_bytes
 from autopar.tracing.graph import LayerInfo, ModelGraph, NodeInfo
 
 # "tp" | "rep" | "expert" | "whole" (a vocabulary layer TP leaves whole) | "gathered" | "routed"
@@ -98,6 +100,8 @@ class LayerTable:
     # the reduce-scatter, with SP), so whole, and their gradients whole on every tp rank
     params_row_bias: int = 0
     module_type: str = ""  # the class of the module the layer is (a block's, "Embedding", ...)
+    # a block's parts Megatron-Core's selective recompute names (`module_regions`), by name
+    module_regions: dict[str, RegionTable] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -234,6 +238,7 @@ def _layer_table(
     region, ups = up_projection_region(layer, nodes)
     shard: dict[str, Shard] = {}
     matmuls, attention, allreduce = [], [], []
+    matmul_nodes, attention_nodes, allreduce_nodes = [], [], {}  # which node made each entry
     column: set[str] = set()  # parameters of column-parallel matmuls (their biases split too)
     token_embedding = position_table = False
     memory: dict[Shard, list[float]] = {}
@@ -255,13 +260,16 @@ def _layer_table(
                     up_projection=node.name in ups,
                 )
             )
+            matmul_nodes.append(node.name)
             if out == "rep" and "tp" in classes:
                 allreduce.append(float(node.bytes_written))
+                allreduce_nodes[node.name] = float(node.bytes_written)
             elif out == "tp":
                 column.update(node.params)
         elif node.op_class in ("matmul", "attention"):
             if node.op_class == "attention":
-                kv = sum(_value_bytes(nodes[i]) for i in acts[1:3])
+                kv = sum(value_bytes(nodes[i]) for i in acts[1:3])
+                attention_nodes.append(node.name)
                 attention.append(
                     AttentionOp(
                         node.flops, node.backward_flops, kv, node.bytes_read + node.bytes_written
@@ -270,7 +278,8 @@ def _layer_table(
             else:
                 # a matmul on gathered expert weights is the experts' weight matmul
                 copies = [i for i in node.inputs if i in derived]
-                gathered = sum(_value_bytes(nodes[i]) for i in copies)
+                gathered = sum(value_bytes(nodes[i]) for i in copies)
+                matmul_nodes.append(node.name)
                 matmuls.append(
                     MatmulOp(
                         node.flops,
@@ -294,6 +303,14 @@ def _layer_table(
             entry = memory.setdefault(out, [0.0, 0])
             entry[0] += node.bytes_read + node.bytes_written
             entry[1] += 1
+    regions = block_regions(layer, nodes)
+    value = _block_input(layer, nodes) if layer.moe else None
+    none = set(layer.saved_values.get("none", ()))
+    parts = {
+        "-up_proj": frozenset(none & region),
+        "-fused": frozenset(none & fused_kernel_surplus(layer, nodes)),
+        "+fp32": frozenset(none & norm_upcasts(layer, nodes)),
+    }
     return LayerTable(
         name=layer.name,
         class_id=layer.class_id,
@@ -303,7 +320,16 @@ def _layer_table(
         memory_ops=tuple((k, v[0], int(v[1])) for k, v in memory.items()),
         tp_allreduce_bytes=tuple(allreduce),
         **_param_split(layer, graph, nodes, column, kept),
-        activations=_activation_split(layer, nodes, shard, derived, region),
+        activations=activation_split(
+            layer,
+            nodes,
+            shard,
+            derived,
+            value.shapes[0][-1] if value and value.shapes else None,
+            parts,
+            regions,
+            RECOMPUTE_MODULES,
+        ),  # fmt: skip
         output_bytes=float(layer.output_bytes),
         moe_num_experts=layer.moe.num_experts if layer.moe else 0,
         moe_top_k=layer.moe.top_k if layer.moe else 0,
@@ -320,6 +346,9 @@ def _layer_table(
         token_embedding=token_embedding,
         position_table=position_table,
         module_type=layer.module_type,
+        module_regions=region_tables(
+            regions, matmul_nodes, attention_nodes, allreduce_nodes, shard, nodes
+        ),
     )
 
 
@@ -460,15 +489,6 @@ def _compute_shard(node: NodeInfo, router: str | None, kept: frozenset[str]) -> 
     return "rep" if _whole(node, router, kept) else "tp"
 
 
-def _value_bytes(node: NodeInfo) -> float:
-    return float(
-        sum(
-            math.prod(s) * _DTYPE_BYTES.get(d, 1)
-            for s, d in zip(node.shapes, node.dtypes, strict=False)
-        )
-    )
-
-
 def _param_split(
     layer: LayerInfo,
     graph: ModelGraph,
@@ -517,46 +537,11 @@ def _param_split(
     }
 
 
-def _activation_split(
-    layer: LayerInfo, nodes: dict[str, NodeInfo], shard: dict[str, Shard], derived: set[str],
-    region: frozenset[str],
-) -> dict[str, dict[Shard, float]]:  # fmt: skip
-    out: dict[str, dict[Shard, float]] = {}
-    # replicated values a column-parallel matmul reads: what SP all-gathers before it
-    gathered = {
-        i
-        for name in layer.nodes
-        if nodes[name].op_class == "matmul" and nodes[name].params and shard.get(name) == "tp"
-        for i in nodes[name].inputs
-    }
-    # an expert value as wide as the block's input (its rows in, its output out) is "routed":
-    # expert tensor parallelism splits only the intermediate width
-    value = _block_input(layer, nodes) if layer.moe else None
-    hidden = value.shapes[0][-1] if value is not None and value.shapes else None
-    none, fused = set(layer.saved_values.get("none", ())), fused_kernel_surplus(layer, nodes)
-    policies = {**layer.saved_values, "-up_proj": none & region, "-fused": none & fused}
-    policies["+fp32"] = none & norm_upcasts(layer, nodes)
-    for policy, values in policies.items():
-        split: dict[Shard, float] = {"tp": 0.0, "rep": 0.0, "expert": 0.0, "gathered": 0.0,
-                                     "routed": 0.0}  # fmt: skip
-        for v in values:
-            if v in derived:
-                continue
-            kind = shard.get(v, "rep")
-            kind = "gathered" if kind == "rep" and v in gathered else kind
-            wide = hidden is not None and nodes[v].shapes and nodes[v].shapes[0][-1:] == (hidden,)
-            kind = "routed" if kind == "expert" and wide else kind
-            split[kind] += _value_bytes(nodes[v])
-        split["tp"] += layer.saved_internal_bytes.get(policy, 0.0)  # attention statistics
-        out[policy] = split
-    return out
-
-
 def _dispatch_bytes(layer: LayerInfo, nodes: dict[str, NodeInfo]) -> float:
     """tokens x top_k x hidden x element bytes: what one all-to-all moves, per sample."""
     assert layer.moe is not None
     value = _block_input(layer, nodes)
-    return 0.0 if value is None else _value_bytes(value) * layer.moe.top_k
+    return 0.0 if value is None else value_bytes(value) * layer.moe.top_k
 
 
 def _expert_groups(layer: LayerInfo, shard: Shard) -> int:
@@ -573,7 +558,7 @@ def _expert_call_bytes(layer: LayerInfo, nodes: dict[str, NodeInfo]) -> dict[str
     value = _block_input(layer, nodes) if layer.moe else None
     if layer.moe is None or value is None:
         return {}
-    hidden = float(_value_bytes(value))
+    hidden = float(value_bytes(value))
     fb = _DTYPE_BYTES.get(value.dtypes[0], 4)  # the hidden rows' element size
     tokens = hidden / (value.shapes[0][-1] * fb)
     moe = layer.moe

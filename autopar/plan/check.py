@@ -224,7 +224,8 @@ def _field(where: str, key: Any, value: Any) -> list[str]:
 def _config(value: Any) -> tuple[ParallelConfig | None, list[str]]:
     if not isinstance(value, dict):
         return None, [f"config must be an object, got {value!r}"]
-    kinds = {"schedule": str, "recompute": str, "sequence_parallel": bool}
+    kinds = {"schedule": str, "recompute": str, "sequence_parallel": bool, "async_tp": bool,
+             "cp_attention": str, "pipeline_slots": list, "recompute_modules": list}  # fmt: skip
     for key, raw in value.items():
         if key == "axis_order" or (key == "recompute_layers" and raw is None):
             continue

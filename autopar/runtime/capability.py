@@ -372,6 +372,11 @@ def runtime_problems(
         )
     if config.ep > 1 and not _dispatches_experts(model):
         out.append(f"ep={config.ep}: {_no_ep(name)}")
+    if config.recompute_modules:
+        out.append(f"recompute_modules={'+'.join(config.recompute_modules)}: autopar's runtime "
+                   "recomputes whole blocks (full) or by torch's op policy (selective); "
+                   "Megatron-Core recomputes named parts of a block (stack megatron-core or "
+                   "megatron-bridge; autopar export --to megatron)")  # fmt: skip
     if config.ep_folds_over_tp:
         out.append(
             f"ep={config.ep} folds over the tp ranks too (dp x fsdp x cp = "

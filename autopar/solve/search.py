@@ -344,14 +344,21 @@ class _Bounds:
         self._states: dict[tuple, float] = {}
 
     def memory(self, cfg: ParallelConfig) -> float:
-        key = (cfg.recompute, cfg.tp, cfg.cp, cfg.sequence_parallel, cfg.ep > 1, cfg.etp)
+        key = (cfg.recompute, cfg.recompute_modules, cfg.tp, cfg.cp, cfg.sequence_parallel,
+               cfg.ep > 1, cfg.etp)  # fmt: skip
         if key not in self._activations:
             div = shard_divisors(cfg)
+            memory = self.estimator.memory
             self._activations[key] = self.estimator.act_scale * sum(
                 v / div[k]
                 for table in self.estimator.tables.layers
                 # as the runtime dispatches it: with ep, each token's top k experts only
-                for k, v in dispatched(cfg, table).activations.get(cfg.recompute, {}).items()
+                for k, v in dispatched(cfg, table)
+                .activations.get(
+                    memory.policy(cfg, table, None) if cfg.recompute_modules else cfg.recompute,
+                    {},
+                )
+                .items()
             )
         activations = self._activations[key] * cfg.micro_batch_size / cfg.pp
         return self.state(cfg) + activations

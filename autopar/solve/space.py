@@ -8,7 +8,8 @@ dp x fsdp x cp (the runtime folds it over those ranks, cp first; with fsdp the e
 over the ranks holding the same ones; not searched with HSDP) and the number of experts. Per
 degree choice: sequence parallelism on or off with tp, micro-batch size, schedule (and virtual
 stages, and pipeline slots where they make the chunks possible or even: `_slot_choices`) with
-pp, recompute policy; asynchronous TP beside plain with sequence parallelism where the stack
+pp, recompute policy (and the module sets of `SpaceLimits.recompute_modules` as selective
+recompute); asynchronous TP beside plain with sequence parallelism where the stack
 runs it (`SpaceLimits.async_tp`); with cp > 1 both ways attention crosses the shards
 (all-gather of K and V, or the ring).
 Per recompute policy (full, selective), `recompute_layer_choices` gives the per-layer variants:
@@ -63,6 +64,9 @@ class SpaceLimits:
     # activation offloading tried where a config keeps every activation and does not fit
     # (not on the compiled stack: `runtime.capability`)
     offload: bool = True
+    # the recompute_modules sets offered beside the policies, as selective recompute
+    # (`estimate.module_regions.module_sets`: a stack that runs Megatron's module recompute)
+    recompute_modules: tuple[tuple[str, ...], ...] = ()
     # ring attention offered beside the all-gather with cp > 1 (not for a model whose
     # attention drops probabilities: `runtime.attention_check.attention_dropout`)
     cp_ring: bool = True
@@ -154,8 +158,9 @@ def blocks_per_chunk(lim: SpaceLimits, cfg: ParallelConfig) -> int:
 
 def recompute_layer_choices(lim: SpaceLimits, cfg: ParallelConfig) -> range:
     """The per-layer variants of an all-layer recompute config: recompute_layers = 1 .. the
-    blocks of a chunk (ascending: memory falls, time rises); empty for recompute none."""
-    if cfg.recompute == "none":
+    blocks of a chunk (ascending: memory falls, time rises); empty for recompute none and for
+    module recompute (Megatron applies it to every block)."""
+    if cfg.recompute == "none" or cfg.recompute_modules:
         return range(0)
     return range(1, blocks_per_chunk(lim, cfg) + 1)
 
@@ -303,6 +308,8 @@ def inner_choices(
     counted = ("embedding",) if lim.pipeline_alone else SLOTS
     async_tps = (False, True) if lim.async_tp else (False,)
     cp_attentions = ("all_gather", "ring") if cp > 1 and lim.cp_ring else ("all_gather",)
+    policies = [("none", ()), ("selective", ()), ("full", ())]
+    policies += [("selective", mods) for mods in lim.recompute_modules]
     for mbs in lim.micro_batch_sizes:
         per_step = mbs * dp * fsdp
         if lim.global_batch_size % per_step:
@@ -310,7 +317,7 @@ def inner_choices(
         m = lim.global_batch_size // per_step
         for schedule, v, slots in _schedules(pp, m, lim.num_blocks, counted):
             for zero in zeros:
-                for sp, etp, recompute in product(sps, etps, ("none", "selective", "full")):
+                for sp, etp, (recompute, mods) in product(sps, etps, policies):
                     if recompute != "none" and pp > 1 and schedule in SPLIT_BACKWARD:
                         continue  # ParallelConfig.problems: split backward passes
                     for async_tp, cp_attention in product(
@@ -334,6 +341,7 @@ def inner_choices(
                             pipeline_slots=slots,
                             async_tp=async_tp,
                             cp_attention=cp_attention,
+                            recompute_modules=mods,
                         )
 
 

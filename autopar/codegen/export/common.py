@@ -77,8 +77,11 @@ def model_shape(config: Any) -> ModelShape | None:
 def header_lines(plan: Plan, target: str, gaps: list[str], priced: Priced | None) -> list[str]:
     """Comment lines (without the comment marker) that open every exported file, each one
     printable line (`one_line`). The plan's training algorithm, where it is not synchronous,
-    is appended to ``gaps`` first (`training_gap`): no target's file runs it as planned."""
+    is appended to ``gaps`` first (`training_gap`): no target's file runs it as planned; so are
+    activation offload and module recompute where ``target`` does not run them."""
     gaps += training_gap(plan, target) + offload_gap(plan, target)
+    if target != "Megatron-LM":
+        gaps += modules_gap(plan, target)
     c = plan.config
     lines = [
         f"{target} configuration exported by autopar from the plan for {plan.model} on "
@@ -112,6 +115,18 @@ def offload_gap(plan: Plan, target: str) -> list[str]:
     return [
         f"offload_layers={k}: {target} keeps every block's activations on the device (more "
         "activation memory than planned); autopar's train.py and Megatron-LM offload them"
+    ]
+
+
+def modules_gap(plan: Plan, target: str) -> list[str]:
+    """What a target without Megatron's module recompute leaves out of a plan with it."""
+    mods = plan.config.recompute_modules
+    if not mods:
+        return []
+    return [
+        f"recompute_modules={'+'.join(mods)}: {target} does not recompute named parts of a "
+        "block (Megatron-Core's --recompute-modules); its own selective recompute keeps other "
+        "activations than planned"
     ]
 
 

@@ -16,7 +16,8 @@
     recompute=full:k      --recompute-granularity full --recompute-method block
                           --recompute-num-layers k (the first k blocks of each chunk: the same
                           rule as autopar's); every block: --recompute-method uniform, 1
-    recompute=selective   --recompute-granularity selective (core attention)
+    recompute=selective   --recompute-granularity selective (core attention), with
+                          recompute_modules --recompute-modules and their names
     offload_layers k      --cpu-offloading-num-layers k (TransformerEngine's CPU offload)
     the model's shape     --num-layers, --hidden-size, ... from its config, when it is a decoder
 
@@ -176,6 +177,15 @@ def _recompute(plan: Plan, gaps: list[str]) -> list[str]:
     if c.recompute_layers is not None:
         gaps.append(
             f"recompute={c.recompute_text}: Megatron's selective recompute covers every block"
+        )
+    if c.recompute_modules:  # the parts of each block it re-runs
+        return ["--recompute-granularity", "selective",
+                "--recompute-modules", *c.recompute_modules]  # fmt: skip
+    if c.recompute == "selective":
+        gaps.append(
+            "recompute=selective: autopar's is torch's op policy (keep the matmul and "
+            "attention outputs); Megatron's selective re-runs core attention only (its "
+            "default --recompute-modules), which keeps more"
         )
     return ["--recompute-granularity", "selective"]
 

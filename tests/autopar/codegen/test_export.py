@@ -13,6 +13,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -426,3 +427,25 @@ def test_low_precision_plans_reach_torchtitan_and_megatron_as_their_own_recipes(
         assert converters == ["quantize.linear.mx"]
     else:
         assert converters == [] and any("no converter" in gap for gap in done.gaps)
+
+
+def test_module_recompute_reaches_megatron_and_the_others_name_the_gap(tiny):
+    model, graph = tiny
+    cluster = autopar.Cluster.from_profile("dgx_h100", num_devices=2)
+    config = autopar.ParallelConfig(dp=2, recompute="selective", recompute_modules=("mlp",))
+    plan = autopar.evaluate(
+        model, cluster, config, global_batch_size=8, graph=graph, stack="megatron-core"
+    )
+    done = export_plan(plan, "megatron")
+    args = _megatron_parser().parse_args(_megatron_argv(done.text))
+    assert (args.recompute_granularity, args.recompute_modules) == ("selective", ["mlp"])
+    assert not any("recompute" in g for g in done.gaps)
+    for target in ("torchtitan", "deepspeed", "accelerate"):
+        gaps = export_plan(plan, target).gaps
+        assert any(g.startswith("recompute_modules=mlp: ") for g in gaps), target
+    # autopar's own selective (torch's op policy) is not Megatron's default core attention
+    plain = autopar.evaluate(
+        model, cluster, replace(config, recompute_modules=()), global_batch_size=8, graph=graph
+    )
+    assert any("Megatron's selective re-runs core attention" in g
+               for g in export_plan(plain, "megatron").gaps)  # fmt: skip

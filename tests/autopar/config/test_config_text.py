@@ -29,6 +29,7 @@ HAND_MADE = [
     ParallelConfig(pp=4, schedule="gpipe", recompute="full", recompute_layers=12),
     ParallelConfig(pp=2, schedule="1f1b", pipeline_slots=("loss",)),
     ParallelConfig(tp=4, sequence_parallel=True, async_tp=True, offload_layers=3),
+    ParallelConfig(tp=2, recompute="selective", recompute_modules=("mlp", "layernorm")),
 ]
 
 
@@ -36,6 +37,7 @@ def _searched() -> list[ParallelConfig]:
     """Every config the search prices for a small MoE model with long sequences on 8
     devices (so cp, ep, pp schedules, axis orders and per-layer recompute all appear)."""
     lim = SpaceLimits(
+        recompute_modules=(("moe_act", "layernorm"), ("moe",)),
         world_size=8,
         devices_per_node=4,
         num_blocks=4,
@@ -60,7 +62,8 @@ def _searched() -> list[ParallelConfig]:
 def test_printed_configs_parse_back_equal() -> None:
     configs = HAND_MADE + _searched()
     assert len(configs) > 1000
-    seen = {"order=", "recompute=full:", "+sp", "v=2", "dualpipe_v", "ep=2", "slots=embedding+loss"}
+    seen = {"order=", "recompute=full:", "+sp", "v=2", "dualpipe_v", "ep=2", "slots=embedding+loss",
+            "modules=moe_act+layernorm"}  # fmt: skip
     texts = [cfg.as_text() for cfg in configs]
     assert all(any(s in t for t in texts) for s in seen)  # the space covers every form
     for cfg, text in zip(configs, texts, strict=True):
@@ -98,6 +101,10 @@ def test_key_value_spellings() -> None:
         ("fsdp=2", "fsdp=2 shards nothing with zero_stage=0"),
         ("pp=1 slots=embedding", "pipeline_slots=('embedding',) needs pp > 1"),
         ("pp=2 slots=loss+embedding", "pipeline_slots must be one of (), ('embedding',)"),
+        ("modules=mlp", "recompute_modules=mlp needs recompute=selective"),
+        ("recompute=selective modules=mlp+attn", "recompute_modules must name parts of"),
+        ("recompute=selective modules=moe+moe_act", "moe re-runs the whole MoE layer"),
+        ("recompute=selective:2 modules=mlp", "Megatron recomputes named modules in every block"),
     ],
 )
 def test_bad_text_names_the_bad_item(text: str, message: str) -> None:

@@ -144,8 +144,8 @@ def test_memory_traffic_prices_the_memory_bound_ops_with_more_bytes(llama):
     plain = Estimator(tables, cluster, options=CostOptions())
     double = Estimator(tables, cluster, options=CostOptions(memory_traffic=2.0))
     scale = plain.act_scale
-    extra = _memory_ops_time(block, cfg, plain.device, 2 * scale) - _memory_ops_time(
-        block, cfg, plain.device, scale
+    extra = _memory_ops_time(block.memory_ops, cfg, plain.device, 2 * scale) - _memory_ops_time(
+        block.memory_ops, cfg, plain.device, scale
     )
     assert extra > 0
     a = plain.layer_times(cfg, plain.mesh(cfg))[block.name]

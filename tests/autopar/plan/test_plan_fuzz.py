@@ -214,3 +214,31 @@ def test_a_plan_made_on_a_tpu_slice_loads(tmp_path):
     )
     loaded = autopar.Plan.from_json((tmp_path / "plan.json").read_text())
     assert loaded.config.tp == 2 and "tp=2" in loaded.explain()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        autopar.ParallelConfig(
+            dp=2,
+            pp=2,
+            schedule="interleaved_1f1b",
+            virtual_stages=3,
+            pipeline_slots=("embedding", "loss"),
+        ),
+        autopar.ParallelConfig(dp=2, tp=2, sequence_parallel=True, async_tp=True),
+        autopar.ParallelConfig(dp=2, cp=2, cp_attention="ring"),
+        autopar.ParallelConfig(dp=4, recompute="selective", recompute_modules=("mlp",)),
+    ],
+    ids=["slots", "async_tp", "ring", "modules"],
+)
+def test_a_plan_with_each_later_field_loads_back_equal(config):
+    """The fields added after the first plans (lists, strings, flags) pass the loader's type
+    check: a plan with async TP was refused at load ("config.async_tp must be int")."""
+    model = autopar.models.zoo.build("llama-tiny", device="meta", num_layers=4)
+    inputs = autopar.models.zoo.example_inputs("llama-tiny", model, batch_size=1)
+    cluster = autopar.Cluster.from_profile("dgx_h100", num_devices=4)
+    plan = autopar.evaluate(
+        model, cluster, config, inputs, global_batch_size=8, stack="megatron-core"
+    )
+    assert autopar.Plan.from_json(plan.to_json()).config == config
