@@ -115,11 +115,12 @@ def _runtime_note(best: AlgorithmEstimate) -> str:
             f"training: DiLoCo over {best.replicas} sites (H={best.inner_steps}, "
             f"{best.fragments} fragment(s)); this plan is one site's replica group: start "
             "torchft_lighthouse once, and train.py at each site with --diloco-group G "
-            "--lighthouse URL (autopar.runtime.diloco)"
+            "--lighthouse URL (autopar.runtime.diloco; launch.sbatch and pytorchjob.yaml do "
+            "both: GROUP=g at each site)"
         )
     return (
         f"training: {best.replicas} fault-tolerant replica groups (torchft): start "
         f"torchft_lighthouse once, and train.py as {best.replicas} jobs of "
         f"1/{best.replicas} of the ranks with --ft-group G --lighthouse URL "
-        "(autopar.runtime.fault_tolerance)"
+        "(autopar.runtime.fault_tolerance; launch.sbatch and pytorchjob.yaml do both)"
     )

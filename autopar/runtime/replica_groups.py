@@ -5,7 +5,9 @@ the fewest groups a step commits with, and the state a healthy peer hands a rejo
 (None: DiLoCo's own). Out: a `torchft.Manager` on a fault-tolerant gloo group, meeting its
 group through the group's own TCPStore (MASTER_ADDR / MASTER_PORT, as torchrun sets them).
 Synchronous quorum (`use_async_quorum=False`): DiLoCo requires it, and a rejoining group is
-healed before its forward rather than during it.
+healed before its forward rather than during it. Timeouts ordered as torchft needs them
+(`ft_timeouts`): a collective with a dead group fails first, then a quorum that waits for it,
+and a group's first connection last.
 """
 
 from __future__ import annotations
@@ -14,6 +16,13 @@ import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+
+def ft_timeouts(timeout_s: float) -> tuple[float, float, float]:
+    """(collective, quorum, connect) seconds for a collective timeout of ``timeout_s``:
+    each at least twice the one before, the quorum 60 s and the connect 120 s at least."""
+    quorum = max(60.0, 2 * timeout_s)
+    return timeout_s, quorum, max(120.0, 2 * quorum)
 
 
 def group_manager(
@@ -29,7 +38,8 @@ def group_manager(
     # imported here: torchft is an optional dependency of the replica-group paths only
     from torchft import Manager, ProcessGroupGloo
 
-    timeout = timedelta(seconds=timeout_s)
+    collective, quorum, connect = ft_timeouts(timeout_s)
+    timeout = timedelta(seconds=collective)
     load, save = state if state is not None else (None, None)
     return Manager(
         pg=ProcessGroupGloo(timeout=timeout),
@@ -44,6 +54,6 @@ def group_manager(
         world_size=world_size,
         lighthouse_addr=lighthouse,
         timeout=timeout,
-        quorum_timeout=timedelta(seconds=max(60.0, 2 * timeout_s)),
-        connect_timeout=timedelta(seconds=60),
+        quorum_timeout=timedelta(seconds=quorum),
+        connect_timeout=timedelta(seconds=connect),
     )
