@@ -60,9 +60,9 @@ NVL72, NVL72_JOB_GPUS = 72, 64
 # performance configs name the modules each layout recomputes
 # (scripts/performance/configs/deepseek/deepseek_workload_base_configs.py). Where the config of
 # the row's own layout is known (GB200 BF16: pp4 vp4 ep64, recompute_modules ["mla_up_proj"],
-# in both the V1 and V2 presets), its recompute is priced; elsewhere none is, which only raises
-# the peak: a row priced under its capacity is checked, one priced over it is listed as not
-# checked. The step time is priced as stated.
+# in both the V1 and V2 presets), its recompute is priced (ParallelConfig.recompute_modules);
+# elsewhere none is, which only raises the peak: a row priced under its capacity is checked,
+# one priced over it is listed as not checked. The step time is priced as stated.
 MBRIDGE_DSV3_RECOMPUTE_MODULES = {("GB200", "bf16"): ("mla_up_proj",)}
 MBRIDGE_DSV3_RECOMPUTE = (
     "recompute unstated: no Megatron-Bridge DeepSeek-V3 performance config has this row's "
@@ -206,9 +206,6 @@ def _option_changes(row: dict[str, str], notes: list[str]) -> tuple[tuple[str, o
         notes.append("gradients reduced in BF16 (the DeepSeek-V3 recipe)")
         changes.append(("moment_bytes", 2))
         notes.append("Adam's moments in BF16 (the recipe's precision-aware optimizer)")
-        if "mla_up_proj" in _dsv3_recompute(row):
-            changes.append(("recompute_up_projections", True))
-            notes.append("MLA up-projections recomputed (recompute_modules mla_up_proj)")
     if row["source_id"].startswith("ds_autotuning_hf"):
         # The autotuning's DeepSpeed configs have no optimizer section (DeepSpeedExamples
         # training/autotuning/hf/dsconfigs), so transformers 4.12's deepspeed_init passes
@@ -380,7 +377,13 @@ def _config(
         # layers + 2 slots split over pp x vp chunks
         slots = ("embedding", "loss")
         notes.append("embedding and loss take a pipeline slot each: Megatron-Bridge's recipe")
+    mbridge_dsv3 = _deepseek_v3(row) and row["source_id"].startswith("mbridge")
+    modules = _dsv3_recompute(row) if mbridge_dsv3 else ()
+    if modules:  # the recipe's --recompute-modules: Megatron's selective granularity
+        recompute = "selective"
+        notes.append(f"recompute_modules {'+'.join(modules)} (the performance config's)")
     config = autopar.ParallelConfig(
+        recompute_modules=modules,
         dp=dp,
         fsdp=fsdp,
         tp=tp,
