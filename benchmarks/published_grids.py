@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from local_validation import spearman  # noqa: E402
 from published_grids_mapping import GiB, GridRun, read_grids  # noqa: E402
 
 import autopar  # noqa: E402
@@ -208,25 +209,8 @@ def _evaluate(run: GridRun, model, graph, base: Priced, changes: dict) -> Priced
     )
 
 
-def spearman(xs: list[float], ys: list[float]) -> float:
-    def ranks(values: list[float]) -> list[float]:
-        order = sorted(range(len(values)), key=values.__getitem__)
-        out = [0.0] * len(values)
-        i = 0
-        while i < len(order):  # ties share their mean rank
-            j = i
-            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                out[order[k]] = (i + j) / 2
-            i = j + 1
-        return out
-
-    rx, ry = ranks(xs), ranks(ys)
-    mx, my = statistics.fmean(rx), statistics.fmean(ry)
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
-    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
-    return cov / var if var else 1.0
+def _zero_if_nan(value: float) -> float:
+    return 0.0 if math.isnan(value) else value
 
 
 def noise_ties(values: list[float], tolerance: float = TIE_TOLERANCE) -> list[float]:
@@ -320,9 +304,10 @@ def summary(rows: list[Priced]) -> list[str]:
             )
             ties.append(grid)
             continue
-        rho = spearman(pred, ranks_within_noise(tied, pred))
+        # a flat prediction orders nothing: Spearman undefined, counted as 0
+        rho = _zero_if_nan(spearman(pred, ranks_within_noise(tied, pred)))
         rhos.append(rho)
-        untied = spearman(pred, meas)
+        untied = _zero_if_nan(spearman(pred, meas))
         raw = (
             f" (untied {untied:+.2f})" if tied != meas and f"{untied:+.2f}" != f"{rho:+.2f}" else ""
         )

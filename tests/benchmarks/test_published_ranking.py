@@ -48,7 +48,9 @@ def test_a_tie_is_ordered_as_predicted_and_never_costs_spearman():
     # 10.0 and 10.1 tie; 12.0 is beyond the noise
     tied = pg.noise_ties([10.1, 10.0, 12.0])
     assert pg.ranks_within_noise(tied, [1.0, 2.0, 3.0]) == [0.0, 1.0, 2.0]
-    assert pg.spearman([1.0, 2.0, 3.0], pg.ranks_within_noise(tied, [1.0, 2.0, 3.0])) == 1.0
+    assert pg.spearman(
+        [1.0, 2.0, 3.0], pg.ranks_within_noise(tied, [1.0, 2.0, 3.0])
+    ) == pytest.approx(1.0)
     # the prediction's order of the row beyond the noise still counts
     wrong = [3.0, 2.0, 1.0]
     assert pg.spearman(wrong, pg.ranks_within_noise(tied, wrong)) == pytest.approx(-0.5)
