@@ -9,7 +9,7 @@ over the ranks holding the same ones; not searched with HSDP) and the number of 
 degree choice: sequence parallelism on or off with tp, micro-batch size, schedule (and virtual
 stages, and pipeline slots where they make the chunks possible or even: `_slot_choices`) with
 pp, recompute policy (and the module sets of `SpaceLimits.recompute_modules` as selective
-recompute); asynchronous TP beside plain with sequence parallelism where the stack
+recompute); asynchronous TP instead of plain with sequence parallelism where the stack
 runs it (`SpaceLimits.async_tp`); with cp > 1 both ways attention crosses the shards
 (all-gather of K and V, or the ring).
 Per recompute policy (full, selective), `recompute_layer_choices` gives the per-layer variants:
@@ -55,8 +55,8 @@ class SpaceLimits:
     # pipeline plans only with tp = cp = ep = 1: the runtime cuts this model from its traced
     # graph (`autopar.runtime.traced_stages`), whose stages TP, CP and EP cannot split
     pipeline_alone: bool = False
-    # asynchronous TP offered beside plain TP with sequence parallelism (the stack runs it and
-    # hides more with it: `CostOptions.async_tp_overlap`)
+    # asynchronous TP offered instead of plain TP with sequence parallelism (the stack runs it
+    # and hides more with it: `CostOptions.async_tp_overlap`)
     async_tp: bool = False
     # ep folded over the tp ranks too (`ParallelConfig.ep_folds_over_tp`: Megatron-Core's
     # MoE parallel folding; a stack that runs it, not autopar's runtime)
@@ -306,7 +306,9 @@ def inner_choices(
         sps, etps = (True,) if sp_ok else (), (1,)
     # a traced cut starts chunks at blocks: no chunk for the head alone (the loss slot)
     counted = ("embedding",) if lim.pipeline_alone else SLOTS
-    async_tps = (False, True) if lim.async_tp else (False,)
+    # where the stack runs async TP it hides more of the same traffic at the same memory: a
+    # plain TP + SP config is never faster, so only the async one is offered
+    async_tps = (True,) if lim.async_tp else (False,)
     cp_attentions = ("all_gather", "ring") if cp > 1 and lim.cp_ring else ("all_gather",)
     policies = [("none", ()), ("selective", ()), ("full", ())]
     policies += [("selective", mods) for mods in lim.recompute_modules]
