@@ -187,8 +187,8 @@ def layer_time(
     for op in table.attention:
         d = t * c
         io = op.io_bytes * b * act_scale / d
-        attn_fwd += op_time_s(device, "attention", op.flops * b / d, io, dtype)
         op_fwd.append(op_time_s(device, "attention", op.flops * b / d, io, dtype))
+        attn_fwd += op_fwd[-1]
         attn_bwd += op_time_s(device, "attention", op.backward_flops * b / d, 2 * io, dtype)
     mem = _memory_ops_time(table.memory_ops, cfg, device, act_scale * memory_traffic)
     host = runtime_overhead_s(overheads if table.kind == "block" else model_overheads, cfg)

@@ -56,7 +56,7 @@ from dataclasses import dataclass, replace
 from autopar.config import RECOMPUTE_MODULES, ParallelConfig
 from autopar.estimate.as_run import routed_layer
 from autopar.estimate.options import CostOptions
-from autopar.estimate.saved_split import MODULES, module_policy
+from autopar.estimate.saved_split import MODULES, module_kinds, module_policy
 from autopar.estimate.tables import LayerTable, ModelTables
 from cost_models.memory import (
     DEFAULT_RESERVE_MINIMUM_BYTES,
@@ -514,7 +514,7 @@ class StageMemory:
             )
             whole_kv = policy in ("none", "up_proj") or (
                 bool(prefix) and not any(table.module_regions[k].has_attention
-                                         for k in policy[len(MODULES):].split("+"))
+                                         for k in module_kinds(policy) or ())
             )  # fmt: skip
             if c > 1 and whole_kv:
                 # context parallelism all-gathers K and V: the backward keeps the whole
