@@ -27,7 +27,7 @@ import math
 from autopar.estimate.module_regions import Region
 from autopar.tracing.graph import LayerInfo, NodeInfo
 
-_DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}  # by trace dtype
 _CLASSES = ("tp", "rep", "expert", "gathered", "routed")
 MODULES = "modules:"
 
@@ -36,7 +36,7 @@ def value_bytes(node: NodeInfo) -> float:
     """The bytes of a node's tensor outputs."""
     return float(
         sum(
-            math.prod(s) * _DTYPE_BYTES.get(d, 1)
+            math.prod(s) * DTYPE_BYTES.get(d, 1)
             for s, d in zip(node.shapes, node.dtypes, strict=False)
         )
     )

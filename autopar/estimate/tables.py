@@ -27,13 +27,12 @@ from dataclasses import dataclass, field
 from autopar.config import RECOMPUTE_MODULES
 from autopar.estimate.kernel_savings import fused_kernel_surplus, norm_upcasts, up_projection_region
 from autopar.estimate.module_regions import RegionTable, block_regions, region_tables
-from autopar.estimate.saved_split import activation_split, value_bytes
+from autopar.estimate.saved_split import DTYPE_BYTES, activation_split, value_bytes
 from autopar.tracing.graph import LayerInfo, ModelGraph, NodeInfo
 
 # "tp" | "rep" | "expert" | "whole" (a vocabulary layer TP leaves whole) | "gathered" | "routed"
 # (a dispatch's rows, `as_run.routed_layer`)
 Shard = str
-_DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -177,7 +176,7 @@ def _block_input(layer: LayerInfo, nodes: dict[str, NodeInfo]) -> NodeInfo | Non
 def _traced_float_bytes(graph: ModelGraph) -> int:
     dtypes = [p.dtype for p in graph.parameters.values()]
     common = max(set(dtypes), key=dtypes.count) if dtypes else "float32"
-    return _DTYPE_BYTES.get(common, 4)
+    return DTYPE_BYTES.get(common, 4)
 
 
 def _is_expert(node: NodeInfo) -> bool:
@@ -559,7 +558,7 @@ def _expert_call_bytes(layer: LayerInfo, nodes: dict[str, NodeInfo]) -> dict[str
     if layer.moe is None or value is None:
         return {}
     hidden = float(value_bytes(value))
-    fb = _DTYPE_BYTES.get(value.dtypes[0], 4)  # the hidden rows' element size
+    fb = DTYPE_BYTES.get(value.dtypes[0], 4)  # the hidden rows' element size
     tokens = hidden / (value.shapes[0][-1] * fb)
     moe = layer.moe
     if moe.dense_dispatch:  # autopar's MoEBlock: [T, E] weights in the model's dtype
