@@ -52,9 +52,7 @@ def routed_layer(table: LayerTable, imbalance: float = 1.0) -> LayerTable:
     if not table.moe_num_experts or (f == 1.0 and imbalance == 1.0):
         return table
     dispatch = table.moe_dispatch_bytes * imbalance
-    # the rows are kept without recompute, and by a module policy that keeps the MoE layer's
-    keeps_rows = [p for p in table.activations
-                  if p == "none" or "moe" not in (module_kinds(p) or ("moe",))]  # fmt: skip
+    keeps_rows = [p for p in table.activations if _keeps_dispatched_rows(p)]
     extra = dict.fromkeys(keeps_rows, 2 * dispatch) if f != 1.0 else {}
     f *= imbalance
 
@@ -89,6 +87,12 @@ def routed_layer(table: LayerTable, imbalance: float = 1.0) -> LayerTable:
         moe_dispatch_bytes=dispatch,
         moe_routed_fraction=1.0,
     )
+
+
+def _keeps_dispatched_rows(policy: str) -> bool:
+    """No recompute, or a module policy that does not re-run the whole MoE layer."""
+    kinds = module_kinds(policy)
+    return policy == "none" or (kinds is not None and "moe" not in kinds)
 
 
 def _routed_ops(

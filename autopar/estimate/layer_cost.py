@@ -80,7 +80,7 @@ from dataclasses import dataclass
 from autopar.config import SPLIT_BACKWARD, ParallelConfig
 from autopar.config.precision import MX_BLOCK, Recipe
 from autopar.estimate.memory import shard_divisors, token_ways
-from autopar.estimate.module_regions import RegionTable
+from autopar.estimate.module_regions import RegionTable, regions_named
 from autopar.estimate.tables import LayerTable, MatmulOp
 from cost_models.compute import DeviceSpec, op_time_s
 
@@ -208,7 +208,12 @@ def layer_time(
             + (tp_f * r.tp_allreduce_bytes / tp_bytes if tp_bytes else 0.0)
             + (cp_f if r.has_attention else 0.0)
             + (ep + etp_f if r.whole_moe else 0.0)
-            for r in regions_run(table, cfg.recompute_modules, recompute_up_projections)
+            for r in (
+                table.module_regions[k]
+                for k in regions_named(
+                    table.module_regions, cfg.recompute_modules, recompute_up_projections
+                )
+            )
         )
     elif cfg.recompute == "full":
         recompute = fwd + tp_f + etp_f + cp_f + ep
@@ -219,15 +224,6 @@ def layer_time(
     if cfg.recompute != "none" and table.kind == "block" and not cfg.recompute_modules:
         recompute += recompute_overhead_s(overheads, cfg.recompute)
     return LayerTime(fwd, bwd, wgrad, recompute, tp_f + etp_f, tp_f + etp_b, cp_f, cp_b, ep, ep)
-
-
-def regions_run(
-    table: LayerTable, modules: tuple[str, ...], up_projections: bool
-) -> list[RegionTable]:
-    """The regions of ``table`` that ``modules`` re-run (with MLA's up-projections where the
-    stack recomputes them anyway: `CostOptions.recompute_up_projections`)."""
-    wanted = set(modules) | ({"mla_up_proj"} if up_projections else set())
-    return [r for k, r in table.module_regions.items() if k in wanted]
 
 
 def _region_forward(

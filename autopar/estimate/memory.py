@@ -53,8 +53,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from autopar.config import RECOMPUTE_MODULES, ParallelConfig
+from autopar.config import ParallelConfig
 from autopar.estimate.as_run import routed_layer
+from autopar.estimate.module_regions import regions_named
 from autopar.estimate.options import CostOptions
 from autopar.estimate.saved_split import MODULES, module_kinds, module_policy
 from autopar.estimate.tables import LayerTable, ModelTables
@@ -466,10 +467,8 @@ class StageMemory:
         if recomputed is not None and table.name not in recomputed:
             return "none"
         if cfg.recompute_modules:
-            up = ("mla_up_proj",) if self.options.recompute_up_projections else ()
-            wanted = set(cfg.recompute_modules) | set(up)
-            return module_policy(tuple(k for k in RECOMPUTE_MODULES if k in wanted
-                                       and k in table.module_regions))  # fmt: skip
+            up = self.options.recompute_up_projections
+            return module_policy(regions_named(table.module_regions, cfg.recompute_modules, up))
         if cfg.recompute == "none" and self.options.recompute_up_projections:
             return "up_proj"
         return cfg.recompute

@@ -31,6 +31,7 @@ and rematerialises it before that op's backward (``without_output``).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from autopar.config import RECOMPUTE_MODULES
@@ -89,12 +90,10 @@ def block_regions(layer: LayerInfo, nodes: dict[str, NodeInfo]) -> dict[str, Reg
             core = _core_attention(attention, products, ops, nodes)
             if core:
                 found["core_attn"] = (core, ())
-        elif weights:
-            found.setdefault("mlp", ([], ()))
-            found["mlp"] = (found["mlp"][0] + ops, (*found["mlp"][1], child))
-        elif any(nodes[n].op in _REDUCTIONS for n in ops):
-            found.setdefault("layernorm", ([], ()))
-            found["layernorm"] = (found["layernorm"][0] + ops, (*found["layernorm"][1], child))
+        elif weights or any(nodes[n].op in _REDUCTIONS for n in ops):
+            kind = "mlp" if weights else "layernorm"  # several submodules make one region
+            before, paths = found.get(kind, ([], ()))
+            found[kind] = (before + ops, (*paths, child))
     region, ups = up_projection_region(layer, nodes)
     if ups:
         found["mla_up_proj"] = ([n for n in calls if n in region or n in ups], ())
@@ -256,12 +255,27 @@ def region_tables(
     return out
 
 
+def in_order(kinds: Collection[str]) -> tuple[str, ...]:
+    """``kinds`` in Megatron's order (`RECOMPUTE_MODULES`), each once."""
+    return tuple(k for k in RECOMPUTE_MODULES if k in kinds)
+
+
+def regions_named(
+    present: Collection[str], modules: tuple[str, ...], up_projections: bool
+) -> tuple[str, ...]:
+    """The regions of ``present`` (a block's) that ``modules`` re-run, with MLA's
+    up-projections where the stack recomputes them anyway
+    (`CostOptions.recompute_up_projections`), in Megatron's order."""
+    wanted = set(modules) | ({"mla_up_proj"} if up_projections else set())
+    return in_order(wanted & set(present))
+
+
 def model_regions(graph: ModelGraph) -> tuple[str, ...]:
     """The region names any block of ``graph`` (a `ModelGraph`) has, in Megatron's order."""
     found: set[str] = set()
     for layer in graph.layers:
         found |= set(block_regions(layer, graph.nodes))
-    return tuple(k for k in RECOMPUTE_MODULES if k in found)
+    return in_order(found)
 
 
 # the regions whose re-run is element-wise or small (Megatron's CheckpointWithoutOutput ones)
@@ -279,11 +293,10 @@ def module_sets(present: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
     `benchmarks/plan_speed.py`'s case on that stack: search 15.8 s without sets, 27.8 s with
     five, 24.1 s with the three offered here)."""
 
-    def ordered(kinds) -> tuple[str, ...]:
-        return tuple(k for k in RECOMPUTE_MODULES if k in kinds)
-
     cheap = [k for k in _CHEAP if k in present]
-    out = [ordered(cheap)] if cheap else []
+    out = [in_order(cheap)] if cheap else []
     for heavy in (k for k in _HEAVY if k in present):
-        out.append(ordered([heavy, *(k for k in cheap if not (heavy == "moe" and k == "moe_act"))]))
+        out.append(
+            in_order([heavy, *(k for k in cheap if not (heavy == "moe" and k == "moe_act"))])
+        )
     return tuple(dict.fromkeys(out))

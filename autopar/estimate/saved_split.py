@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import math
 
-from autopar.estimate.module_regions import Region
+from autopar.estimate.module_regions import Region, in_order
 from autopar.tracing.graph import LayerInfo, NodeInfo
 
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}  # by trace dtype
@@ -62,11 +62,9 @@ def activation_split(
     hidden: int | None,
     parts: dict[str, frozenset[str]],
     regions: dict[str, Region],
-    order: tuple[str, ...],
 ) -> dict[str, dict[str, float]]:
     """The layer's split (module docstring); ``hidden``: an MoE block's width, else None;
-    ``parts``: "-up_proj", "-fused" and "+fp32"'s values; ``order``: the region names'
-    order (`RECOMPUTE_MODULES`)."""
+    ``parts``: "-up_proj", "-fused" and "+fp32"'s values."""
     gathered = {
         i
         for name in layer.nodes
@@ -91,7 +89,7 @@ def activation_split(
     sets = {**layer.saved_values, **parts}
     result = {policy: split(values, internal.get(policy, 0.0)) for policy, values in sets.items()}
     none = set(layer.saved_values.get("none", ()))
-    for kinds in _combinations(regions, order):
+    for kinds in _combinations(regions):
         chosen = [regions[k] for k in kinds]
         freed = set().union(*(r.frees for r in chosen))
         wholly = set().union(*(r.frees for r in chosen if r.without_output))
@@ -107,10 +105,10 @@ def activation_split(
     return result
 
 
-def _combinations(regions: dict[str, Region], order: tuple[str, ...]):
+def _combinations(regions: dict[str, Region]):
     """Every non-empty set of the block's regions a config can name (moe not with the parts
-    inside it: `ParallelConfig.problems`), in ``order``."""
-    names = [k for k in order if k in regions]
+    inside it: `ParallelConfig.problems`), in Megatron's order."""
+    names = in_order(regions)
     for n in range(1, len(names) + 1):
         for kinds in itertools.combinations(names, n):
             if "moe" in kinds and ("moe_act" in kinds or "shared_experts" in kinds):

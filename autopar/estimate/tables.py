@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autopar.config import RECOMPUTE_MODULES
 from autopar.estimate.kernel_savings import fused_kernel_surplus, norm_upcasts, up_projection_region
 from autopar.estimate.module_regions import RegionTable, block_regions, region_tables
 from autopar.estimate.saved_split import DTYPE_BYTES, activation_split, value_bytes
@@ -327,7 +326,6 @@ def _layer_table(
             value.shapes[0][-1] if value and value.shapes else None,
             parts,
             regions,
-            RECOMPUTE_MODULES,
         ),  # fmt: skip
         output_bytes=float(layer.output_bytes),
         moe_num_experts=layer.moe.num_experts if layer.moe else 0,
