@@ -58,7 +58,7 @@ def replica_groups(plan: Plan) -> Groups | None:
         ValueError: fault-tolerant groups that split neither the nodes nor one node's devices
             evenly (the message says to start each group by hand).
     """
-    chosen = plan.training.get("chosen", {}) if plan.training else {}
+    chosen = plan.chosen_training
     kind, count = chosen.get("name"), int(chosen.get("replicas", 1))
     if kind not in ("ft", "diloco") or count < 2:
         return None

@@ -45,7 +45,7 @@ def _job_name(plan: Plan) -> str:
 
 
 def _training_text(plan: Plan) -> str:
-    chosen = plan.training.get("chosen", {}) if plan.training else {}
+    chosen = plan.chosen_training
     names = {"ft": "fault-tolerant replica groups", "diloco": "DiLoCo groups, one per site"}
     if chosen.get("name") not in names:
         return ""

@@ -201,12 +201,12 @@ FT_GROUPS = {_ft_groups(plan)}"""
 
 
 def _ft_groups(plan: Plan) -> int:
-    chosen = plan.training.get("chosen", {}) if plan.training else {}
+    chosen = plan.chosen_training
     return chosen["replicas"] if chosen.get("name") == "ft" else plan.config.dp
 
 
 def _diloco(plan: Plan) -> dict:
-    chosen = plan.training.get("chosen", {}) if plan.training else {}
+    chosen = plan.chosen_training
     if chosen.get("name") != "diloco":
         return {}
     return {k: chosen[k] for k in ("replicas", "inner_steps", "fragments")}

@@ -130,6 +130,12 @@ class Plan:
         return self.global_batch_size * self.seq_len / self.step_time_s
 
     @property
+    def chosen_training(self) -> dict[str, Any]:
+        """The training algorithm the plan chose (`training`'s "chosen": name, replicas, ...);
+        empty where none was priced (`evaluate`)."""
+        return self.training.get("chosen", {}) if self.training else {}
+
+    @property
     def fits(self) -> bool:
         return self.peak_memory_bytes <= self.memory_capacity_bytes
 

@@ -134,7 +134,7 @@ def training_gap(plan: Plan, target: str) -> list[str]:
     """What the exported file leaves out of a plan whose training algorithm is DiLoCo or
     fault-tolerant replica groups (`Plan.training`): the file configures one replica group's
     synchronous training; autopar's own train.py runs the algorithm over torchft."""
-    chosen = plan.training.get("chosen", {}) if plan.training else {}
+    chosen = plan.chosen_training
     name = chosen.get("name", "sync")
     if name == "sync":
         return []
