@@ -16,9 +16,13 @@ torchft's lighthouse and each group as its own torchrun job.
 
 Timeouts, ordered as torchft needs them (`runtime.replica_groups.ft_timeouts`): a collective
 with a dead group fails after --ft-timeout (at least 3 planned steps, 30 s at least), before the
-quorum gives up and long before a group's first connection does. Replica-group runs do not
-checkpoint (`runtime.replicas`): a dead group heals from a live one, so the scripts pass no
---checkpoint-dir.
+quorum gives up and long before a group's first connection does.
+
+Checkpoints: fault-tolerant groups pass --checkpoint-dir and --checkpoint-every auto, as the
+one-job launchers do; each group saves under its own group<g>/ there and a job started again
+resumes from the newest any group holds (`runtime.replicas`). A group that dies alone heals from
+a live one, so the checkpoints only matter when every group is down at once. DiLoCo runs pass
+none: they do not checkpoint (a group heals from the other sites).
 """
 
 from __future__ import annotations
@@ -84,11 +88,12 @@ def _lighthouse_command(groups: Groups, port: str, quote: str = '"') -> str:
     )
 
 
-def _group_flags(groups: Groups, index: str, lighthouse: str) -> str:
+def _group_flags(groups: Groups, index: str, lighthouse: str, checkpoints: str) -> str:
     if groups.kind == "ft":
         return (
             f'--ft-group "{index}" --ft-groups {groups.count} --ft-timeout '
-            f'{groups.timeout_s:g} --lighthouse "{lighthouse}"'
+            f'{groups.timeout_s:g} --lighthouse "{lighthouse}" --checkpoint-dir '
+            f'"{checkpoints}" --checkpoint-every auto'
         )
     return f'--diloco-group "{index}" --diloco-groups {groups.count} --lighthouse "{lighthouse}"'
 
@@ -118,7 +123,7 @@ def slurm_lines(groups: Groups, uses_gpus: bool) -> list[str]:
         f"{groups.nodes} --nproc-per-node {groups.procs} --rdzv-backend c10d "
         '--rdzv-endpoint "${nodes[$first]}:$((rdzv_port + g))" '
         f'--rdzv-id "$SLURM_JOB_ID-g$g" --max-restarts {MAX_RESTARTS} '
-        '"$SLURM_SUBMIT_DIR/train.py" ' + _group_flags(groups, "$g", "$lighthouse") + ' "$@"'
+        '"$SLURM_SUBMIT_DIR/train.py" ' + _group_flags(groups, "$g", "$lighthouse", "$SLURM_SUBMIT_DIR/checkpoints") + ' "$@"'
     )
     slice_devices = (
         'devices="env CUDA_VISIBLE_DEVICES=$(seq -s, $((g * '
@@ -209,7 +214,9 @@ def kubernetes_documents(
     jobs = []
     indices = range(groups.count) if groups.kind == "ft" else ["${GROUP:-0}"]
     for g in indices:
-        flags = _group_flags(groups, str(g), "${LIGHTHOUSE:-" + url + "}").replace('"', "")
+        lighthouse_url = "${LIGHTHOUSE:-" + url + "}"
+        flags = _group_flags(groups, str(g), lighthouse_url, "/workspace/checkpoints")
+        flags = flags.replace('"', "")
         command = (
             "torchrun --nnodes ${PET_NNODES} --nproc-per-node ${PET_NPROC_PER_NODE} "
             f"--rdzv-backend c10d --rdzv-endpoint ${{MASTER_ADDR}}:{RDZV_PORT} --max-restarts "

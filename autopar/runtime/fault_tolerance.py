@@ -110,6 +110,12 @@ class FaultTolerantGroups:
                         mine[key] = torch.zeros_like(p) if value.dim() else value.clone()
                     _local(mine[key]).copy_(value)
 
+    def resume_at(self, step: int) -> None:
+        """Start from ``step`` steps done (this group's checkpoint): the first quorum then
+        heals whichever groups are behind the newest, this one included."""
+        if step:
+            self.manager.load_state_dict({"step": step, "batches_committed": step})
+
     # ---- the loop's hooks
     def steps(self, total: int) -> Iterator[int]:
         """Steps from the quorum's current one to ``total`` (a healed group's jumps ahead)."""

@@ -2,15 +2,28 @@
 
 In: the `TrainOptions` (`diloco` or `ft`), the global batch, and once the model is made, this
 rank's model, blocks, optimizer, rank and world in its group. Out: `replica_share` (this group's
-share of each step's global batch and where it starts) and `ReplicaRun`, the hooks
-`trainer.train` calls each step -- which steps to run, the gradient average over the groups,
-whether to commit, the bytes sent to other groups -- all no-ops without replica groups.
+share of each step's global batch and where it starts), `replica_checkpoint` (where this group
+checkpoints) and `ReplicaRun`, the hooks `trainer.train` calls each step -- which steps to run,
+the gradient average over the groups, whether to commit, the bytes sent to other groups -- all
+no-ops without replica groups.
+
+Checkpoints with fault-tolerant groups: each group saves and resumes its own, under
+``<directory>/group<g>`` (a group is one torchrun job, so DCP's collectives are its own; a
+group that is down saves nothing, and the others' checkpoints do not wait for it). A group that
+resumes hands its step to torchft's Manager, and the first quorum heals any group behind the
+newest -- one restarted from an older checkpoint, or from none -- from a peer at that step. So
+a whole job stopped and started again goes on from the newest checkpoint any group holds, and
+a single group restarted while the others run heals from them as before (its own checkpoint
+read first, then overwritten). DiLoCo runs refuse checkpoints: its outer optimizer's momentum
+and the parameters of the last outer step are state that the checkpoint does not hold.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -18,7 +31,7 @@ from torch import nn
 from autopar.runtime.diloco import DiLoCoGroup, attach_diloco
 from autopar.runtime.fault_tolerance import FaultTolerantGroups, FTGroup
 
-__all__ = ["DiLoCoGroup", "FTGroup", "ReplicaRun", "replica_share"]
+__all__ = ["DiLoCoGroup", "FTGroup", "ReplicaRun", "replica_checkpoint", "replica_share"]
 
 
 def replica_share(options: Any, global_batch_size: int) -> tuple[int, int]:
@@ -34,17 +47,33 @@ def replica_share(options: Any, global_batch_size: int) -> tuple[int, int]:
             f"global batch {global_batch_size} does not split over {group.num_replicas} "
             "replica groups"
         )
-    if options.checkpoint is not None:
-        raise ValueError("replica-group runs do not checkpoint yet: drop --checkpoint-dir")
+    if options.diloco and options.checkpoint is not None:
+        raise ValueError(
+            "DiLoCo runs do not checkpoint: the outer optimizer's momentum and the last outer "
+            "step's parameters are not in a checkpoint; drop --checkpoint-dir (a group that "
+            "fails heals from the other sites)"
+        )
     share = global_batch_size // group.num_replicas
     return share, group.replica_id * share
+
+
+def replica_checkpoint(options: Any) -> Any:
+    """The `CheckpointOptions` this rank saves and resumes under: a fault-tolerant group's own
+    subdirectory (module docstring), else ``options.checkpoint`` as given."""
+    if options.ft is None or options.checkpoint is None:
+        return options.checkpoint
+    where = Path(options.checkpoint.directory) / f"group{options.ft.replica_id}"
+    return replace(options.checkpoint, directory=str(where))
 
 
 class ReplicaRun:
     """This rank's replica-group hooks for one run (module docstring)."""
 
-    def __init__(self, options: Any, pm: Any, optimizer: Any, rank: int, world: int) -> None:
-        """``pm``: the `parallelize.ParallelModel` (its model and its blocks' paths)."""
+    def __init__(
+        self, options: Any, pm: Any, optimizer: Any, rank: int, world: int, resumed: int = 0
+    ) -> None:
+        """``pm``: the `parallelize.ParallelModel` (its model and its blocks' paths);
+        ``resumed``: the steps this group's checkpoint had done (torchft's step starts there)."""
         model: nn.Module = pm.model
         named = set(pm.blocks)
         blocks = [m for path, m in model.named_modules() if path in named]
@@ -58,6 +87,7 @@ class ReplicaRun:
             self.context.enter_context(diloco)
         if options.ft is not None:
             self.groups = FaultTolerantGroups(model, optimizer, options.ft, rank, world)
+            self.groups.resume_at(resumed)
             self.context.callback(self.groups.shutdown)
         self.rank = rank
 

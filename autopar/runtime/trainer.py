@@ -88,7 +88,13 @@ from autopar.runtime.preflight import (
     check_options,
     skip_nonfinite,
 )
-from autopar.runtime.replicas import DiLoCoGroup, FTGroup, ReplicaRun, replica_share
+from autopar.runtime.replicas import (
+    DiLoCoGroup,
+    FTGroup,
+    ReplicaRun,
+    replica_checkpoint,
+    replica_share,
+)
 from autopar.runtime.run_report import print_rank_summary, step_line
 from autopar.runtime.startup.start import (
     WeightsFrom,
@@ -317,8 +323,9 @@ def train(
     model = pm.model  # pp > 1: this rank's chunks (the rest of the model was never made)
     optimizer = _make_optimizer(model, options)
     # CHECKPOINT (autopar.runtime.checkpoint): resume from the newest complete checkpoint
+    checkpoint = replica_checkpoint(options)  # ft groups: each its own
     ckpt = open_checkpointer(
-        options.checkpoint,
+        checkpoint,
         model,
         optimizer,
         global_batch_size=global_batch_size,
@@ -327,7 +334,7 @@ def train(
         **_sliced_by_hand(pm, config),
     )
     first_step = ckpt.resume() if ckpt else 0
-    every = options.checkpoint.every if options.checkpoint else 0
+    every = checkpoint.every if checkpoint else 0
     remaining = options.steps - first_step
     if every and 0 < remaining < every and options.log and mesh.rank == 0:
         print(
@@ -337,7 +344,7 @@ def train(
         )
     fewer = _held_fewer(pm, config)  # the gradient norm's weights: the parameters stay put
     world, start = dist.get_world_size(), offset + mesh.data_rank * per_rank
-    replicas = ReplicaRun(options, pm, optimizer, mesh.rank, world)  # DiLoCo, ft or none
+    replicas = ReplicaRun(options, pm, optimizer, mesh.rank, world, first_step)
     check_batch(task, start, start + per_rank, _reads_token_ids(model))
     if options.log and mesh.rank == 0:
         print(f"[autopar] {started.report.as_text()}", flush=True)
@@ -390,7 +397,7 @@ def train(
         if not replicas.commit(step, log):  # a replica group failed mid-step: dropped
             optimizer.zero_grad(set_to_none=True)
             continue
-        where = options.checkpoint.directory if options.checkpoint else None
+        where = checkpoint.directory if checkpoint else None
         check_finite(step + 1, mean_loss, grad_norm, where)  # every rank: the same numbers
         coef = min(1.0, options.max_grad_norm / (grad_norm + 1e-6))
         with torch.no_grad():

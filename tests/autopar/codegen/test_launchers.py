@@ -150,13 +150,14 @@ def test_group_launcher_starts_the_lighthouse_and_each_group_here(tmp_path):
     and one torchrun per group, each on its half of the node's devices with its own
     rendezvous, and both groups train through the lighthouse's quorum to the same weights
     (each rank's digest; the lighthouse made to wait for both groups, else one may finish its
-    three steps alone first), with the timeouts ordered collective < quorum < connect."""
+    three steps alone first), each logging its steps under its own checkpoint directory, with
+    the timeouts ordered collective < quorum < connect."""
     plan = _ft_plan()
     assert plan.training["chosen"]["name"] == "ft" and plan.training["chosen"]["replicas"] == 2
     out = tmp_path / "run"
     plan.save(out)
     text = (out / "launch.sbatch").read_text()
-    assert "torchft_lighthouse --min_replicas 1" in text and "--checkpoint-dir" not in text
+    assert "torchft_lighthouse --min_replicas 1" in text and "--checkpoint-every auto" in text
     # srun's options are --name=value: the shim drops them and runs the command
     shims = _shims(tmp_path, 'while [[ "${1:-}" == -* ]]; do shift; done; exec "$@"')
     lighthouse, rdzv = _free_ports(2)
@@ -187,6 +188,9 @@ def test_group_launcher_starts_the_lighthouse_and_each_group_here(tmp_path):
         by_rank.setdefault(rank, set()).add(digest)
     assert {g for g, *_ in digests} == {"0", "1"}  # both groups ran to the end
     assert set(by_rank) == {"0", "1"} and all(len(d) == 1 for d in by_rank.values()), digests
+    for g in (0, 1):  # each group checkpoints (and logs) under its own directory
+        steps = (out / "checkpoints" / f"group{g}" / "log.jsonl").read_text().splitlines()
+        assert len(steps) == 3, (g, steps)
     collective, quorum, connect = ft_timeouts(float(re.search(r"--ft-timeout (\S+)", text)[1]))
     assert collective < quorum < connect
 
@@ -228,6 +232,7 @@ def test_diloco_launcher_is_one_sites_and_asks_for_the_lighthouse(tmp_path):
     assert plan.training["chosen"]["name"] == "diloco"
     text = slurm_script(plan)
     assert "torchft_lighthouse --min_replicas 2" in text and '--diloco-group "$g"' in text
+    assert "--checkpoint-dir" not in text  # DiLoCo runs do not checkpoint
     script = tmp_path / "launch.sbatch"
     script.write_text(text)
     env = {**os.environ, "PATH": f"{_shims(tmp_path)}{os.pathsep}{os.environ['PATH']}",

@@ -1,7 +1,7 @@
 """One replica group of the fault-tolerance test, as torchrun starts it.
 
     torchrun --nproc-per-node=2 --max-restarts=3 ft_job.py GROUP LIGHTHOUSE OUT KILL_AT STEPS \
-        PACE DELAY
+        PACE DELAY [CHECKPOINT_DIR EVERY]
 
 Trains the tiny Llama under FSDP2 over the group's 2 ranks as one of 2 fault-tolerant replica
 groups (autopar.runtime.fault_tolerance) on the shipped token file. Group 1's rank 0 kills its
@@ -10,7 +10,9 @@ hook (a marker file stops the restarted process doing it again): torchrun then r
 group, which comes back DELAY seconds later (its ranks wait before starting) and rejoins from
 group 0. Every batch takes PACE seconds more (the data hook sleeps), so that group 0 has steps
 to take alone in between. Each rank writes OUT/g{GROUP}r{RANK}p{PID}.json: the steps
-it committed; the program's last line per rank gives its parameters' digest.
+it committed; the program's last line per rank gives its parameters' digest. With
+CHECKPOINT_DIR the run checkpoints there every EVERY steps (each group under its own
+group<g>/, `autopar.runtime.replicas`) and resumes from it, keeping 3.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 
 from autopar.config import ParallelConfig
+from autopar.runtime.checkpoint import CheckpointOptions
 from autopar.models.source import ZOO_FACTORY
 from autopar.runtime.data import TokenFile
 from autopar.runtime.fault_tolerance import FTGroup
@@ -56,7 +59,11 @@ def main() -> None:
     )  # fmt: skip
     init_distributed("cpu")
     ft = FTGroup(group, 2, lighthouse, min_replicas=1, timeout_s=5.0)
-    options = TrainOptions(steps=steps, lr=3e-3, ft=ft)  # every rank prints its digest
+    checkpoint = None
+    if len(sys.argv) > 8:
+        checkpoint = CheckpointOptions(sys.argv[8], every=int(sys.argv[9]), keep=3)
+    # every rank prints its digest
+    options = TrainOptions(steps=steps, lr=3e-3, ft=ft, checkpoint=checkpoint)
     config = ParallelConfig(fsdp=2, zero_stage=3, micro_batch_size=4)
     results = train(task, config, BATCH, options=options)
     record = {"pid": os.getpid(), "steps": [r.step for r in results]}

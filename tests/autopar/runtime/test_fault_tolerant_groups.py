@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +83,75 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_keeps_stepping(tmp
     assert digests[(0, 0)] == digests[(1, 0)] and digests[(0, 1)] == digests[(1, 1)]
     assert digests[(0, 0)][1] == STEPS
     print(f"group 1 healed at step {group1[0][0] - 1}; digests {digests}")
+
+
+def _run_groups(tmp_path: Path, steps: int, checkpoints: Path) -> list[str]:
+    """Both groups of ft_job.py to ``steps``, checkpointing every 4 into ``checkpoints``;
+    the lighthouse waits for both groups, so the first quorum holds both (module docstring
+    of the test below). Returns each group's log."""
+    torchft = pytest.importorskip("torchft._torchft")
+    lighthouse = torchft.LighthouseServer(
+        bind="[::]:0", min_replicas=2, join_timeout_ms=10000, quorum_tick_ms=100
+    )
+    env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1", RUST_LOG="error",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # fmt: skip
+    jobs = []
+    try:
+        for group in (0, 1):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node=2", str(HERE / "ft_job.py"), str(group),
+                   lighthouse.address(), str(tmp_path), "999", str(steps), "0", "0",
+                   str(checkpoints), "4"]  # fmt: skip
+            jobs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        logs = [job.communicate(timeout=600)[0] for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+        lighthouse.shutdown()
+    assert [job.returncode for job in jobs] == [0, 0], logs[1][-3000:]
+    return logs
+
+
+@pytest.mark.multiprocess
+def test_a_restarted_job_resumes_each_group_from_its_checkpoint_and_heals_the_one_behind(
+    tmp_path,
+):
+    """Each group checkpoints under its own directory; a whole job started again resumes each
+    group from its own newest checkpoint, and the quorum heals the group whose newest is
+    older from the other: the end is bitwise an uninterrupted run's.
+
+    Run 1 trains 12 steps, saving at 4, 8 and 12 (group0/ and group1/). Then step 12 is
+    deleted from both and step 8 from group 1, as if group 1 had lost its last save: run 2
+    resumes group 0 at step 8 and group 1 at step 4; group 1 is healed to step 8 from group 0
+    at the first quorum, and both take steps 9-12. Every rank's parameter digest after run 2
+    equals its digest after run 1 (same state at step 8, same batches, same averaged
+    gradients)."""
+    checkpoints = tmp_path / "checkpoints"
+    first = _run_groups(tmp_path, 12, checkpoints)
+    ended = {}
+    for log in first:
+        for g, r, digest, step in DIGEST.findall(log):
+            ended[(int(g), int(r))] = (digest, int(step))
+    assert set(ended) == {(0, 0), (0, 1), (1, 0), (1, 1)} and ended[(0, 0)][1] == 12
+    saved = {g: sorted(p.name for p in (checkpoints / f"group{g}").glob("step-*")) for g in (0, 1)}
+    assert saved[0] == saved[1] == ["step-00000004", "step-00000008", "step-00000012"]
+    for g in (0, 1):
+        shutil.rmtree(checkpoints / f"group{g}" / "step-00000012")
+    shutil.rmtree(checkpoints / "group1" / "step-00000008")
+    for f in tmp_path.glob("g*r*p*.json"):
+        f.unlink()
+
+    second = _run_groups(tmp_path, 12, checkpoints)
+    assert "resumed from" in second[0] and "step-00000008" in second[0]
+    assert "step-00000004" in second[1]  # group 1 read its own older checkpoint first ...
+    steps = {
+        int(re.match(r"g(\d)", f.stem).group(1)): json.loads(f.read_text())["steps"]
+        for f in tmp_path.glob("g*r0p*.json")
+    }
+    assert steps == {0: [9, 10, 11, 12], 1: [9, 10, 11, 12]}  # ... and was healed to step 8
+    again = {}
+    for log in second:
+        for g, r, digest, step in DIGEST.findall(log):
+            again[(int(g), int(r))] = (digest, int(step))
+    assert again == ended
