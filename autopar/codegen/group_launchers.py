@@ -117,13 +117,14 @@ def slurm_lines(groups: Groups, uses_gpus: bool) -> list[str]:
         "lighthouse_pid=$!",
         "trap 'kill $lighthouse_pid 2>/dev/null || true' EXIT",
     ]
+    flags = _group_flags(groups, "$g", "$lighthouse", "$SLURM_SUBMIT_DIR/checkpoints")
     run = (
         f"srun --nodes={groups.nodes} --ntasks={groups.nodes} --ntasks-per-node=1 --overlap "
         '--nodelist="$group_nodes" $devices torchrun --nnodes '
         f"{groups.nodes} --nproc-per-node {groups.procs} --rdzv-backend c10d "
         '--rdzv-endpoint "${nodes[$first]}:$((rdzv_port + g))" '
         f'--rdzv-id "$SLURM_JOB_ID-g$g" --max-restarts {MAX_RESTARTS} '
-        '"$SLURM_SUBMIT_DIR/train.py" ' + _group_flags(groups, "$g", "$lighthouse", "$SLURM_SUBMIT_DIR/checkpoints") + ' "$@"'
+        '"$SLURM_SUBMIT_DIR/train.py" ' + flags + ' "$@"'
     )
     slice_devices = (
         'devices="env CUDA_VISIBLE_DEVICES=$(seq -s, $((g * '

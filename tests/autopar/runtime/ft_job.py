@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from autopar.config import ParallelConfig
-from autopar.runtime.checkpoint import CheckpointOptions
 from autopar.models.source import ZOO_FACTORY
+from autopar.runtime.checkpoint import CheckpointOptions
 from autopar.runtime.data import TokenFile
 from autopar.runtime.fault_tolerance import FTGroup
 from autopar.runtime.mesh import init_distributed, shutdown_distributed
