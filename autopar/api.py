@@ -226,7 +226,7 @@ def _parallelize_auto(
             if name == "bf16":
                 raise
             refused.append(f"{name} not planned: {error}")
-    best = min(plans.values(), key=lambda p: p.step_time_s)
+    best = min(plans.values(), key=_to_budget)
     bf16 = plans["bf16"].step_time_s
     if why_not or len(plans) == 1:
         said = f"precision auto: bf16, {why_not or 'no recipe could be planned'}"
@@ -239,6 +239,14 @@ def _parallelize_auto(
             f"({best.step_time_s:.3f} s against {bf16:.3f} s a step; {others})"
         )
     return replace(best, notes=(*notes, said, *refused, *best.notes))
+
+
+def _to_budget(plan: Plan) -> float:
+    """What `precision="auto"` compares: the time to the token budget under the plan's chosen
+    training algorithm (a DiLoCo plan's step is one site's, on its share of the batch), else
+    the step time."""
+    chosen = (plan.training or {}).get("chosen")
+    return chosen["time_to_budget_s"] if chosen else plan.step_time_s
 
 
 def evaluate(

@@ -18,6 +18,11 @@ the one that reaches the token budget first.
                 M - 1 keep stepping; before they drop that step they wait out the collective
                 timeout D (`AlgorithmOptions.ft_timeout_s`, the runtime's
                 `FTGroup.timeout_s`): waste per failure D + T + (R + S / link) / M.
+                Each step also pays torchft's own work (`ft_step_cost`): the gradients'
+                all-reduce over the groups, which the runtime runs after the backward in
+                buckets of `FT_BUCKET_BYTES` (what the synchronous plan hid of its gradient
+                sync behind the backward is exposed now; what it already exposed is not
+                paid twice), and the quorum and commit RPCs (`Reliability.ft_control_s`).
     diloco      M replica groups (one per site) each take H inner steps of their own plan
                 (the global batch / M each) and then all-reduce a pseudo-gradient, the
                 parameters' change since the last outer step (P x b_outer bytes, fp32 by
@@ -56,12 +61,14 @@ goodput. The budget defaults to 20 tokens a parameter (Hoffmann et al. 2022), st
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autopar.config import ParallelConfig
 from autopar.estimate.goodput import STATE_BYTES_PER_PARAM
-from autopar.estimate.mesh import axis_ranks
+from autopar.estimate.mesh import MeshGroups, axis_ranks
 from autopar.hardware import Cluster, Reliability
 
 CONVERGENCE_SOURCE = (
@@ -70,6 +77,9 @@ CONVERGENCE_SOURCE = (
     "arXiv:2311.08105, and Charles et al. 2025, arXiv:2503.09799)"
 )
 TOKENS_PER_PARAM = 20.0  # the default budget: Hoffmann et al. 2022's compute-optimal ratio
+# fault-tolerant groups: the runtime's cross-group gradient all-reduce buffer (at most this
+# many bytes a bucket; `autopar.runtime.fault_tolerance` reads it from here)
+FT_BUCKET_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -178,6 +188,22 @@ def _heal_s(num_params: float, optimizer: str, link_bytes_per_s: float) -> float
     return num_params * STATE_BYTES_PER_PARAM[optimizer] / link_bytes_per_s
 
 
+def ft_step_cost(
+    cfg: ParallelConfig,
+    cluster: Cluster,
+    grad_bytes: float,
+    exposed_sync_s: float,
+    control_s: float,
+) -> tuple[float, float]:
+    """(seconds torchft adds to a synchronous step, of which the gradient all-reduce): the
+    all-reduce of a rank's ``grad_bytes`` of gradient shards over the groups (the plan's dp
+    axis) in buckets, less the ``exposed_sync_s`` the synchronous step already paid for its
+    gradient sync, plus ``control_s`` (module docstring)."""
+    buckets = max(1, math.ceil(grad_bytes / FT_BUCKET_BYTES))
+    reduce = buckets * MeshGroups(cluster, cfg).time("all_reduce", grad_bytes / buckets, "dp")
+    return max(0.0, reduce - exposed_sync_s) + control_s, reduce
+
+
 def _failure_waste(rate_per_s: float, per_failure_s: float) -> float:
     return min(1.0, rate_per_s * per_failure_s)
 
@@ -211,22 +237,27 @@ def price_ft(
     optimizer: str,
     replicas: int,
     timeout_s: float = 30.0,
+    step_cost_s: float = 0.0,
 ) -> AlgorithmEstimate:
-    """Synchronous steps over ``replicas`` fault-tolerant replica groups (module docstring)."""
+    """Synchronous steps over ``replicas`` fault-tolerant replica groups (module docstring);
+    ``step_cost_s``: what torchft adds to each step (`ft_step_cost`)."""
     rate = cluster.world_size * reliability.failure_rate_per_device_hour / 3600.0
     link = _group_link(cluster, replicas)
     heal = _heal_s(num_params, optimizer, link)
-    lost = timeout_s + step_time_s + (reliability.restart_s + heal) / replicas
+    step = step_time_s + step_cost_s
+    lost = timeout_s + step + (reliability.restart_s + heal) / replicas
     waste = _failure_waste(rate, lost)
     good = 1.0 - waste
     steps = budget / tokens_per_step
     return AlgorithmEstimate(
-        "ft", replicas, 1, 1, cfg.as_text(), step_time_s, cross_bytes, good, 1.0,
-        steps * step_time_s / max(good, 1e-9),
+        "ft", replicas, 1, 1, cfg.as_text(), step, cross_bytes, good, 1.0,
+        steps * step / max(good, 1e-9),
         f"a failed group of {replicas} restarts ({reliability.restart_s:.0f} s) and heals "
         f"from a peer ({heal:.0f} s) while the others step; they lose the step in flight and "
-        f"the {timeout_s:.0f} s timeout that drops it",
-        {"heal_s": heal},
+        f"the {timeout_s:.0f} s timeout that drops it; torchft adds "
+        f"{step_cost_s * 1e3:.1f} ms a step (quorum, commit, the gradient all-reduce after "
+        "the backward)",
+        {"heal_s": heal, "torchft_step_s": step_cost_s},
     )  # fmt: skip
 
 
@@ -286,3 +317,15 @@ def choose(estimates: list[AlgorithmEstimate]) -> AlgorithmEstimate:
 
 
 _ORDER = {"sync": 0, "ft": 1, "diloco": 2}
+
+
+def priced_sites(training: Mapping[str, Any] | None, own: bool) -> tuple[int, float, float]:
+    """(sites, link Gb/s, latency s) of the cluster a plan's training record was priced on:
+    the whole cluster's, or with ``own`` the plan's own cluster's -- one site for a DiLoCo
+    plan, which is one site's group. (1, 0, 0) without a record or sites, and for a record
+    written before the latency was kept (its fingerprint did not count the sites)."""
+    if not training or training.get("sites", 1) <= 1 or "site_latency_s" not in training:
+        return 1, 0.0, 0.0
+    if own and training.get("chosen", {}).get("name") == "diloco":
+        return 1, 0.0, 0.0
+    return int(training["sites"]), training["site_link_gbps"], training["site_latency_s"]

@@ -141,6 +141,11 @@ class Cluster:
             site_latency_s=latency_s,
         )
 
+    @property
+    def site_terms(self) -> tuple[int, float, float]:
+        """(sites, each site's link in Gb/s, latency in s): (1, 0, 0) for one site."""
+        return self.sites, self.site_link_bytes_per_s * 8 / 1e9, self.site_latency_s
+
     def one_site(self) -> Cluster:
         """One site of this cluster, alone: what a replica group of a cross-site algorithm
         runs on (itself when there is one site)."""
@@ -317,10 +322,19 @@ class Cluster:
         return head + "\n" + self.profile.as_text()
 
 
-def cluster_fingerprint(profile_name: str, num_nodes: int, devices_per_node: int) -> str:
-    """16 hex digits naming a cluster's profile and size: what a plan records of the cluster
-    it was priced on, checked when the plan file is read (`autopar.plan.check`)."""
+def cluster_fingerprint(
+    profile_name: str,
+    num_nodes: int,
+    devices_per_node: int,
+    sites: tuple[int, float, float] = (1, 0.0, 0.0),
+) -> str:
+    """16 hex digits naming a cluster's profile and size, and for a cluster of several sites
+    ``sites`` = (sites, link Gb/s, latency s): what a plan records of the cluster it was
+    priced on, checked when the plan file is read (`autopar.plan.check`). One site's is what
+    it was before sites existed."""
     where = f"{profile_name}|{num_nodes}|{devices_per_node}|{num_nodes * devices_per_node}"
+    if sites[0] > 1:
+        where += "|sites|{}|{:.6g}|{:.6g}".format(*sites)
     return hashlib.sha256(where.encode()).hexdigest()[:16]
 
 

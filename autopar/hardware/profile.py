@@ -32,6 +32,12 @@ RUNTIME_STYLES = ("plain", "tp", "tp_sp", "fsdp", "fsdp3", "selective", "full", 
 Kind = Literal["gpu", "tpu", "cpu"]
 
 
+# An estimate, for profiles that do not measure it: two RPCs a step over the data-centre
+# network (each well under a millisecond) and the wait for the slowest group to ask for the
+# quorum; local_cpu measures 1.5-3.6 ms (`benchmarks/ft_goodput.py`), on a loaded machine.
+FT_CONTROL_S = 0.005
+
+
 @dataclass(frozen=True)
 class Reliability:
     """How devices fail and how fast checkpoints move (the profile's [reliability] table).
@@ -44,6 +50,10 @@ class Reliability:
         storage system's aggregate over the devices it serves).
     host_copy_bytes_per_s: device-to-host copy per device (an asynchronous checkpoint's stall).
     checkpoint_overhead_s: fixed cost of one checkpoint (planning, metadata, file creation).
+    ft_control_s: torchft's own control work a step with fault-tolerant replica groups: the
+        quorum (an RPC to the lighthouse, answered when every live group has asked, so it
+        also waits out the groups' step-to-step jitter) and the commit (an RPC through the
+        group's manager). Optional in a profile; `FT_CONTROL_S` where it is not measured.
     """
 
     failure_rate_per_device_hour: float
@@ -51,6 +61,7 @@ class Reliability:
     storage_bytes_per_s_per_device: float
     host_copy_bytes_per_s: float
     checkpoint_overhead_s: float = 0.0
+    ft_control_s: float = FT_CONTROL_S
 
 
 @dataclass(frozen=True)
@@ -268,6 +279,11 @@ def _reliability(f: _Fields, sources: dict[str, str]) -> Reliability | None:
         storage_bytes_per_s_per_device=f.number("reliability.storage_bytes_per_s_per_device"),
         host_copy_bytes_per_s=f.number("reliability.host_copy_bytes_per_s"),
         checkpoint_overhead_s=f.number("reliability.checkpoint_overhead_s", strict=False),
+        ft_control_s=(
+            f.number("reliability.ft_control_s")
+            if f.get("reliability.ft_control_s", required=False) is not None
+            else FT_CONTROL_S
+        ),
     )
 
 

@@ -160,7 +160,7 @@ def with_sources(
         ValueError: the factory is not "module:function" or its kwargs are not JSON values.
     """
     cluster_fp = cluster_fingerprint(
-        cluster.profile.name, cluster.num_nodes, cluster.devices_per_node
+        cluster.profile.name, cluster.num_nodes, cluster.devices_per_node, cluster.site_terms
     )
     if factory is None:
         recorded = getattr(model, "autopar_factory", None)

@@ -33,6 +33,7 @@ from autopar.config import ParallelConfig
 from autopar.config.precision import PRECISIONS
 from autopar.config.text import parse_config
 from autopar.errors import AutoparError
+from autopar.estimate.algorithms import priced_sites
 from autopar.hardware import Cluster, shipped_profile_names
 from autopar.hardware.cluster import cluster_fingerprint
 from autopar.hardware.profile import load_profile
@@ -266,18 +267,29 @@ def _against_plan(data: dict[str, Any], config: ParallelConfig) -> list[str]:
             out.append(f"cluster {data['cluster']} x {nodes} nodes of {world // nodes}: {e}")
     recorded = data.get("cluster_fingerprint")
     named = data.get("cluster")
+    sites = _own_sites(data)
     if (
         not out
         and recorded
         and isinstance(named, str)
-        and cluster_fingerprint(named, nodes, world // nodes) != recorded
+        and cluster_fingerprint(named, nodes, world // nodes, sites) != recorded
     ):
+        over = " over {} sites joined by {:g} Gb/s ({:g} s)".format(*sites) if sites[0] > 1 else ""
         out.append(
-            f"cluster {named!r} x {nodes} nodes of {world // nodes} is not the cluster the "
+            f"cluster {named!r} x {nodes} nodes of {world // nodes}{over} is not the cluster the "
             f"plan was priced on (cluster_fingerprint {recorded!r}): re-plan for it (autopar "
             "replan, or autopar plan)"
         )
     return out
+
+
+def _own_sites(data: dict[str, Any]) -> tuple[int, float, float]:
+    """The sites of the cluster the plan was priced on, from its training record (a record
+    the file's checks refuse counts as none: that is said where the record is checked)."""
+    try:
+        return priced_sites(data.get("training"), own=True)
+    except (AttributeError, TypeError, ValueError, KeyError):
+        return 1, 0.0, 0.0
 
 
 def _stages(value: Any, config: ParallelConfig | None, peak: Any) -> list[str]:

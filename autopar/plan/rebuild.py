@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from autopar.errors import AutoparError
+from autopar.estimate.algorithms import priced_sites
 from autopar.hardware import Cluster
 from autopar.models.source import (
     HF_FACTORY,
@@ -99,10 +100,22 @@ def resized_cluster(
 ) -> Cluster:
     """The plan's profile (or ``profile``, a .toml path) with ``num_nodes`` nodes and/or
     ``num_devices`` devices in all; given nodes only, each keeps the plan's devices per node.
+    A plan priced over several sites (its training record) keeps them: the same sites, link
+    and latency, the size given being the whole cluster's (for a DiLoCo plan, which is one
+    site's, too).
 
     Raises:
         ReplanError: no size given, or devices not a multiple of nodes.
+        ProfileError: the size does not split over the plan's sites.
     """
+    sites = priced_sites(plan.training, own=False)
+    cluster = _sized(plan, num_nodes, num_devices, profile)
+    return cluster.over_sites(*sites) if sites[0] > 1 else cluster
+
+
+def _sized(
+    plan: Plan, num_nodes: int | None, num_devices: int | None, profile: str | None
+) -> Cluster:
     name = profile or plan.cluster
     if num_nodes is None and num_devices is None:
         raise ReplanError("replan needs num_nodes or num_devices (the new cluster's size)")

@@ -23,6 +23,7 @@ from autopar.estimate.algorithms import (
     AlgorithmOptions,
     choose,
     cross_site_bytes,
+    ft_step_cost,
     price_diloco,
     price_ft,
     price_sync,
@@ -49,6 +50,11 @@ def with_training(
     sync = price_sync(plan.step_time_s, plan.config, tokens, cross, good, budget)
     candidates: list[AlgorithmEstimate] = [sync]
     if reliability is not None and plan.config.dp >= 2:
+        grads = max(s.memory_bytes.get("gradients", 0.0) for s in plan.stages)
+        torchft, _ = ft_step_cost(
+            plan.config, cluster, grads, plan.breakdown.get("dp_comm", 0.0),
+            reliability.ft_control_s,
+        )  # fmt: skip
         candidates.append(
             price_ft(
                 plan.step_time_s,
@@ -61,6 +67,8 @@ def with_training(
                 plan.num_params,
                 plan.optimizer,
                 plan.config.dp,
+                options.ft_timeout_s,
+                torchft,
             )  # fmt: skip
         )
     if site_plan is not None and cluster.sites > 1:
@@ -89,7 +97,8 @@ def with_training(
         "token_budget": budget,
         "tokens_per_step": float(tokens),
         "sites": cluster.sites,
-        "site_link_gbps": cluster.site_link_bytes_per_s * 8 / 1e9,
+        "site_link_gbps": cluster.site_terms[1],
+        "site_latency_s": cluster.site_latency_s,
         "assumption": CONVERGENCE_SOURCE.format(pct=options.diloco_token_overhead),
     }
     chosen = site_plan if best.name == "diloco" and site_plan is not None else plan

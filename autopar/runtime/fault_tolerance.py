@@ -18,6 +18,9 @@ group makes this HSDP with the replicate axis fault tolerant), its optimizer, an
                         part (the step is dropped everywhere it failed)
     digest()            a hash of this rank's parameter shards, which the program prints at
                         the end: the same rank of every group must print the same
+    costs()             torchft's own time a step, medians over the steps: the quorum, the
+                        gradient all-reduce over the groups, the commit (what
+                        `autopar.estimate.algorithms.ft_step_cost` prices)
 
 A failed group costs the others the step in flight and then only its share of the throughput
 while it restarts (its own torchrun --max-restarts) and heals; no global restart. What holds
@@ -34,7 +37,9 @@ is ours is the state a group hands its peers and the loop's hooks.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+import statistics
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +47,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from autopar.estimate.algorithms import FT_BUCKET_BYTES
 from autopar.runtime.replica_groups import group_manager
 
 
@@ -68,6 +74,38 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def reduce_in_buckets(grads: list[torch.Tensor], reduce: Callable[[torch.Tensor], Any]) -> None:
+    """``reduce`` (in place) each bucket of ``grads`` flattened into one buffer, and each
+    gradient given its own elements back (a bucket of one tensor reduced as it is)."""
+    for bucket in _buckets(grads):
+        if len(bucket) == 1:
+            reduce(bucket[0])
+            continue
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        reduce(flat)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The gradients in runs of one dtype and device, each at most `FT_BUCKET_BYTES` (a tensor
+    larger than that alone)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        last = out[-1][-1] if out else None
+        fits = last is not None and (last.dtype, last.device) == (g.dtype, g.device)
+        if not fits or size + nbytes > FT_BUCKET_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(g)
+        size += nbytes
+    return out
+
+
 class FaultTolerantGroups:
     """The loop's hooks into torchft for one rank (module docstring)."""
 
@@ -81,6 +119,7 @@ class FaultTolerantGroups:
     ) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = optimizer
+        self._spent: dict[str, list[float]] = {"quorum": [], "all_reduce": [], "commit": []}
         self.manager = group_manager(
             group.replica_id, group.lighthouse, rank, world_size, group.timeout_s,
             group.min_replicas, (self._load, self._state),
@@ -120,19 +159,34 @@ class FaultTolerantGroups:
     def steps(self, total: int) -> Iterator[int]:
         """Steps from the quorum's current one to ``total`` (a healed group's jumps ahead)."""
         while True:
+            t0 = time.perf_counter()
             self.manager.start_quorum()
+            self._spent["quorum"].append(time.perf_counter() - t0)
             step = self.manager.current_step()
             if step >= total:
                 return
             yield step
 
     def sync_gradients(self) -> None:
-        works = [self.manager.allreduce(_local(p.grad)) for p in self.params if p.grad is not None]
-        for work in works:
-            work.wait()
+        """Average the gradients' local shards over the groups in the quorum, in buckets of
+        at most `FT_BUCKET_BYTES` (one all-reduce a parameter cost a millisecond of torchft's
+        own work each on CPU: 46 ms a step for gpt-tiny's tensors, against 3 in buckets;
+        the estimate prices the same buckets)."""
+        t0 = time.perf_counter()
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        reduce_in_buckets(grads, lambda t: self.manager.allreduce(t).wait())
+        self._spent["all_reduce"].append(time.perf_counter() - t0)
 
     def should_commit(self) -> bool:
-        return self.manager.should_commit()
+        t0 = time.perf_counter()
+        commit = self.manager.should_commit()
+        self._spent["commit"].append(time.perf_counter() - t0)
+        return commit
+
+    def costs(self) -> dict[str, float]:
+        """Seconds a step in torchft's quorum, gradient all-reduce and commit (medians; the
+        first step's, which connects, left out where there are more)."""
+        return {k: statistics.median(v[1:] or v) if v else 0.0 for k, v in self._spent.items()}
 
     def digest(self) -> str:
         """A SHA-256 of this rank's local parameter shards (16 hex digits): equal on the same

@@ -122,4 +122,11 @@ class ReplicaRun:
                 f"{self.groups.digest()} after step {self.groups.manager.current_step()}",
                 flush=True,
             )
+            spent = self.groups.costs()
+            print(
+                f"[autopar] torchft a step (median): quorum {spent['quorum'] * 1e3:.2f} ms, "
+                f"gradient all-reduce {spent['all_reduce'] * 1e3:.2f} ms, commit "
+                f"{spent['commit'] * 1e3:.2f} ms",
+                flush=True,
+            )
         self.context.close()

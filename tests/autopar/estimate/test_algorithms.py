@@ -14,8 +14,10 @@ import autopar
 from autopar.config import ParallelConfig as C
 from autopar.errors import ProfileError
 from autopar.estimate.algorithms import (
+    FT_BUCKET_BYTES,
     AlgorithmOptions,
     cross_site_bytes,
+    ft_step_cost,
     outer_allreduce_s,
     price_diloco,
     price_ft,
@@ -106,6 +108,31 @@ def test_fault_tolerant_groups_lose_less_than_a_restart():
     assert ft.goodput == pytest.approx(1 - rate * (30.0 + 10.0 + (rel.restart_s + heal) / 8))
     assert ft.goodput > sync.goodput
     assert ft.time_to_budget_s < sync.time_to_budget_s
+
+
+def test_torchft_adds_its_exposed_all_reduce_and_control_to_each_step():
+    """The groups' gradient all-reduce runs after the backward, in buckets: its time over the
+    groups (the plan's dp axis) less what the synchronous step already exposed, plus the
+    quorum and commit; a step priced with it is that much longer, and its goodput and time to
+    the budget follow."""
+    c = autopar.Cluster.from_profile("dgx_h100", 16)
+    cfg = C(dp=4, fsdp=32)
+    grads = 70e9 * 4 / 32  # a rank's fp32 gradient shards of 70 B parameters
+    cost, reduce = ft_step_cost(cfg, c, grads, 0.0, 0.005)
+    buckets = -(-grads // FT_BUCKET_BYTES)
+    one = MeshGroups(c, cfg).time("all_reduce", grads / buckets, "dp")
+    assert reduce == pytest.approx(buckets * one) and cost == pytest.approx(reduce + 0.005)
+    assert reduce > MeshGroups(c, cfg).time("all_reduce", grads, "dp")  # each bucket's latency
+    # what the synchronous step already exposed is not paid twice, and never below the RPCs
+    assert ft_step_cost(cfg, c, grads, reduce / 2, 0.005)[0] == pytest.approx(cost - reduce / 2)
+    assert ft_step_cost(cfg, c, grads, 1e3, 0.005)[0] == pytest.approx(0.005)
+    rel = c.profile.reliability
+    plain = price_ft(10.0, cfg, 4e6, 0.0, 1e12, c, rel, 70e9, "adamw", 4)
+    paid = price_ft(10.0, cfg, 4e6, 0.0, 1e12, c, rel, 70e9, "adamw", 4, step_cost_s=cost)
+    assert paid.step_time_s == pytest.approx(10.0 + cost)
+    assert paid.time_to_budget_s / plain.time_to_budget_s == pytest.approx(
+        (10.0 + cost) / 10.0 * plain.goodput / paid.goodput
+    )
 
 
 @pytest.mark.parametrize(

@@ -15,9 +15,10 @@ import json
 import pytest
 
 import autopar
-from autopar.estimate.algorithms import AlgorithmOptions
+from autopar.estimate.algorithms import AlgorithmOptions, ft_step_cost
 from autopar.models import zoo
 from autopar.plan.check import plan_problems
+from autopar.plan.training import with_training
 
 SHAPE = dict(vocab_size=32000, seq_len=2048, num_layers=8, hidden=2048, ffn_hidden=5632)
 SHAPE |= dict(num_heads=16, num_kv_heads=8)
@@ -56,6 +57,7 @@ def test_diloco_across_a_slow_link_synchronous_in_one_building(model_and_ids):
 
     one = plan_on(model_and_ids, autopar.Cluster.from_profile("dgx_h100", 4))
     assert one.training["chosen"]["name"] in ("sync", "ft")  # synchronous steps
+
     assert all(c["name"] != "diloco" for c in one.training["candidates"])
     assert all(c["cross_site_bytes_per_step"] == 0 for c in one.training["candidates"])
 
@@ -66,3 +68,45 @@ def test_choose_sync_keeps_the_whole_cluster(model_and_ids):
     assert plan.training["chosen"]["name"] == "sync"
     assert plan.world_size == 32 and plan.global_batch_size == 256
     assert all(c["name"] != "diloco" for c in plan.training["candidates"])
+
+
+def test_fault_tolerant_groups_pay_torchfts_step_cost(model_and_ids):
+    """The ft candidate steps slower than the synchronous one by torchft's own work: the
+    gradient all-reduce over the groups after the backward (less what the synchronous step
+    exposed of its gradient sync) and the quorum and commit."""
+    model, ids = model_and_ids
+    cluster = autopar.Cluster.from_profile("dgx_h100", 4)
+    cfg = autopar.ParallelConfig(dp=4, fsdp=8, zero_stage=3)
+    plan = autopar.evaluate(model, cluster, cfg, (ids,), global_batch_size=256)
+    plan = with_training(plan, None, cluster, AlgorithmOptions(), None)
+    by_name = {c["name"]: c for c in plan.training["candidates"]}
+    rel = cluster.profile.reliability
+    grads = max(s.memory_bytes["gradients"] for s in plan.stages)
+    cost, reduce = ft_step_cost(plan.config, cluster, grads, plan.breakdown["dp_comm"],
+                                rel.ft_control_s)  # fmt: skip
+    assert by_name["ft"]["extra"]["torchft_step_s"] == pytest.approx(cost)
+    assert cost > rel.ft_control_s and reduce > plan.breakdown["dp_comm"]  # the hidden part
+    assert by_name["ft"]["step_time_s"] == pytest.approx(plan.step_time_s + cost)
+
+
+def test_a_plan_over_sites_records_them_and_replan_keeps_them():
+    """A plan priced over two sites names them in its cluster fingerprint (the same nodes in
+    one building are another cluster), its file's check accepts it and refuses it with the
+    link changed, naming the sites; replan prices the new size over the same sites."""
+    model = zoo.build("gpt-tiny", device="meta")
+    inputs = zoo.example_inputs("gpt-tiny", model)
+    sync = autopar.PlanOptions(sensitivity=False, algorithms=AlgorithmOptions(choose="sync"))
+    split = autopar.Cluster.from_profile("dgx_h100", 2, sites=2, site_link_gbps=1)
+    plan = autopar.parallelize(model, split, inputs, global_batch_size=64, options=sync)
+    one = autopar.parallelize(model, autopar.Cluster.from_profile("dgx_h100", 2), inputs,
+                              global_batch_size=64, options=sync)  # fmt: skip
+    assert plan.cluster_fingerprint != one.cluster_fingerprint
+    data = json.loads(plan.to_json())
+    assert plan_problems(data) == []
+    data["training"]["site_link_gbps"] = 2.0
+    (problem,) = plan_problems(data)
+    assert "over 2 sites joined by 2 Gb/s" in problem and "not the cluster" in problem
+    bigger = autopar.replan(plan, num_nodes=4, options=sync)
+    assert bigger.world_size == 32 and bigger.training["sites"] == 2
+    assert bigger.training["site_link_gbps"] == pytest.approx(1.0)
+    assert plan_problems(json.loads(bigger.to_json())) == []

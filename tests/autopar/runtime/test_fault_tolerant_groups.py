@@ -30,6 +30,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from autopar.estimate.algorithms import FT_BUCKET_BYTES
+from autopar.runtime.fault_tolerance import reduce_in_buckets
 
 HERE = Path(__file__).resolve().parent
 STEPS, KILL_AT = 60, 5  # 0-based: step 6's batch
@@ -155,3 +159,24 @@ def test_a_restarted_job_resumes_each_group_from_its_checkpoint_and_heals_the_on
         for g, r, digest, step in DIGEST.findall(log):
             again[(int(g), int(r))] = (digest, int(step))
     assert again == ended
+
+
+def test_gradients_are_reduced_in_buckets_each_given_back_its_own_elements():
+    """The cross-group all-reduce flattens runs of one dtype up to FT_BUCKET_BYTES into one
+    buffer: every gradient gets back exactly its own elements reduced, whatever its shape or
+    strides; a dtype change starts a new bucket; a tensor over the bucket size goes alone."""
+    big = torch.randn(FT_BUCKET_BYTES // 4 + 1)  # over one bucket: reduced alone
+    grads = [torch.randn(3, 4), torch.randn(5).double(), torch.randn(4, 3).t(), big,
+             torch.randn(2, 2)]  # fmt: skip
+    expected = [g * 2 for g in grads]
+    calls = []
+
+    def double(t):  # a reduction anyone can check: each element times the group count
+        calls.append((t.dtype, t.numel()))
+        t.mul_(2)
+
+    reduce_in_buckets(grads, double)
+    for g, e in zip(grads, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    assert calls == [(torch.float32, 12), (torch.float64, 5), (torch.float32, 12),
+                     (torch.float32, big.numel()), (torch.float32, 4)]  # fmt: skip
