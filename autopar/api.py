@@ -350,7 +350,9 @@ def replan(
     profile: str | None = None,
     trust_factory: bool = False,
 ) -> Plan:
-    """Plan ``plan``'s model again for a smaller or larger cluster of the same profile.
+    """Plan ``plan``'s model again for a smaller or larger cluster of the same profile (and,
+    for a plan priced over several sites, the same sites, link and latency: the size given is
+    the whole cluster's, a DiLoCo plan's too).
 
     The model is rebuilt on the meta device from the plan's factory and checked against its
     fingerprint; the global batch, precision and optimizer are the plan's. A run resumes under
