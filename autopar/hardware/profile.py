@@ -34,7 +34,7 @@ Kind = Literal["gpu", "tpu", "cpu"]
 
 # An estimate, for profiles that do not measure it: two RPCs a step over the data-centre
 # network (each well under a millisecond) and the wait for the slowest group to ask for the
-# quorum; local_cpu measures 1.5-3.6 ms (`benchmarks/ft_goodput.py`), on a loaded machine.
+# quorum. local_cpu measures 2.2 ms (`benchmarks/ft_goodput.py`: two groups on one machine).
 FT_CONTROL_S = 0.005
 
 
