@@ -40,6 +40,13 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--nodes", "--num-nodes", dest="num_nodes", type=int, default=2)
     demo.add_argument("--seq-len", type=int, default=8192)
     demo.add_argument("--out", default="out", help="directory for plan.json")
+    demo.add_argument(
+        "--local-groups",
+        type=int,
+        default=1,
+        help="run the local plan as this many fault-tolerant replica groups over torchft "
+        "(its lighthouse started here; default 1: one job)",
+    )
 
     verbs.add_parser(
         "list-profiles",
@@ -288,7 +295,10 @@ def _run(args: argparse.Namespace) -> str:
     if args.verb == "demo":
         from autopar.cli.demo import run_demo
 
-        return run_demo(args.model, args.profile, args.num_nodes, args.seq_len, args.out)
+        return run_demo(
+            args.model, args.profile, args.num_nodes, args.seq_len, args.out,
+            local_groups=args.local_groups,
+        )  # fmt: skip
     if args.verb == "profile":
         from autopar.profiler import ProfileOptions, profile
 
