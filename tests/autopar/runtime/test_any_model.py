@@ -272,9 +272,12 @@ def test_more_families_are_planned_or_refused_naming_the_module_and_the_operatio
 def test_context_parallelism_runs_models_through_their_own_forward_on_2_ranks():
     """No `parts` entry cuts these: each runs its own forward at the shard's positions, its
     attention replaced through transformers' interface -- Gemma 3's sliding layers (a window
-    of 8 in 16 tokens, across the shards' edges) and full ones, OLMoE's experts, Cohere's
-    [heads, head_dim] q/k norm -- and GraniteMoE's blocks split under TP + SP."""
-    cases = [composed(2, m, C(cp=2, micro_batch_size=1)) for m in ("gemma3", "olmoe", "cohere")]
+    of 8 in 16 tokens, across the shards' edges) and full ones, OLMoE's experts split over
+    the cp ranks too (ep=2 folded over cp: each rank's sequence shard dispatched to both
+    ranks' experts), Cohere's [heads, head_dim] q/k norm -- and GraniteMoE's blocks split
+    under TP + SP."""
+    cases = [composed(2, m, C(cp=2, micro_batch_size=1)) for m in ("gemma3", "cohere")]
+    cases.append(composed(2, "olmoe", C(cp=2, ep=2, micro_batch_size=1)))
     cases.append(composed(2, "granite_moe", C(tp=2, sequence_parallel=True, micro_batch_size=1)))
     check_cases(2, cases)
 
