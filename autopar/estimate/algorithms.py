@@ -62,7 +62,6 @@ goodput. The budget defaults to 20 tokens a parameter (Hoffmann et al. 2022), st
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -317,15 +316,3 @@ def choose(estimates: list[AlgorithmEstimate]) -> AlgorithmEstimate:
 
 
 _ORDER = {"sync": 0, "ft": 1, "diloco": 2}
-
-
-def priced_sites(training: Mapping[str, Any] | None, own: bool) -> tuple[int, float, float]:
-    """(sites, link Gb/s, latency s) of the cluster a plan's training record was priced on:
-    the whole cluster's, or with ``own`` the plan's own cluster's -- one site for a DiLoCo
-    plan, which is one site's group. (1, 0, 0) without a record or sites, and for a record
-    written before the latency was kept (its fingerprint did not count the sites)."""
-    if not training or training.get("sites", 1) <= 1 or "site_latency_s" not in training:
-        return 1, 0.0, 0.0
-    if own and training.get("chosen", {}).get("name") == "diloco":
-        return 1, 0.0, 0.0
-    return int(training["sites"]), training["site_link_gbps"], training["site_latency_s"]

@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from autopar.errors import ProfileError
 from autopar.hardware.profile import HardwareProfile, load_profile
@@ -398,3 +399,15 @@ def _split_devices(profile: HardwareProfile, num_devices: int) -> tuple[int, int
             f"(e.g. {lower} or {lower + per_node})"
         )
     return num_devices // per_node, per_node
+
+
+def priced_sites(training: Mapping[str, Any] | None, own: bool) -> tuple[int, float, float]:
+    """(sites, link Gb/s, latency s) of the cluster a plan's training record was priced on:
+    the whole cluster's, or with ``own`` the plan's own cluster's -- one site for a DiLoCo
+    plan, which is one site's group. (1, 0, 0) without a record or sites, and for a record
+    written before the latency was kept (its fingerprint did not count the sites)."""
+    if not training or training.get("sites", 1) <= 1 or "site_latency_s" not in training:
+        return 1, 0.0, 0.0
+    if own and training.get("chosen", {}).get("name") == "diloco":
+        return 1, 0.0, 0.0
+    return int(training["sites"]), training["site_link_gbps"], training["site_latency_s"]

@@ -33,9 +33,8 @@ from autopar.config import ParallelConfig
 from autopar.config.precision import PRECISIONS
 from autopar.config.text import parse_config
 from autopar.errors import AutoparError
-from autopar.estimate.algorithms import priced_sites
 from autopar.hardware import Cluster, shipped_profile_names
-from autopar.hardware.cluster import cluster_fingerprint
+from autopar.hardware.cluster import cluster_fingerprint, priced_sites
 from autopar.hardware.profile import load_profile
 
 _INTEGERS = {"num_params": 0, "seq_len": 1, "num_nodes": 1, "world_size": 1}

@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from autopar.errors import AutoparError
-from autopar.estimate.algorithms import priced_sites
 from autopar.hardware import Cluster
+from autopar.hardware.cluster import priced_sites
 from autopar.models.source import (
     HF_FACTORY,
     ZOO_FACTORY,

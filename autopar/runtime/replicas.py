@@ -2,10 +2,10 @@
 
 In: the `TrainOptions` (`diloco` or `ft`), the global batch, and once the model is made, this
 rank's model, blocks, optimizer, rank and world in its group. Out: `replica_share` (this group's
-share of each step's global batch and where it starts), `replica_checkpoint` (where this group
-checkpoints) and `ReplicaRun`, the hooks `trainer.train` calls each step -- which steps to run,
-the gradient average over the groups, whether to commit, the bytes sent to other groups -- all
-no-ops without replica groups.
+share of each step's global batch and where it starts) and `ReplicaRun`: where this group
+checkpoints (`ReplicaRun.checkpoint`) and the hooks `trainer.train` calls each step -- which
+steps to run, the gradient average over the groups, whether to commit, the bytes sent to other
+groups -- all no-ops without replica groups.
 
 Checkpoints with fault-tolerant groups: each group saves and resumes its own, under
 ``<directory>/group<g>`` (a group is one torchrun job, so DCP's collectives are its own; a
@@ -31,7 +31,7 @@ from torch import nn
 from autopar.runtime.diloco import DiLoCoGroup, attach_diloco
 from autopar.runtime.fault_tolerance import FaultTolerantGroups, FTGroup
 
-__all__ = ["DiLoCoGroup", "FTGroup", "ReplicaRun", "replica_checkpoint", "replica_share"]
+__all__ = ["DiLoCoGroup", "FTGroup", "ReplicaRun", "replica_share"]
 
 
 def replica_share(options: Any, global_batch_size: int) -> tuple[int, int]:
@@ -57,17 +57,17 @@ def replica_share(options: Any, global_batch_size: int) -> tuple[int, int]:
     return share, group.replica_id * share
 
 
-def replica_checkpoint(options: Any) -> Any:
-    """The `CheckpointOptions` this rank saves and resumes under: a fault-tolerant group's own
-    subdirectory (module docstring), else ``options.checkpoint`` as given."""
-    if options.ft is None or options.checkpoint is None:
-        return options.checkpoint
-    where = Path(options.checkpoint.directory) / f"group{options.ft.replica_id}"
-    return replace(options.checkpoint, directory=str(where))
-
-
 class ReplicaRun:
     """This rank's replica-group hooks for one run (module docstring)."""
+
+    @staticmethod
+    def checkpoint(options: Any) -> Any:
+        """The `CheckpointOptions` this rank saves and resumes under: a fault-tolerant group's
+        own subdirectory (module docstring), else ``options.checkpoint`` as given."""
+        if options.ft is None or options.checkpoint is None:
+            return options.checkpoint
+        where = Path(options.checkpoint.directory) / f"group{options.ft.replica_id}"
+        return replace(options.checkpoint, directory=str(where))
 
     def __init__(
         self, options: Any, pm: Any, optimizer: Any, rank: int, world: int, resumed: int = 0

@@ -88,13 +88,7 @@ from autopar.runtime.preflight import (
     check_options,
     skip_nonfinite,
 )
-from autopar.runtime.replicas import (
-    DiLoCoGroup,
-    FTGroup,
-    ReplicaRun,
-    replica_checkpoint,
-    replica_share,
-)
+from autopar.runtime.replicas import DiLoCoGroup, FTGroup, ReplicaRun, replica_share
 from autopar.runtime.run_report import print_rank_summary, step_line
 from autopar.runtime.startup.start import (
     WeightsFrom,
@@ -323,7 +317,7 @@ def train(
     model = pm.model  # pp > 1: this rank's chunks (the rest of the model was never made)
     optimizer = _make_optimizer(model, options)
     # CHECKPOINT (autopar.runtime.checkpoint): resume from the newest complete checkpoint
-    checkpoint = replica_checkpoint(options)  # ft groups: each its own
+    checkpoint = ReplicaRun.checkpoint(options)  # ft groups: each its own
     ckpt = open_checkpointer(
         checkpoint,
         model,
