@@ -43,28 +43,9 @@ DIGEST = re.compile(r"replica group (\d), rank (\d): parameters (\w+) after step
 
 @pytest.mark.multiprocess
 def test_a_killed_group_rejoins_from_its_peer_while_the_other_keeps_stepping(tmp_path):
-    torchft = pytest.importorskip("torchft._torchft")  # the lighthouse, in this process
-    lighthouse = torchft.LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=10000, quorum_tick_ms=100
-    )
-    url = lighthouse.address()
-    env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1", RUST_LOG="error",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # fmt: skip
-    jobs = []
-    try:
-        for group in (0, 1):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node=2", "--max-restarts=3", str(HERE / "ft_job.py"),
-                   str(group), url, str(tmp_path), str(KILL_AT),
-                   str(STEPS), str(PACE), str(DELAY)]  # fmt: skip
-            jobs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, text=True))  # fmt: skip
-        logs = [job.communicate(timeout=600)[0] for job in jobs]
-    finally:
-        for job in jobs:
-            job.kill()
-        lighthouse.shutdown()
-    assert [job.returncode for job in jobs] == [0, 0], logs[1][-3000:]
+    logs = _run_groups(min_replicas=1, job=lambda url: [
+        "--max-restarts=3", str(HERE / "ft_job.py"), "{group}", url, str(tmp_path),
+        str(KILL_AT), str(STEPS), str(PACE), str(DELAY)])  # fmt: skip
 
     killed = int((tmp_path / "killed").read_text())
     records = {}
@@ -89,23 +70,23 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_keeps_stepping(tmp
     print(f"group 1 healed at step {group1[0][0] - 1}; digests {digests}")
 
 
-def _run_groups(tmp_path: Path, steps: int, checkpoints: Path) -> list[str]:
-    """Both groups of ft_job.py to ``steps``, checkpointing every 4 into ``checkpoints``;
-    the lighthouse waits for both groups, so the first quorum holds both (module docstring
-    of the test below). Returns each group's log."""
+def _run_groups(min_replicas: int, job) -> list[str]:
+    """Both groups of ft_job.py, each its own torchrun of two ranks, through a lighthouse in
+    this process that forms a quorum of ``min_replicas`` groups; ``job(url)``: torchrun's
+    arguments from the script on ("{group}" becomes the group's index). Returns each group's
+    log, after checking both ended well."""
     torchft = pytest.importorskip("torchft._torchft")
     lighthouse = torchft.LighthouseServer(
-        bind="[::]:0", min_replicas=2, join_timeout_ms=10000, quorum_tick_ms=100
+        bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=10000, quorum_tick_ms=100
     )
     env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1", RUST_LOG="error",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # fmt: skip
     jobs = []
     try:
         for group in (0, 1):
+            args = [a.replace("{group}", str(group)) for a in job(lighthouse.address())]
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node=2", str(HERE / "ft_job.py"), str(group),
-                   lighthouse.address(), str(tmp_path), "999", str(steps), "0", "0",
-                   str(checkpoints), "4"]  # fmt: skip
+                   "--nproc-per-node=2", *args]  # fmt: skip
             jobs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True))  # fmt: skip
         logs = [job.communicate(timeout=600)[0] for job in jobs]
@@ -115,6 +96,14 @@ def _run_groups(tmp_path: Path, steps: int, checkpoints: Path) -> list[str]:
         lighthouse.shutdown()
     assert [job.returncode for job in jobs] == [0, 0], logs[1][-3000:]
     return logs
+
+
+def _checkpointing(tmp_path: Path, checkpoints: Path) -> list[str]:
+    """Both groups to step 12, checkpointing every 4 into ``checkpoints``; the lighthouse
+    waits for both, so the first quorum holds both (the test below)."""
+    return _run_groups(min_replicas=2, job=lambda url: [
+        str(HERE / "ft_job.py"), "{group}", url, str(tmp_path), "999", "12", "0", "0",
+        str(checkpoints), "4"])  # fmt: skip
 
 
 @pytest.mark.multiprocess
@@ -132,7 +121,7 @@ def test_a_restarted_job_resumes_each_group_from_its_checkpoint_and_heals_the_on
     equals its digest after run 1 (same state at step 8, same batches, same averaged
     gradients)."""
     checkpoints = tmp_path / "checkpoints"
-    first = _run_groups(tmp_path, 12, checkpoints)
+    first = _checkpointing(tmp_path, checkpoints)
     ended = {}
     for log in first:
         for g, r, digest, step in DIGEST.findall(log):
@@ -146,7 +135,7 @@ def test_a_restarted_job_resumes_each_group_from_its_checkpoint_and_heals_the_on
     for f in tmp_path.glob("g*r*p*.json"):
         f.unlink()
 
-    second = _run_groups(tmp_path, 12, checkpoints)
+    second = _checkpointing(tmp_path, checkpoints)
     assert "resumed from" in second[0] and "step-00000008" in second[0]
     assert "step-00000004" in second[1]  # group 1 read its own older checkpoint first ...
     steps = {
