@@ -49,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import goodput as cr  # noqa: E402  (benchmarks/goodput.py: the checkpoint-restart side)
 
 import autopar  # noqa: E402
-from autopar.estimate.algorithms import ft_step_cost, price_ft  # noqa: E402
+from autopar.estimate.algorithms import price_ft  # noqa: E402
+from autopar.plan.training import torchft_step_cost  # noqa: E402
 
 GROUPS = 2
 TIMEOUT_S = 3.0  # --ft-timeout: how long the survivor waits on a dead group's all-reduce
@@ -173,11 +174,11 @@ def predicted(plan: autopar.Plan, met_mtbf_s: float, t_step: float) -> float:
 
 def print_step_cost(plan: autopar.Plan, costs: list[dict], t_ft: float, t_one: float) -> None:
     """torchft's work a step, measured (each group's medians, by part) against
-    `ft_step_cost`'s; and the measured difference between the groups' step and one job's."""
+    `plan.training.torchft_step_cost`'s; and the measured difference between the groups'
+    step and one job's."""
     cluster = autopar.Cluster.from_profile("local_cpu", num_devices=cr.RANKS)
-    grads = max(s.memory_bytes["gradients"] for s in plan.stages)
     control = cluster.profile.reliability.ft_control_s
-    cost, reduce = ft_step_cost(plan.config, cluster, grads, plan.breakdown["dp_comm"], control)
+    cost, reduce = torchft_step_cost(plan, cluster, control)
     parts = ("quorum", "gradient all-reduce", "commit")
     got = {k: statistics.median(c[k] for c in costs) for k in parts}
     print(f"torchft a step, measured (median of {len(costs)} groups): "

@@ -20,9 +20,10 @@ the one that reaches the token budget first.
                 `FTGroup.timeout_s`): waste per failure D + T + (R + S / link) / M.
                 Each step also pays torchft's own work (`ft_step_cost`): the gradients'
                 all-reduce over the groups, which the runtime runs after the backward in
-                buckets of `FT_BUCKET_BYTES` (what the synchronous plan hid of its gradient
-                sync behind the backward is exposed now; what it already exposed is not
-                paid twice), and the quorum and commit RPCs (`Reliability.ft_control_s`).
+                the flat chunks of its other gradient syncs (`flat_chunks`; what the
+                synchronous plan hid of its gradient sync behind the backward is exposed
+                now; what it already exposed is not paid twice), and the quorum and commit
+                RPCs (`Reliability.ft_control_s`).
     diloco      M replica groups (one per site) each take H inner steps of their own plan
                 (the global batch / M each) and then all-reduce a pseudo-gradient, the
                 parameters' change since the last outer step (P x b_outer bytes, fp32 by
@@ -61,7 +62,6 @@ goodput. The budget defaults to 20 tokens a parameter (Hoffmann et al. 2022), st
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -69,6 +69,7 @@ from autopar.config import ParallelConfig
 from autopar.estimate.goodput import STATE_BYTES_PER_PARAM
 from autopar.estimate.mesh import MeshGroups, axis_ranks
 from autopar.hardware import Cluster, Reliability
+from cost_models.comm import flat_chunks
 
 CONVERGENCE_SOURCE = (
     "assumed: DiLoCo needs {pct:.0%} more tokens than synchronous training to reach its loss "
@@ -76,9 +77,6 @@ CONVERGENCE_SOURCE = (
     "arXiv:2311.08105, and Charles et al. 2025, arXiv:2503.09799)"
 )
 TOKENS_PER_PARAM = 20.0  # the default budget: Hoffmann et al. 2022's compute-optimal ratio
-# fault-tolerant groups: the runtime's cross-group gradient all-reduce buffer (at most this
-# many bytes a bucket; `autopar.runtime.fault_tolerance` reads it from here)
-FT_BUCKET_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -196,10 +194,10 @@ def ft_step_cost(
 ) -> tuple[float, float]:
     """(seconds torchft adds to a synchronous step, of which the gradient all-reduce): the
     all-reduce of a rank's ``grad_bytes`` of gradient shards over the groups (the plan's dp
-    axis) in buckets, less the ``exposed_sync_s`` the synchronous step already paid for its
-    gradient sync, plus ``control_s`` (module docstring)."""
-    buckets = max(1, math.ceil(grad_bytes / FT_BUCKET_BYTES))
-    reduce = buckets * MeshGroups(cluster, cfg).time("all_reduce", grad_bytes / buckets, "dp")
+    axis) in the runtime's flat chunks, less the ``exposed_sync_s`` the synchronous step
+    already paid for its gradient sync, plus ``control_s`` (module docstring)."""
+    mesh = MeshGroups(cluster, cfg)
+    reduce = sum(mesh.time("all_reduce", chunk, "dp") for chunk in flat_chunks(grad_bytes))
     return max(0.0, reduce - exposed_sync_s) + control_s, reduce
 
 

@@ -50,11 +50,7 @@ def with_training(
     sync = price_sync(plan.step_time_s, plan.config, tokens, cross, good, budget)
     candidates: list[AlgorithmEstimate] = [sync]
     if reliability is not None and plan.config.dp >= 2:
-        grads = max(s.memory_bytes.get("gradients", 0.0) for s in plan.stages)
-        torchft, _ = ft_step_cost(
-            plan.config, cluster, grads, plan.breakdown.get("dp_comm", 0.0),
-            reliability.ft_control_s,
-        )  # fmt: skip
+        torchft, _ = torchft_step_cost(plan, cluster, reliability.ft_control_s)
         candidates.append(
             price_ft(
                 plan.step_time_s,
@@ -106,6 +102,14 @@ def with_training(
     if best.name != "sync":
         notes = (*notes, _runtime_note(best))
     return replace(chosen, training=record, notes=notes)
+
+
+def torchft_step_cost(plan: Plan, cluster: Cluster, control_s: float) -> tuple[float, float]:
+    """`ft_step_cost` of ``plan``'s dp replicas as fault-tolerant groups: a rank's gradient
+    bytes (its largest stage's), and the gradient sync its synchronous step exposed."""
+    grads = max(s.memory_bytes.get("gradients", 0.0) for s in plan.stages)
+    dp_comm = plan.breakdown.get("dp_comm", 0.0)
+    return ft_step_cost(plan.config, cluster, grads, dp_comm, control_s)
 
 
 def _best_of_each(candidates: list[AlgorithmEstimate]) -> list[AlgorithmEstimate]:

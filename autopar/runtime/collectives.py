@@ -21,7 +21,7 @@ loss on every rank differentiates to the gradients of the sum of the ranks' loss
                                        expert parallelism's token traffic: rows of (token,
                                        expert) pairs sorted by expert go to the experts'
                                        owners (`dispatch`) and come back (`combine`)
-    all_reduce_flat(tensors, group, divide_by=1, bucket_bytes=25 MiB)
+    all_reduce_flat(tensors, group, divide_by=1, bucket_bytes=25 MiB, reduce=None)
                                        in place, no autograd: one flat buffer per dtype,
                                        all-reduced in chunks (`cost_models.comm.flat_chunks`;
                                        gradient syncs of data, context, sequence and expert
@@ -36,7 +36,7 @@ the graphs are the same on every rank, so autograd's order is too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -275,14 +275,16 @@ def all_reduce_flat(
     group: dist.ProcessGroup | None,
     divide_by: int = 1,
     bucket_bytes: int = DDP_BUCKET_BYTES,
+    reduce: Callable[[torch.Tensor], object] | None = None,
 ) -> None:
     """Sum ``tensors`` over ``group`` in place (None: no collective), then divide by
-    ``divide_by`` (gloo has no AVG). Per dtype the tensors are one flat buffer, summed in
-    chunks of at most ``bucket_bytes`` (`cost_models.comm.flat_chunks`: all full but the last,
-    the sizes the plan predicts): each chunk is copied out of the tensors, all-reduced and
-    copied back, so the sync holds one chunk beside the gradients, as DDP holds its buckets
-    (one flat copy of them all held their whole size again). Why by hand: torch's coalesced
-    all-reduce is deprecated and its bucketing lives inside DDP."""
+    ``divide_by`` (gloo has no AVG); ``reduce``: reduce each chunk in place by this instead
+    (torchft's fault-tolerant all-reduce over replica groups). Per dtype the tensors are one
+    flat buffer, summed in chunks of at most ``bucket_bytes`` (`cost_models.comm.flat_chunks`:
+    all full but the last, the sizes the plan predicts): each chunk is copied out of the
+    tensors, all-reduced and copied back, so the sync holds one chunk beside the gradients,
+    as DDP holds its buckets (one flat copy of them all held their whole size again). Why by
+    hand: torch's coalesced all-reduce is deprecated and its bucketing lives inside DDP."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -295,7 +297,9 @@ def all_reduce_flat(
             end = start + int(nbytes) // size
             pieces = list(_pieces(flats, start, end))
             chunk = torch.cat([f[a:b] for f, a, b in pieces])
-            if group is not None:
+            if reduce is not None:
+                reduce(chunk)
+            elif group is not None:
                 dist.all_reduce(chunk, group=group)
             if divide_by != 1:
                 chunk.div_(divide_by)

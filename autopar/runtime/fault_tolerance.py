@@ -39,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +47,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from autopar.estimate.algorithms import FT_BUCKET_BYTES
+from autopar.runtime.collectives import all_reduce_flat
 from autopar.runtime.replica_groups import group_manager
 
 
@@ -72,38 +72,6 @@ class FTGroup:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def reduce_in_buckets(grads: list[torch.Tensor], reduce: Callable[[torch.Tensor], Any]) -> None:
-    """``reduce`` (in place) each bucket of ``grads`` flattened into one buffer, and each
-    gradient given its own elements back (a bucket of one tensor reduced as it is)."""
-    for bucket in _buckets(grads):
-        if len(bucket) == 1:
-            reduce(bucket[0])
-            continue
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        reduce(flat)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-
-def _buckets(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """The gradients in runs of one dtype and device, each at most `FT_BUCKET_BYTES` (a tensor
-    larger than that alone)."""
-    out: list[list[torch.Tensor]] = []
-    size = 0
-    for g in grads:
-        nbytes = g.numel() * g.element_size()
-        last = out[-1][-1] if out else None
-        fits = last is not None and (last.dtype, last.device) == (g.dtype, g.device)
-        if not fits or size + nbytes > FT_BUCKET_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append(g)
-        size += nbytes
-    return out
 
 
 class FaultTolerantGroups:
@@ -168,13 +136,13 @@ class FaultTolerantGroups:
             yield step
 
     def sync_gradients(self) -> None:
-        """Average the gradients' local shards over the groups in the quorum, in buckets of
-        at most `FT_BUCKET_BYTES` (one all-reduce a parameter cost a millisecond of torchft's
-        own work each on CPU: 46 ms a step for gpt-tiny's tensors, against 3 in buckets;
-        the estimate prices the same buckets)."""
+        """Average the gradients' local shards over the groups in the quorum, in the flat
+        chunks the other gradient syncs use (`collectives.all_reduce_flat`; one all-reduce a
+        parameter cost a millisecond of torchft's own work each on CPU: 46 ms a step for
+        gpt-tiny's tensors, against 3 in chunks; the estimate prices the same chunks)."""
         t0 = time.perf_counter()
         grads = [_local(p.grad) for p in self.params if p.grad is not None]
-        reduce_in_buckets(grads, lambda t: self.manager.allreduce(t).wait())
+        all_reduce_flat(grads, None, reduce=lambda t: self.manager.allreduce(t).wait())
         self._spent["all_reduce"].append(time.perf_counter() - t0)
 
     def should_commit(self) -> bool:

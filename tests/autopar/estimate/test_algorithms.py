@@ -14,7 +14,6 @@ import autopar
 from autopar.config import ParallelConfig as C
 from autopar.errors import ProfileError
 from autopar.estimate.algorithms import (
-    FT_BUCKET_BYTES,
     AlgorithmOptions,
     cross_site_bytes,
     ft_step_cost,
@@ -25,6 +24,7 @@ from autopar.estimate.algorithms import (
 )
 from autopar.estimate.mesh import MeshGroups
 from autopar.models import zoo
+from cost_models.comm import flat_chunks
 
 SHAPE = dict(vocab_size=32000, seq_len=2048, num_layers=8, hidden=2048, ffn_hidden=5632)
 SHAPE |= dict(num_heads=16, num_kv_heads=8)
@@ -111,7 +111,8 @@ def test_fault_tolerant_groups_lose_less_than_a_restart():
 
 
 def test_torchft_adds_its_exposed_all_reduce_and_control_to_each_step():
-    """The groups' gradient all-reduce runs after the backward, in buckets: its time over the
+    """The groups' gradient all-reduce runs after the backward, in the runtime's flat chunks
+    (`flat_chunks`, as its other gradient syncs): its time over the
     groups (the plan's dp axis) less what the synchronous step already exposed, plus the
     quorum and commit; a step priced with it is that much longer, and its goodput and time to
     the budget follow."""
@@ -119,10 +120,12 @@ def test_torchft_adds_its_exposed_all_reduce_and_control_to_each_step():
     cfg = C(dp=4, fsdp=32)
     grads = 70e9 * 4 / 32  # a rank's fp32 gradient shards of 70 B parameters
     cost, reduce = ft_step_cost(cfg, c, grads, 0.0, 0.005)
-    buckets = -(-grads // FT_BUCKET_BYTES)
-    one = MeshGroups(c, cfg).time("all_reduce", grads / buckets, "dp")
-    assert reduce == pytest.approx(buckets * one) and cost == pytest.approx(reduce + 0.005)
-    assert reduce > MeshGroups(c, cfg).time("all_reduce", grads, "dp")  # each bucket's latency
+    mesh = MeshGroups(c, cfg)
+    chunks = flat_chunks(grads)
+    assert len(chunks) > 1
+    want = sum(mesh.time("all_reduce", chunk, "dp") for chunk in chunks)
+    assert reduce == pytest.approx(want) and cost == pytest.approx(reduce + 0.005)
+    assert reduce > mesh.time("all_reduce", grads, "dp")  # each chunk's latency
     # what the synchronous step already exposed is not paid twice, and never below the RPCs
     assert ft_step_cost(cfg, c, grads, reduce / 2, 0.005)[0] == pytest.approx(cost - reduce / 2)
     assert ft_step_cost(cfg, c, grads, 1e3, 0.005)[0] == pytest.approx(0.005)

@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopar.estimate.algorithms import FT_BUCKET_BYTES
-from autopar.runtime.fault_tolerance import reduce_in_buckets
+from autopar.runtime.collectives import all_reduce_flat
+from cost_models.comm import DDP_BUCKET_BYTES
 
 HERE = Path(__file__).resolve().parent
 STEPS, KILL_AT = 60, 5  # 0-based: step 6's batch
@@ -150,11 +150,12 @@ def test_a_restarted_job_resumes_each_group_from_its_checkpoint_and_heals_the_on
     assert again == ended
 
 
-def test_gradients_are_reduced_in_buckets_each_given_back_its_own_elements():
-    """The cross-group all-reduce flattens runs of one dtype up to FT_BUCKET_BYTES into one
-    buffer: every gradient gets back exactly its own elements reduced, whatever its shape or
-    strides; a dtype change starts a new bucket; a tensor over the bucket size goes alone."""
-    big = torch.randn(FT_BUCKET_BYTES // 4 + 1)  # over one bucket: reduced alone
+def test_gradients_are_reduced_in_chunks_each_given_back_its_own_elements():
+    """The cross-group all-reduce (`FaultTolerantGroups.sync_gradients`) is the runtime's
+    flat one with torchft's reduction in place of a process group's: every gradient gets
+    back exactly its own elements reduced, whatever its shape or strides; each dtype is its
+    own flat buffer, reduced in chunks of at most DDP_BUCKET_BYTES."""
+    big = torch.randn(DDP_BUCKET_BYTES // 4 + 1)  # over one chunk: split in two
     grads = [torch.randn(3, 4), torch.randn(5).double(), torch.randn(4, 3).t(), big,
              torch.randn(2, 2)]  # fmt: skip
     expected = [g * 2 for g in grads]
@@ -164,8 +165,10 @@ def test_gradients_are_reduced_in_buckets_each_given_back_its_own_elements():
         calls.append((t.dtype, t.numel()))
         t.mul_(2)
 
-    reduce_in_buckets(grads, double)
+    all_reduce_flat(grads, None, reduce=double)
     for g, e in zip(grads, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
-    assert calls == [(torch.float32, 12), (torch.float64, 5), (torch.float32, 12),
-                     (torch.float32, big.numel()), (torch.float32, 4)]  # fmt: skip
+    floats = 12 + 12 + big.numel() + 4
+    chunk = DDP_BUCKET_BYTES // 4
+    assert calls == [(torch.float32, chunk), (torch.float32, floats - chunk),
+                     (torch.float64, 5)]  # fmt: skip
