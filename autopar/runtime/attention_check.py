@@ -24,25 +24,37 @@ mask function finds out:
 - a repeated block with no attention call mixes its tokens some other way (Mamba2's scan, a
   convolution, nn.MultiheadAttention's own kernel) and is refused, naming its class.
 
+A model whose blocks make no call through the interface may call torch's SDPA itself (Falcon,
+whose "sdpa" implementation cannot be set): a second run keeps "sdpa", has the probe make
+transformers' "sdpa" masks, and notes each call of `F.scaled_dot_product_attention` with the
+module making it and the mask it was handed. Every call under transformers' causal mask (no
+window: a window reaches the runtime only as the interface's ``sliding_window``), or with
+none and is_causal, makes the route "direct" (`context_parallel.DirectSDPA` redirects those
+calls at run time); a mask the model's own code made (Falcon's ALiBi bias) is refused.
+
 What it does not prove: token mixing outside attention within a block that also attends (a
 convolution beside attention) passes. The any-model matrix runs each family it names against
 one process (`tests/autopar/runtime/test_any_model.py`).
 
 Public:
     cp_refusal(model, inputs) -> str     # "" when context parallelism computes its attention
+    attention_route(model, inputs) -> Route(kind "interface" | "direct" | "", why, callers)
     attention_dropout(model) -> float    # the ring (no dropout) refuses a model with p > 0
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
 
 from autopar.models.quiet import quiet_fake_tensors
 from autopar.runtime.split_check import fake_like, few_blocks, meta_state
@@ -81,51 +93,113 @@ def attention_dropout(model: nn.Module) -> float:
 def cp_refusal(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str:
     """Why context parallelism would not compute ``model``'s attention (module docstring), or
     "". ``inputs``: one sample's, on meta."""
+    return attention_route(model, inputs).why
+
+
+class Route(NamedTuple):
+    """How context parallelism reaches a model's attention: ``kind`` "interface" (through
+    transformers' attention interface) or "direct" (the model's own calls of torch's
+    scaled_dot_product_attention, made by modules of the classes ``callers``), or "" with
+    ``why`` it cannot."""
+
+    kind: str
+    why: str = ""
+    callers: tuple[type, ...] = ()
+
+
+def attention_route(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Route:
+    """How context parallelism reaches ``model``'s attention (`Route`; module docstring)."""
     name = type(model).__name__
     config = getattr(model, "config", None)
     if not hasattr(config, "_attn_implementation"):
-        return (
-            f"{name} does not call its attention through transformers' attention interface, "
-            "which context parallelism replaces"
-        )
+        why = "does not call its attention through transformers' attention interface, which"
+        return Route("", f"{name} {why} context parallelism replaces")
     if not hasattr(model, "set_attn_implementation"):
-        return (
-            f"{name} has no set_attn_implementation: its attention function cannot be "
-            "replaced by context parallelism's"
-        )
-    takes = inspect.signature(model.forward).parameters
-    if "position_ids" not in takes:
-        return f"{name}.forward takes no position_ids: a sequence shard cannot say where it is"
+        why = "its attention function cannot be replaced by context parallelism's"
+        return Route("", f"{name} has no set_attn_implementation: {why}")
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        why = "a sequence shard cannot say where it is"
+        return Route("", f"{name}.forward takes no position_ids: {why}")
+    seq = inputs[0].shape[1] if inputs and inputs[0].dim() > 1 else 0
+    # a model whose attention does not follow the interface says so (transformers then
+    # leaves its implementation as it is): only its own SDPA calls can be replaced
+    settable = getattr(model, "_can_set_attn_implementation", lambda: True)()
+    if not settable and config._attn_implementation != "sdpa":
+        return Route("", (
+            f"{name} runs its attention as {config._attn_implementation!r}, which cannot be "
+            "set: context parallelism replaces transformers' attention interface or calls of "
+            "torch's scaled_dot_product_attention (the 'sdpa' implementation)"
+        ))  # fmt: skip
+    try:
+        silent = f"{name}'s attention"
+        if settable:
+            seen, silent = _probe(model, inputs, direct=False)
+            if not silent:
+                return Route("interface", _refusal(model, seen, seq))
+        direct, still = _probe(model, inputs, direct=True)
+    except Exception as e:  # its code does not run on fake tensors: nothing can be read
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        why = f"({type(e).__name__}: {first})"
+        return Route("", f"{name}'s forward does not run on fake tensors {why}")
+    callers = tuple(dict.fromkeys(type(m) for m, *_ in direct.calls if m is not None))
+    if still or not callers or len(callers) < len({type(m) for m, *_ in direct.calls}):
+        return Route("", (
+            f"{still or silent} calls no attention through transformers' attention interface "
+            "nor torch's scaled_dot_product_attention in a module of its own: its code mixes "
+            "the sequence some other way, which context parallelism would cut"
+        ))  # fmt: skip
+    return Route("direct", _refusal(model, direct, seq), callers)
+
+
+def _probe(model: nn.Module, inputs: tuple[torch.Tensor, ...], direct: bool) -> tuple[_Seen, str]:
+    """A fake run of ``model`` (few blocks) noting its attention calls and the masks it asked
+    for, and the first block that made none (`_silent_blocks`). ``direct``: the model keeps
+    torch's SDPA implementation ("sdpa"), transformers' causal masks for it are the probe's,
+    and its calls of `F.scaled_dot_product_attention` are the ones noted; else the probe is
+    its attention implementation and its mask function."""
     from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     seen = _Seen()
-    AttentionInterface.register(PROBE, _attention(seen))
-    AttentionMaskInterface.register(PROBE, _mask(seen))
+    config = model.config
     before = config._attn_implementation
-    paths = {id(m): p for p, m in model.named_modules()}
+    takes = inspect.signature(model.forward).parameters
+    if direct:
+        held = ALL_MASK_ATTENTION_FUNCTIONS._local_mapping.get("sdpa")
+        ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] = _mask(seen)
+    else:
+        AttentionInterface.register(PROBE, _attention(seen))
+        AttentionMaskInterface.register(PROBE, _mask(seen))
     try:
-        model.set_attn_implementation(PROBE)
+        if config._attn_implementation != ("sdpa" if direct else PROBE):
+            model.set_attn_implementation("sdpa" if direct else PROBE)
+        watch = _SDPAWatch(seen) if direct else contextlib.nullcontext()
         with quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True):
             args = tuple(fake_like(t) for t in inputs)
             with few_blocks(model):
                 state = {k: fake_like(v) for k, v in meta_state(model).items()}
                 # with a cache (even where the config says none): transformers then reads no
                 # packing from the positions, a read of values a fake tensor has not
-                functional_call(
-                    model, state, args, {"use_cache": True} if "use_cache" in takes else {}
-                )
+                with watch:
+                    functional_call(
+                        model, state, args, {"use_cache": True} if "use_cache" in takes else {}
+                    )
                 silent = _silent_blocks(model, {id(m) for m, *_ in seen.calls})
-    except Exception as e:  # its code does not run on fake tensors: nothing can be read
-        first = str(e).splitlines()[0][:200] if str(e) else ""
-        return f"{name}'s forward does not run on fake tensors ({type(e).__name__}: {first})"
     finally:
-        model.set_attn_implementation(before)
-    if silent:
-        return (
-            f"{silent} calls no attention through transformers' attention interface: its "
-            "code mixes the sequence some other way, which context parallelism would cut"
-        )
-    seq = inputs[0].shape[1] if inputs and inputs[0].dim() > 1 else 0
+        if config._attn_implementation != before:
+            model.set_attn_implementation(before)
+        if direct:
+            ALL_MASK_ATTENTION_FUNCTIONS._local_mapping.pop("sdpa", None)
+            if held is not None:
+                ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] = held
+    return seen, silent
+
+
+def _refusal(model: nn.Module, seen: _Seen, seq: int) -> str:
+    """Why the attention calls ``seen`` noted are not what context parallelism computes, or
+    "" (module docstring)."""
+    name = type(model).__name__
+    paths = {id(m): p for p, m in model.named_modules()}
     for module, kind, window, kwargs in seen.calls:
         where = paths.get(id(module), type(module).__name__)
         if kind == "own":
@@ -143,6 +217,18 @@ def cp_refusal(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str:
                 f"{where} attends under a mask made from the run's own tensors (a chunked "
                 "mask), not a causal one or a causal sliding window"
             )
+        if kind == "sdpa":  # a call of torch's SDPA itself: the mask says all there is
+            if window is not None and _reach(window, seq) < seq:
+                return (
+                    f"{where} calls torch's scaled_dot_product_attention itself under a "
+                    f"sliding window of {window}: context parallelism takes a window only "
+                    "through transformers' attention interface (its sliding_window argument)"
+                )
+            if not kwargs.get("is_causal") and not kwargs.get("masked"):
+                return (
+                    f"{where} calls torch's scaled_dot_product_attention without a mask: not causal"
+                )
+            continue
         passed = kwargs.get("sliding_window")
         if _reach(window, seq) != _reach(passed, seq):
             return (
@@ -159,6 +245,66 @@ def cp_refusal(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str:
         if not getattr(module, "is_causal", True):
             return f"{where} is not causal"
     return ""
+
+
+class _SDPAWatch(TorchFunctionMode):
+    """Notes each call of `F.scaled_dot_product_attention` as (the innermost module running,
+    "sdpa" or how its mask was made, the mask's window, {is_causal, masked}) and returns an
+    empty output of its shape; the innermost module is kept by global forward hooks while
+    the mode is on."""
+
+    def __init__(self, seen: _Seen) -> None:
+        super().__init__()
+        self.seen, self.stack, self.handles = seen, [], []
+
+    def __enter__(self):
+        from torch.nn.modules import module as nn_module
+
+        self.handles = [
+            nn_module.register_module_forward_pre_hook(self._enter_module),
+            nn_module.register_module_forward_hook(self._leave_module),
+        ]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        return super().__exit__(*exc)
+
+    def _enter_module(self, module: nn.Module, args: Any) -> None:
+        self.stack.append(module)
+
+    def _leave_module(self, module: nn.Module, args: Any, out: Any) -> None:
+        self.stack.pop()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        query, key, value, mask, _, is_causal, *_ = sdpa_arguments(*args, **kwargs)
+        kind, window = "sdpa", None
+        if mask is not None:
+            made = self.seen.masks.get(id(mask))
+            kind, window = ("own", None) if made is None else made[1:]
+            kind = "sdpa" if kind == "causal" else kind
+        module = self.stack[-1] if self.stack else None
+        facts = {"is_causal": bool(is_causal), "masked": mask is not None}
+        self.seen.calls.append((module, kind, window, facts))
+        return query.new_empty(*query.shape[:-1], value.shape[-1])
+
+
+def sdpa_arguments(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> tuple:
+    """`F.scaled_dot_product_attention`'s arguments, in its order, however they were passed."""
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
 def _reach(window: int | None, seq: int) -> int:

@@ -1,8 +1,8 @@
 """Context parallelism: each of the cp ranks holds a shard of every sequence; attention is exact.
 
 In: a model whose attention modules have an `attention_fn` hook (the zoo's `GPTAttention`,
-`GQAttention`) or a Hugging Face decoder (its attention-function registry), the "cp" process
-group, and per micro-batch the whole sequences. Out: the model's attention replaced by
+`GQAttention`) or a Hugging Face decoder (its attention-function registry, or its own calls of
+torch's SDPA: `DirectSDPA`), the "cp" process group, and per micro-batch the whole sequences. Out: the model's attention replaced by
 `CPAttention`, and a `ContextParallel` record that shards a batch, runs the forward with
 global positions, computes the loss and sums the gradients over cp.
 
@@ -41,7 +41,8 @@ Public functions:
     positions(seq_len, rank, cp, layout) -> positions_S        # global positions of a shard
     cp_attention(q, k, v, group, layout, kind, is_causal, scale, dropout_p) -> out
     CPAttention(group, options)                                # SDPA-signature callable
-    apply_context_parallel(model, cp_group, options=None) -> ContextParallel
+    DirectSDPA(attend)        # mode: a model's own F.scaled_dot_product_attention calls
+    apply_context_parallel(model, cp_group, options=None, callers=()) -> ContextParallel
     ContextParallel.shard_batch(inputs, targets) -> (inputs, targets, positions)
     ContextParallel.forward(model, inputs, positions) -> logits of the shard
     ContextParallel.loss(logits, targets) -> loss (value: the micro-batch's global mean)
@@ -51,6 +52,7 @@ Public functions:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -59,8 +61,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from autopar.runtime import parts as model_parts
+from autopar.runtime.attention_check import sdpa_arguments
 from autopar.runtime.collectives import (
     all_gather_seq,
     all_reduce_flat,
@@ -221,6 +225,7 @@ class ContextParallel:
     rank: int
     options: CPOptions
     num_attention_modules: int
+    route: str = "interface"  # or "direct": the model calls torch's SDPA itself
 
     def positions(self, seq_len: int, device: Any = None) -> torch.Tensor:
         return positions(seq_len, self.rank, self.size, self.options.layout, device)
@@ -317,15 +322,103 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+class DirectSDPA(TorchFunctionMode):
+    """Calls of `F.scaled_dot_product_attention` made by a model's own code (Falcon's, under
+    its "sdpa" implementation) computed by `CPAttention`, causal at the shard's global
+    positions. `direct_route` turns it on for the model's forward, with transformers making
+    no "sdpa" mask (its mask from a shard's positions would be a packed sequence's, cut at
+    the shard's seams), so a model that sees none asks SDPA for causal attention; and for
+    each module that calls SDPA, whose forward a recompute in backward runs again.
+    `attention_check.attention_route` proved at planning that every such call is handed
+    transformers' causal mask (no window) or asks for is_causal; a mask that still arrives is
+    refused, not ignored.
+
+    Why a mode: the model's code calls torch's function by name, and a mode is how torch lets
+    such a call be redirected without patching torch."""
+
+    def __init__(self, attend: CPAttention) -> None:
+        super().__init__()
+        self.attend = attend
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v, mask, dropout_p, _, scale, _ = sdpa_arguments(*args, **kwargs)
+        if mask is not None:
+            raise NotImplementedError(
+                "context parallelism: the model handed torch's scaled_dot_product_attention a "
+                f"mask of shape {tuple(mask.shape)} it made itself (transformers made none)"
+            )
+        return self.attend(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
+                           enable_gqa=True)  # fmt: skip
+
+
+def direct_route(model: nn.Module, callers: tuple[type, ...], attend: CPAttention) -> int:
+    """Hooks that run ``model``'s forward, and the forward of each of its modules of a class
+    in ``callers`` (those `attention_route` saw call SDPA), under `DirectSDPA` (the model's
+    with no "sdpa" masks made): the mode is on once, from the first of them entered to its
+    end, so `CPAttention`'s own SDPA call is not redirected again. Returns the number of
+    modules of ``callers``."""
+    mode = DirectSDPA(attend)
+    held: list[contextlib.ExitStack] = []  # the outermost hooked forward's, while it runs
+    depth = [0]
+
+    def enter(module: nn.Module, args: Any) -> None:
+        depth[0] += 1
+        if depth[0] == 1:
+            stack = contextlib.ExitStack()
+            if module is model:
+                stack.enter_context(_no_sdpa_masks())
+            stack.enter_context(mode)
+            held.append(stack)
+
+    def leave(module: nn.Module, args: Any, out: Any) -> None:
+        depth[0] -= 1
+        if depth[0] == 0:
+            held.pop().close()
+
+    found = [m for m in model.modules() if isinstance(m, callers)]
+    for module in (model, *found):
+        module.register_forward_pre_hook(enter, prepend=True)
+        module.register_forward_hook(leave, always_call=True)
+    return len(found)
+
+
+@contextlib.contextmanager
+def _no_sdpa_masks() -> Any:
+    """transformers makes no "sdpa" mask within (`DirectSDPA`)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS as masks
+
+    held = masks._local_mapping.get("sdpa")
+    masks["sdpa"] = _no_mask
+    try:
+        yield
+    finally:
+        masks._local_mapping.pop("sdpa", None)
+        if held is not None:
+            masks["sdpa"] = held
+
+
+def _no_mask(**_: Any) -> None:
+    return None
+
+
 def apply_context_parallel(
-    model: nn.Module, cp_group: dist.ProcessGroup, options: CPOptions | None = None
+    model: nn.Module,
+    cp_group: dist.ProcessGroup,
+    options: CPOptions | None = None,
+    callers: tuple[type, ...] = (),
 ) -> ContextParallel:
     """Route ``model``'s attention through `CPAttention` over ``cp_group`` (in place).
 
     Zoo models: every module with an `attention_fn` hook gets a `CPAttention` (a GPT with
     `attention="math"` runs the fused path, the same maths). Hugging Face decoders: the
     attention modules get the same callable and the config's attention implementation
-    becomes "autopar_cp", registered in transformers' `AttentionInterface`.
+    becomes "autopar_cp", registered in transformers' `AttentionInterface`; or, a model whose
+    modules of classes ``callers`` call torch's SDPA themselves (`attention_check`'s route
+    "direct"), the implementation stays "sdpa" and those calls are redirected
+    (`direct_route`).
 
     Raises:
         ValueError: the model has no attention module autopar can route.
@@ -351,12 +444,18 @@ def apply_context_parallel(
             if named and any(is_projection(c) for c in module.children()):
                 module.attention_fn = attend
                 count += 1
-        model.set_attn_implementation(HF_ATTENTION)
+        if callers:
+            if config._attn_implementation != "sdpa":
+                model.set_attn_implementation("sdpa")
+            count = direct_route(model, callers, attend)
+        elif config._attn_implementation != HF_ATTENTION:
+            model.set_attn_implementation(HF_ATTENTION)
     if count == 0:
         raise ValueError(
             f"context parallelism: {type(model).__name__} has no attention module with an "
             "attention_fn hook (zoo) nor a Hugging Face attention interface"
         )
     return ContextParallel(
-        cp_group, dist.get_world_size(cp_group), dist.get_rank(cp_group), options, count
-    )
+        cp_group, dist.get_world_size(cp_group), dist.get_rank(cp_group), options, count,
+        "direct" if callers else "interface",
+    )  # fmt: skip

@@ -144,7 +144,7 @@ def parallelize_model(
         return _parallelize_pipeline(
             model, mesh, config, placements, tp, pipeline, groups, compile_blocks, param_dtype
         )
-    whole = model
+    whole, callers = model, ()
     if config.cp > 1 and has_parts(model):  # one module running embed -> blocks -> head at
         # a shard's positions, original paths: FSDP's root hooks wrap the cp forward too
         layout = even_layout(parts_of(model).num_blocks(model), 1)
@@ -153,13 +153,15 @@ def parallelize_model(
         from autopar.runtime.context_parallel import take_positions
 
         take_positions(model)
+        callers = _sdpa_callers(model, config.cp)
     blocks = find_blocks(model)
     # the context-parallel loss reads whole-vocabulary logits: no vocabulary split with cp
     vocab = config.cp == 1
     plan = tp if tp is not None else tp_plan(model, config, placements, vocab_parallel=vocab)
     part = _parallelize_part(
-        model, blocks, mesh, config, plan, groups, whole, compile_blocks, param_dtype
-    )
+        model, blocks, mesh, config, plan, groups, whole, compile_blocks, param_dtype,
+        cp_callers=callers,
+    )  # fmt: skip
     names = [p for p, _ in blocks]
     dp = part.data_parallel
     return ParallelModel(
@@ -175,6 +177,20 @@ def parallelize_model(
         part.split_experts,
         part.hand_slices,
     )
+
+
+def _sdpa_callers(model: nn.Module, cp: int) -> tuple[type, ...]:
+    """The classes of ``model``'s modules that call torch's SDPA themselves, where context
+    parallelism must redirect those calls (a Hugging Face model no `parts` entry cuts);
+    () where its attention goes through transformers' interface:
+    `attention_check.attention_route` on a fake sample of token ids, as `evaluate` checked
+    it; what it refuses, the runtime refuses too."""
+    from autopar.runtime.attention_check import attention_route
+
+    route = attention_route(model, (torch.zeros(1, 4 * cp, dtype=torch.long, device="meta"),))
+    if not route.kind or route.why:
+        raise ValueError(f"context parallelism: {route.why}")
+    return route.callers
 
 
 def _expert_groups(mesh: RuntimeMesh, config: ParallelConfig) -> ExpertGroups | None:
@@ -206,6 +222,7 @@ def _parallelize_part(
     compile_blocks: bool = False,
     param_dtype: torch.dtype | None = None,
     ends: tuple[str | None, str | None] | None = None,
+    cp_callers: tuple[type, ...] = (),
 ) -> _Part:
     """TP/SP, context and expert parallelism, recompute, data parallelism of a whole model or
     of one pipeline chunk (torchtitan's order), in place. ``whole``: the model ``model`` was
@@ -217,7 +234,7 @@ def _parallelize_part(
         from autopar.runtime.context_parallel import CPOptions, apply_context_parallel
 
         options = CPOptions(kind=config.cp_attention)  # type: ignore[arg-type]
-        context = apply_context_parallel(whole or model, mesh.group("cp"), options)
+        context = apply_context_parallel(whole or model, mesh.group("cp"), options, cp_callers)
     if expert_groups is not None:  # ep > 1: this rank's experts, all-to-all token dispatch
         from autopar.runtime.expert_parallel import apply_expert_parallel
 

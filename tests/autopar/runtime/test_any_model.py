@@ -111,7 +111,6 @@ FAMILY_REFUSED = {
         ("mamba2", "cuts backbone.layers.0.mixer.in_proj's output into pieces of [64, 80, 8]"),
         ("encoder", "layers.0.self_attn (MultiheadAttention) multiplies by its weights"),
     ) for s in ("TP", "TP+SP")},
-    ("falcon", "CP"): "transformer.h.0 (FalconDecoderLayer) calls no attention through",
     ("falcon", "PP"): "its code makes transformer.h.0.self_attention.lifted_tensor_0 and 7 more "
                       "from the meta device's tensors",
     ("llama4", "CP"): "model.layers.0.self_attn attends under a mask made from the run's own",
@@ -258,8 +257,8 @@ def test_every_model_runs_its_plan_and_a_pipeline_over_data_parallelism_on_4_ran
 def test_more_families_are_planned_or_refused_naming_the_module_and_the_operation():
     """Issue 47's thirteen families under TP, TP+SP, CP and PP on 2 devices: what `evaluate`
     refuses is pinned (above), and what it accepts runs: gemma3, granite, granite_moe,
-    qwen3_tied and smollm3 under every style; olmo2, stablelm, olmoe and cohere under CP,
-    through their own forward; all but Falcon under a pipeline cut from the traced graph (the
+    qwen3_tied and smollm3 under every style; olmo2, stablelm, olmoe, cohere and falcon under
+    CP, through their own forward; all but Falcon under a pipeline cut from the traced graph (the
     script below runs them all on ranks)."""
     refused = {}
     for label in FAMILIES:
@@ -274,9 +273,12 @@ def test_context_parallelism_runs_models_through_their_own_forward_on_2_ranks():
     attention replaced through transformers' interface -- Gemma 3's sliding layers (a window
     of 8 in 16 tokens, across the shards' edges) and full ones, OLMoE's experts split over
     the cp ranks too (ep=2 folded over cp: each rank's sequence shard dispatched to both
-    ranks' experts), Cohere's [heads, head_dim] q/k norm -- and GraniteMoE's blocks split
-    under TP + SP."""
+    ranks' experts), Cohere's [heads, head_dim] q/k norm, Falcon's own calls of torch's SDPA
+    (redirected, round the ring, and again where full recompute re-runs its blocks in
+    backward) -- and GraniteMoE's blocks split under TP + SP."""
     cases = [composed(2, m, C(cp=2, micro_batch_size=1)) for m in ("gemma3", "cohere")]
+    ring = C(cp=2, cp_attention="ring", recompute="full", micro_batch_size=1)
+    cases.append(composed(2, "falcon", ring))
     cases.append(composed(2, "olmoe", C(cp=2, ep=2, micro_batch_size=1)))
     cases.append(composed(2, "granite_moe", C(tp=2, sequence_parallel=True, micro_batch_size=1)))
     check_cases(2, cases)

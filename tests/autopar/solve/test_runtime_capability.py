@@ -105,6 +105,18 @@ def _olmo2() -> nn.Module:
     return Olmo2ForCausalLM(config)
 
 
+def _falcon(**more: object) -> nn.Module:
+    """Falcon calls torch's SDPA itself (its "sdpa" implementation cannot be set), which
+    context parallelism redirects only under transformers' own causal mask: ALiBi adds its
+    biases to the mask in the model's code, and "eager" multiplies by hand."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, **more
+    )
+    return FalconForCausalLM(config)
+
+
 def _phi3_gqa(**more: int) -> nn.Module:
     """Phi-3 with fewer key/value heads than query heads (Phi-3-medium's 40 and 10): its fused
     qkv_proj is sliced into q, k, v of unequal widths, which no piece-by-piece split gives each
@@ -134,6 +146,12 @@ def test_evaluate_refuses_what_the_runtime_cannot_run_naming_the_model_and_why()
          "cp=2: autopar's runtime computes causal attention under context parallelism: "
          "model.layers.0.self_attn attends under a mask made from the run's own tensors (a "
          "chunked mask)"),
+        (_falcon(alibi=True), (torch.randint(0, 128, (1, 64)),), dict(dp=2, cp=2),
+         "cp=2: autopar's runtime computes causal attention under context parallelism: "
+         "transformer.h.0.self_attention is handed an attention mask FalconForCausalLM's own "
+         "code made"),
+        (_falcon(attn_implementation="eager"), (torch.randint(0, 128, (1, 64)),),
+         dict(dp=2, cp=2), "FalconForCausalLM runs its attention as 'eager', which cannot be set"),
         (_llama4(), (torch.randint(0, 128, (1, 64)),), dict(dp=4, ep=2),
          "ep=2: autopar's runtime dispatches tokens to experts over ranks for its own MoE "
          "blocks (autopar.models.moe) and Hugging Face expert stacks"),
