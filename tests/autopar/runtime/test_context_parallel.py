@@ -19,7 +19,7 @@ from cp_loop import run_loop_cases
 from harness import Case, max_rel_error, reference, run_ranks
 
 from autopar.config import ParallelConfig as C
-from autopar.runtime.context_parallel import CPOptions, cp_attention, positions
+from autopar.runtime.context_parallel import CPOptions, DirectSDPA, cp_attention, positions
 
 VARIANTS = list(itertools.product(("all_gather", "ring"), ("load_balanced", "contiguous")))
 # (kind, layout, causal, sliding window): a window of 5 crosses every shard's edge
@@ -34,6 +34,25 @@ def test_positions_of_the_load_balanced_layout():
     assert positions(8, 1, 2, "contiguous").tolist() == [4, 5, 6, 7]
     with pytest.raises(ValueError, match="sequence length 6 is not divisible by 4"):
         positions(6, 0, 2, "load_balanced")
+
+
+def test_a_models_own_sdpa_call_is_redirected_and_a_mask_it_made_refused():
+    """`DirectSDPA` hands a model's own causal call of torch's SDPA to context parallelism's
+    attention (here a recorder), with the call's scale and heads; a mask that reaches SDPA is
+    one the model made itself, which the runtime refuses rather than ignore."""
+    calls = []
+
+    def attend(q, k, v, **kwargs):
+        calls.append((q.shape, k.shape, kwargs))
+        return torch.zeros_like(q)
+
+    q, kv = torch.randn(1, 4, 8, 16), torch.randn(1, 1, 8, 16)
+    with DirectSDPA(attend):
+        F.scaled_dot_product_attention(q, kv, kv, is_causal=True, scale=0.5)
+        with pytest.raises(NotImplementedError, match=r"a mask of shape \(8, 8\) it made"):
+            F.scaled_dot_product_attention(q, kv, kv, attn_mask=torch.ones(8, 8, dtype=bool))
+    assert calls == [(q.shape, kv.shape, dict(dropout_p=0.0, is_causal=True, scale=0.5,
+                                                enable_gqa=True))]  # fmt: skip
 
 
 def _attention_errors() -> list[tuple[str, float]]:

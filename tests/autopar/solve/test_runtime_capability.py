@@ -150,6 +150,8 @@ def test_evaluate_refuses_what_the_runtime_cannot_run_naming_the_model_and_why()
          "cp=2: autopar's runtime computes causal attention under context parallelism: "
          "transformer.h.0.self_attention is handed an attention mask FalconForCausalLM's own "
          "code made"),
+        (_falcon(is_causal=False), (torch.randint(0, 128, (1, 64)),), dict(dp=2, cp=2),
+         "transformer.h.0.self_attention attends under a mask that is neither causal nor"),
         (_falcon(attn_implementation="eager"), (torch.randint(0, 128, (1, 64)),),
          dict(dp=2, cp=2), "FalconForCausalLM runs its attention as 'eager', which cannot be set"),
         (_llama4(), (torch.randint(0, 128, (1, 64)),), dict(dp=4, ep=2),
