@@ -511,14 +511,19 @@ def _unsplittable(roles: tuple) -> str:
     return getattr(roles, "unsplittable", "")
 
 
+# what would make a block whose code fails at 1/tp of its features splittable
+_SPLITTABLE_HINT = (
+    "; the runtime hands that code each rank's share of the heads, so it splits where the "
+    "code takes the head count from the tensor (view(..., -1, head_dim)) and its weights per "
+    "head or per feature come from split projections; a head count read from the config, or "
+    "a weight over every head ([heads, head_dim], as a q/k norm's), would have to follow the "
+    "split"
+)
+
+
 def _code_fails(name: str, why: str) -> str:
-    hint = (
-        "; the runtime hands that code each rank's share of the heads, so code that reads "
-        "the head count from the tensor (view(..., -1, head_dim)) splits, code that reads it "
-        "from its config does not"
-    )
     return f"{name}'s own code does not run with its projections split over tp ({why})" + (
-        hint if why.startswith("its code fails with") else ""
+        _SPLITTABLE_HINT if why.startswith("its code fails with") else ""
     )
 
 
@@ -527,6 +532,7 @@ def _no_tp(name: str, block: str, why: str = "") -> str:
         f"autopar's runtime would leave {name}'s blocks replicated, {block} first (it splits "
         "linear projections it can pair column/row), while the estimate prices them sharded"
         + (f"; it does not split the projections the trace pairs because {why}" if why else "")
+        + (_SPLITTABLE_HINT if why.startswith("its code fails with") else "")
     )
 
 

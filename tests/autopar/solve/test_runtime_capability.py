@@ -150,6 +150,11 @@ def test_evaluate_refuses_what_the_runtime_cannot_run_naming_the_model_and_why()
          "cp=2: autopar's runtime computes causal attention under context parallelism: "
          "transformer.h.0.self_attention is handed an attention mask FalconForCausalLM's own "
          "code made"),
+        (_falcon(), (torch.randint(0, 128, (1, 64)),), dict(dp=2, tp=2),
+         "its code fails with transformer.h.0.self_attention.query_key_value and 7 other "
+         "projections at 1/2 of their features (RuntimeError: shape '[1, 64, 6, 8]' is invalid "
+         "for input of size 1536); the runtime hands that code each rank's share of the heads, "
+         "so it splits where the code takes the head count from the tensor"),
         (_falcon(is_causal=False), (torch.randint(0, 128, (1, 64)),), dict(dp=2, cp=2),
          "transformer.h.0.self_attention attends under a mask that is neither causal nor"),
         (_falcon(attn_implementation="eager"), (torch.randint(0, 128, (1, 64)),),
