@@ -226,7 +226,8 @@ def _refusal(model: nn.Module, seen: _Seen, seq: int) -> str:
                 )
             if not kwargs.get("is_causal") and not kwargs.get("masked"):
                 return (
-                    f"{where} calls torch's scaled_dot_product_attention without a mask: not causal"
+                    f"{where} calls torch's scaled_dot_product_attention with no mask and "
+                    "is_causal=False: it attends both ways"
                 )
             continue
         passed = kwargs.get("sliding_window")

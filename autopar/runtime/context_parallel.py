@@ -2,9 +2,10 @@
 
 In: a model whose attention modules have an `attention_fn` hook (the zoo's `GPTAttention`,
 `GQAttention`) or a Hugging Face decoder (its attention-function registry, or its own calls of
-torch's SDPA: `DirectSDPA`), the "cp" process group, and per micro-batch the whole sequences. Out: the model's attention replaced by
-`CPAttention`, and a `ContextParallel` record that shards a batch, runs the forward with
-global positions, computes the loss and sums the gradients over cp.
+torch's SDPA: `DirectSDPA`), the "cp" process group, and per micro-batch the whole sequences.
+Out: the model's attention replaced by `CPAttention`, and a `ContextParallel` record that
+shards a batch, runs the forward with global positions, computes the loss and sums the
+gradients over cp.
 
 Why our own: torch's `context_parallel` has no CPU attention rule in torch 2.13 (its ring
 attention dispatches to the flash/efficient CUDA kernels), and gloo is what the tests run on;
@@ -291,6 +292,7 @@ class ContextParallel:
         return (
             f"context parallel over cp={self.size} ({self.options.kind} attention, "
             f"{self.options.layout} layout) in {self.num_attention_modules} attention modules"
+            + (" (their own calls of torch's SDPA)" if self.route == "direct" else "")
         )
 
 
