@@ -14,8 +14,8 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
                         replicated while the estimate prices it sharded (linears it knows by
                         name, and the others the trace made column/row parallel where
                         `split_check` finds the model's code computes on their slices), or
-                        `whole_width_norm` (here) a q/k norm over a whole column-parallel output
-                        (OLMo2's) -> tp = 1
+                        `split_check.whole_width_norm` a q/k norm over a whole column-parallel
+                        output (OLMo2's) -> tp = 1
     sequence par.       needs a column/row pair in every block and every block parameter
                         taken by a style (routers and experts are: their gradients are summed
                         over tp; MLA's down-projections are not: `tensor_parallel.tp_plan`)
@@ -23,7 +23,8 @@ runtime would refuse it or run it otherwise than priced, naming the model part a
     context parallelism a Hugging Face model's own code, run on fake tensors
                         (`attention_check`): every block attends through transformers'
                         attention interface under a causal mask, or a sliding window the
-                        call passes; no soft-capped scores (Gemma 2's), no chunked mask
+                        call passes, or calls torch's SDPA itself under transformers' causal
+                        mask (Falcon's); no soft-capped scores (Gemma 2's), no chunked mask
                         (Llama 4's), no token mixing outside attention (Mamba2's); the zoo's
                         models by their `parts` entry -> else cp = 1
     expert parallelism  needs MoE blocks with a token dispatch (`expert_parallel`: the zoo's,
@@ -74,7 +75,12 @@ from autopar.runtime.low_precision import (
     runnable,
 )
 from autopar.runtime.parts import has_parts, sliding_window
-from autopar.runtime.split_check import CheckedRoles, checked_roles
+from autopar.runtime.split_check import (
+    CheckedRoles,
+    checked_roles,
+    whole_width_norm,
+    wide_norm_refusal,
+)
 from autopar.runtime.tensor_parallel import find_blocks, tp_plan, unsplit_block
 from autopar.runtime.traced_stages import NO_LOSS_SLOT, traced_blocks, why_no_block_list
 from autopar.solve.space import SpaceLimits
@@ -307,7 +313,7 @@ def runtime_limits(
     if unsplit or wide or fails:
         limits = replace(limits, max_tp=1)
         why = (_no_tp(name, unsplit, roles[1]) if unsplit
-               else _wide_norm(wide) if wide else _code_fails(name, fails))  # fmt: skip
+               else wide_norm_refusal(wide) if wide else _code_fails(name, fails))  # fmt: skip
         notes.append(f"no tensor-parallel plans: {why}")
     elif no_sp := _no_sp(model, roles[0]):
         limits = replace(limits, no_sequence_parallel=True)
@@ -405,7 +411,7 @@ def runtime_problems(
     if unsplit:
         out.append(f"tp={config.tp}: {_no_tp(name, unsplit, roles[1])}")
     elif wide:
-        out.append(f"tp={config.tp}: {_wide_norm(wide)}")
+        out.append(f"tp={config.tp}: {wide_norm_refusal(wide)}")
     elif config.tp > 1 and (fails := _unsplittable(roles)):
         out.append(f"tp={config.tp}: {_code_fails(name, fails)}")
     elif config.tp > 1 and config.sequence_parallel and (no_sp := _no_sp(model, roles[0])):
@@ -511,20 +517,18 @@ def _unsplittable(roles: tuple) -> str:
     return getattr(roles, "unsplittable", "")
 
 
-# what would make a block whose code fails at 1/tp of its features splittable
-_SPLITTABLE_HINT = (
-    "; the runtime hands that code each rank's share of the heads, so it splits where the "
-    "code takes the head count from the tensor (view(..., -1, head_dim)) and its weights per "
-    "head or per feature come from split projections; a head count read from the config, or "
-    "a weight over every head ([heads, head_dim], as a q/k norm's), would have to follow the "
-    "split"
-)
+def _splittable(why: str) -> str:
+    """What would make code that fails at 1/tp of its features split ("" for another why)."""
+    return (
+        "; the runtime hands that code each rank's share of the heads: a head count taken "
+        "from the tensor (view(..., -1, head_dim)) splits, one read from the config or a "
+        "weight over every head ([heads, head_dim], a q/k norm's) would have to follow it"
+    ) if why.startswith("its code fails with") else ""  # fmt: skip
 
 
 def _code_fails(name: str, why: str) -> str:
-    return f"{name}'s own code does not run with its projections split over tp ({why})" + (
-        _SPLITTABLE_HINT if why.startswith("its code fails with") else ""
-    )
+    what = f"{name}'s own code does not run with its projections split over tp ({why})"
+    return what + _splittable(why)
 
 
 def _no_tp(name: str, block: str, why: str = "") -> str:
@@ -532,37 +536,7 @@ def _no_tp(name: str, block: str, why: str = "") -> str:
         f"autopar's runtime would leave {name}'s blocks replicated, {block} first (it splits "
         "linear projections it can pair column/row), while the estimate prices them sharded"
         + (f"; it does not split the projections the trace pairs because {why}" if why else "")
-        + (_SPLITTABLE_HINT if why.startswith("its code fails with") else "")
-    )
-
-
-def whole_width_norm(model: nn.Module) -> str | None:
-    """The first q/k norm ("path (Class)") whose weight spans the whole output of the
-    column-parallel projection it normalises (OLMo2's, over all heads at once), or None. Under
-    tp each rank holds 1/tp of that output, so the norm's statistics would be a shard's:
-    tensor parallelism would compute another model (and fails on the weight's shape)."""
-    for path, block in find_blocks(model):
-        for name, scope in block.named_modules():
-            for norm_name in ("q_norm", "k_norm"):
-                norm = getattr(scope, norm_name, None)
-                proj = getattr(scope, norm_name[0] + "_proj", None)
-                weight = getattr(norm, "weight", None)
-                if (
-                    isinstance(proj, nn.Linear)
-                    and weight is not None
-                    and weight.dim() == 1
-                    and weight.numel() == proj.out_features > 1
-                ):
-                    where = ".".join(p for p in (path, name, norm_name) if p)
-                    return f"{where} ({type(norm).__name__})"
-    return None
-
-
-def _wide_norm(norm: str) -> str:
-    return (
-        f"{norm} normalises the whole output of a column-parallel projection, of which each "
-        "tp rank holds a slice: its statistics would be a slice's (autopar's runtime splits "
-        "per-head q/k norms only)"
+        + _splittable(why)
     )
 
 

@@ -47,6 +47,8 @@ Public:
                                                         why the named split fails)
     few_blocks(model) -> context: {block cut: block of its kind kept}   # also attention_check
     fake_like(t), meta_state(model)       # the fake tensors both checks run on
+    whole_width_norm(model) -> "path (Class)" | None   # a q/k norm over a whole tp output
+    wide_norm_refusal(norm) -> str                     # the refusal that names it
 """
 
 from __future__ import annotations
@@ -473,3 +475,33 @@ class _CutWatch(TorchFunctionMode):
 def _named(roles: dict[str, str]) -> str:
     first = next(iter(roles))
     return first if len(roles) == 1 else f"{first} and {len(roles) - 1} other projections"
+
+
+def whole_width_norm(model: nn.Module) -> str | None:
+    """The first q/k norm ("path (Class)") whose weight spans the whole output of the
+    column-parallel projection it normalises (OLMo2's, over all heads at once), or None. Under
+    tp each rank holds 1/tp of that output, so the norm's statistics would be a shard's:
+    tensor parallelism would compute another model (and fails on the weight's shape)."""
+    for path, block in find_blocks(model):
+        for name, scope in block.named_modules():
+            for norm_name in ("q_norm", "k_norm"):
+                norm = getattr(scope, norm_name, None)
+                proj = getattr(scope, norm_name[0] + "_proj", None)
+                weight = getattr(norm, "weight", None)
+                if (
+                    isinstance(proj, nn.Linear)
+                    and weight is not None
+                    and weight.dim() == 1
+                    and weight.numel() == proj.out_features > 1
+                ):
+                    where = ".".join(p for p in (path, name, norm_name) if p)
+                    return f"{where} ({type(norm).__name__})"
+    return None
+
+
+def wide_norm_refusal(norm: str) -> str:
+    return (
+        f"{norm} normalises the whole output of a column-parallel projection, of which each "
+        "tp rank holds a slice: its statistics would be a slice's (autopar's runtime splits "
+        "per-head q/k norms only)"
+    )

@@ -153,8 +153,9 @@ def test_evaluate_refuses_what_the_runtime_cannot_run_naming_the_model_and_why()
         (_falcon(), (torch.randint(0, 128, (1, 64)),), dict(dp=2, tp=2),
          "its code fails with transformer.h.0.self_attention.query_key_value and 7 other "
          "projections at 1/2 of their features (RuntimeError: shape '[1, 64, 6, 8]' is invalid "
-         "for input of size 1536); the runtime hands that code each rank's share of the heads, "
-         "so it splits where the code takes the head count from the tensor"),
+         "for input of size 1536); the runtime hands that code each rank's share of the heads: "
+         "a head count taken from the tensor (view(..., -1, head_dim)) splits, one read from "
+         "the config or a weight over every head ([heads, head_dim], a q/k norm's) would"),
         (_falcon(is_causal=False), (torch.randint(0, 128, (1, 64)),), dict(dp=2, cp=2),
          "transformer.h.0.self_attention attends under a mask that is neither causal nor"),
         (_falcon(attn_implementation="eager"), (torch.randint(0, 128, (1, 64)),),
