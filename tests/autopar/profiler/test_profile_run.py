@@ -39,7 +39,9 @@ def test_quick_two_rank_profile_loads_and_matches_its_measurements(tmp_path):
     cluster = autopar.Cluster.from_profile(out)
     assert cluster.world_size == 2 and profile.kind == "cpu" and profile.name == "mini"
     d = profile.device
-    assert d.peak("fp32") > 1e9 and d.peak("bf16") > 1e9
+    # bf16 at a tenth of a GFLOP/s and up: a CPU without bf16 instructions (AVX2 alone)
+    # multiplies bf16 at about 0.8 GFLOP/s, against 40 and more in fp32
+    assert d.peak("fp32") > 1e9 and d.peak("bf16") > 1e8
     assert d.memory_bandwidth_bytes_per_s > 1e8 and d.launch_overhead_s > 0
     (level,) = profile.levels
     assert level.name == "loopback" and level.devices_per_domain == 0
