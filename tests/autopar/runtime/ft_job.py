@@ -8,9 +8,10 @@ groups (autopar.runtime.fault_tolerance) on the shipped token file. Group 1's ra
 own process (SIGKILL) when it first reads a batch of step KILL_AT or later, through the data
 hook (a marker file stops the restarted process doing it again): torchrun then restarts the
 group, which comes back DELAY seconds later (its ranks wait before starting) and rejoins from
-group 0. Every batch takes PACE seconds more (the data hook sleeps), so that group 0 has steps
-to take alone in between. Each rank writes OUT/g{GROUP}r{RANK}p{PID}.json: the steps
-it committed; the program's last line per rank gives its parameters' digest. With
+group 0. Group 1 starts once group 0 has. Every batch takes PACE seconds more (the data hook
+sleeps), so that group 0 has steps to take alone in between. Each rank writes
+OUT/g{GROUP}r{RANK}p{PID}.json: the steps it committed; the program's last line per rank
+gives its parameters' digest. With
 CHECKPOINT_DIR the run checkpoints there every EVERY steps (each group under its own
 group<g>/, `autopar.runtime.replicas`) and resumes from it, keeping 3.
 """
@@ -58,6 +59,14 @@ def main() -> None:
         global_batch_size=BATCH, seq_len=SEQ, data=data,
     )  # fmt: skip
     init_distributed("cpu")
+    # group 1 starts once group 0 is up: started far apart on a loaded machine, group 1 took
+    # the first steps alone, group 0 healed from it just as it died, and group 0's two ranks
+    # came out of that heal at different steps (a double failure this test is not about)
+    started = out / "g0started"
+    if group == 0:
+        started.touch()
+    while group == 1 and not started.exists():
+        time.sleep(0.1)
     ft = FTGroup(group, 2, lighthouse, min_replicas=1, timeout_s=5.0)
     checkpoint = None
     if len(sys.argv) > 8:
