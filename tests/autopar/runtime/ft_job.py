@@ -11,9 +11,9 @@ group, which comes back DELAY seconds later (its ranks wait before starting) and
 group 0. Group 1 starts once group 0 has. Every batch takes PACE seconds more (the data hook
 sleeps), so that group 0 has steps to take alone in between. Each rank writes
 OUT/g{GROUP}r{RANK}p{PID}.json: the steps it committed; the program's last line per rank
-gives its parameters' digest. With
-CHECKPOINT_DIR the run checkpoints there every EVERY steps (each group under its own
-group<g>/, `autopar.runtime.replicas`) and resumes from it, keeping 3.
+gives its parameters' digest. With CHECKPOINT_DIR the run checkpoints there every EVERY steps
+(each group under its own group<g>/, `autopar.runtime.replicas`) and resumes from it,
+keeping 3.
 """
 
 from __future__ import annotations
