@@ -39,6 +39,7 @@ one process (`tests/autopar/runtime/test_any_model.py`).
 Public:
     cp_refusal(model, inputs) -> str     # "" when context parallelism computes its attention
     attention_route(model, inputs) -> Route(kind "interface" | "direct" | "", why, callers)
+    sdpa_masks(make) -> context           # transformers' "sdpa" masks made by ``make``
     attention_dropout(model) -> float    # the ring (no dropout) refuses a model with p > 0
 """
 
@@ -141,8 +142,8 @@ def attention_route(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Route
         first = str(e).splitlines()[0][:200] if str(e) else ""
         why = f"({type(e).__name__}: {first})"
         return Route("", f"{name}'s forward does not run on fake tensors {why}")
-    callers = tuple(dict.fromkeys(type(m) for m, *_ in direct.calls if m is not None))
-    if still or not callers or len(callers) < len({type(m) for m, *_ in direct.calls}):
+    callers = tuple(dict.fromkeys(type(m) for m, *_ in direct.calls))
+    if still or not callers or type(None) in callers:
         return Route("", (
             f"{still or silent} calls no attention through transformers' attention interface "
             "nor torch's scaled_dot_product_attention in a module of its own: its code mixes "
@@ -158,22 +159,22 @@ def _probe(model: nn.Module, inputs: tuple[torch.Tensor, ...], direct: bool) -> 
     and its calls of `F.scaled_dot_product_attention` are the ones noted; else the probe is
     its attention implementation and its mask function."""
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     seen = _Seen()
     config = model.config
     before = config._attn_implementation
     takes = inspect.signature(model.forward).parameters
-    if direct:
-        held = ALL_MASK_ATTENTION_FUNCTIONS._local_mapping.get("sdpa")
-        ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] = _mask(seen)
-    else:
+    if not direct:
         AttentionInterface.register(PROBE, _attention(seen))
         AttentionMaskInterface.register(PROBE, _mask(seen))
     try:
         if config._attn_implementation != ("sdpa" if direct else PROBE):
             model.set_attn_implementation("sdpa" if direct else PROBE)
-        watch = _SDPAWatch(seen) if direct else contextlib.nullcontext()
+        watch = contextlib.nullcontext()
+        if direct:
+            watch = contextlib.ExitStack()
+            watch.enter_context(sdpa_masks(_mask(seen)))
+            watch.enter_context(_SDPAWatch(seen))
         with quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True):
             args = tuple(fake_like(t) for t in inputs)
             with few_blocks(model):
@@ -188,11 +189,23 @@ def _probe(model: nn.Module, inputs: tuple[torch.Tensor, ...], direct: bool) -> 
     finally:
         if config._attn_implementation != before:
             model.set_attn_implementation(before)
-        if direct:
-            ALL_MASK_ATTENTION_FUNCTIONS._local_mapping.pop("sdpa", None)
-            if held is not None:
-                ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] = held
     return seen, silent
+
+
+@contextlib.contextmanager
+def sdpa_masks(make: Any) -> Any:
+    """transformers' "sdpa" masks made by ``make`` within (its mask interface's entry,
+    restored after): the probe's here, none under `context_parallel.DirectSDPA`."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS as masks
+
+    held = masks._local_mapping.get("sdpa")
+    masks["sdpa"] = make
+    try:
+        yield
+    finally:
+        masks._local_mapping.pop("sdpa", None)
+        if held is not None:
+            masks["sdpa"] = held
 
 
 def _refusal(model: nn.Module, seen: _Seen, seq: int) -> str:

@@ -65,7 +65,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from autopar.runtime import parts as model_parts
-from autopar.runtime.attention_check import sdpa_arguments
+from autopar.runtime.attention_check import sdpa_arguments, sdpa_masks
 from autopar.runtime.collectives import (
     all_gather_seq,
     all_reduce_flat,
@@ -371,7 +371,7 @@ def direct_route(model: nn.Module, callers: tuple[type, ...], attend: CPAttentio
         if depth[0] == 1:
             stack = contextlib.ExitStack()
             if module is model:
-                stack.enter_context(_no_sdpa_masks())
+                stack.enter_context(sdpa_masks(_no_mask))
             stack.enter_context(mode)
             held.append(stack)
 
@@ -385,21 +385,6 @@ def direct_route(model: nn.Module, callers: tuple[type, ...], attend: CPAttentio
         module.register_forward_pre_hook(enter, prepend=True)
         module.register_forward_hook(leave, always_call=True)
     return len(found)
-
-
-@contextlib.contextmanager
-def _no_sdpa_masks() -> Any:
-    """transformers makes no "sdpa" mask within (`DirectSDPA`)."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS as masks
-
-    held = masks._local_mapping.get("sdpa")
-    masks["sdpa"] = _no_mask
-    try:
-        yield
-    finally:
-        masks._local_mapping.pop("sdpa", None)
-        if held is not None:
-            masks["sdpa"] = held
 
 
 def _no_mask(**_: Any) -> None:
@@ -435,7 +420,11 @@ def apply_context_parallel(
                 module.math = False
             count += 1
     config = getattr(model, "config", None)
-    if count == 0 and hasattr(config, "_attn_implementation"):
+    if count == 0 and callers:  # its own calls of torch's SDPA, under "sdpa"
+        if config._attn_implementation != "sdpa":
+            model.set_attn_implementation("sdpa")
+        count = direct_route(model, callers, attend)
+    elif count == 0 and hasattr(config, "_attn_implementation"):
         from transformers import AttentionInterface
 
         AttentionInterface.register(HF_ATTENTION, _hf_attention)
@@ -446,11 +435,7 @@ def apply_context_parallel(
             if named and any(is_projection(c) for c in module.children()):
                 module.attention_fn = attend
                 count += 1
-        if callers:
-            if config._attn_implementation != "sdpa":
-                model.set_attn_implementation("sdpa")
-            count = direct_route(model, callers, attend)
-        elif config._attn_implementation != HF_ATTENTION:
+        if config._attn_implementation != HF_ATTENTION:
             model.set_attn_implementation(HF_ATTENTION)
     if count == 0:
         raise ValueError(
