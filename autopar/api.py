@@ -29,6 +29,7 @@ from autopar.config.precision import base_precision, canonical
 from autopar.errors import ConfigError
 from autopar.estimate import CostOptions, Estimator, build_tables
 from autopar.estimate.module_regions import model_regions, module_sets
+from autopar.estimate.options import stack_problems
 from autopar.estimate.stacks import load_stack, stack_options
 from autopar.hardware import Cluster, Reliability
 from autopar.plan import Plan
@@ -310,12 +311,7 @@ def evaluate(
         width, _ = mxfp8_tp_width(model, roles[0])
         limits = replace(limits, token_multiple=multiple, tp_width=width)
     problems = config.problems(cluster) + shape_problems(config, limits)
-    if config.async_tp and not options.async_tp_overlap:
-        problems.append(
-            f"async_tp: the {options.stack} stack does not overlap TP matmuls with their "
-            "collectives (its async_tp_overlap is 0); torchtitan-compile (enable_async_tensor_"
-            "parallel) and Megatron-Core (--tp-comm-overlap) do"
-        )
+    problems += stack_problems(config, options)
     if own:
         attention = attention_refusal(model, graph) if config.cp > 1 else ""
         problems += runtime_problems(

@@ -11,7 +11,9 @@ by autopar's runtime). ``etp`` (expert
 tensor parallelism, Megatron-Core's expert_tensor_parallel_size) is 1 (every tp rank runs its
 tokens' experts whole) or tp (each expert's intermediate width split over the tp ranks:
 `autopar.runtime.expert_tensor_parallel`).
-``micro_batch_size`` is
+With fsdp = 1, cp > 1 and zero_stage 1-3, ZeRO shards over the cp ranks alone: what
+torchtitan (dp_shard 1 under cp) and Megatron's distributed optimizer run; priced where the
+stack shards over cp (`CostOptions.fsdp_over_cp`), refused elsewhere. ``micro_batch_size`` is
 per rank; global batch = micro_batch_size * num_microbatches * dp * fsdp. ``recompute`` is
 the policy; ``recompute_layers`` k applies it to only the first k repeated layers (blocks) of
 each model chunk (the whole model when pp = 1; one of the pp x virtual_stages chunks otherwise),
@@ -186,8 +188,11 @@ class ParallelConfig:
             out.append(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
         elif self.fsdp > 1 and self.zero_stage == 0:
             out.append(f"fsdp={self.fsdp} shards nothing with zero_stage=0: use zero_stage 1-3")
-        elif self.fsdp == 1 and self.zero_stage > 0:
-            out.append(f"zero_stage={self.zero_stage} needs fsdp > 1 to shard over, got fsdp=1")
+        elif self.fsdp == 1 and self.cp == 1 and self.zero_stage > 0:
+            out.append(
+                f"zero_stage={self.zero_stage} needs fsdp > 1 to shard over (or cp > 1, on a "
+                "stack that shards over the context-parallel ranks), got fsdp=1"
+            )
         if self.schedule not in SCHEDULES:
             out.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         elif self.schedule in _MULTI_CHUNK:

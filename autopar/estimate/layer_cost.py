@@ -55,7 +55,7 @@ For a layer table T (per sample) and micro-batch size b, with t = tp, c = cp, e 
     runtime overhead (profiles measured by `autopar profile`, [runtime]): o per repeated layer
         per micro-batch, one third in the forward and two thirds in the backward (the
         backward runs two ops per forward op); full recompute pays the forward third again.
-        o = o[tp_sp | tp | plain] + (o[fsdp3 | fsdp] - o[plain] when fsdp > 1): the
+        o = o[tp_sp | tp | plain] + (o[fsdp3 | fsdp] - o[plain] under ZeRO): the
         parallel styles' extra host work (DTensor dispatch, FSDP2 hooks and copies) adds up;
         a recomputed layer adds o[policy] - o[plain] (full: less the 1/3 o[plain] its re-run
         forward already pays) to its recompute time. The model's last layer carries the
@@ -308,7 +308,7 @@ def runtime_overhead_s(overheads: Mapping[str, float] | None, cfg: ParallelConfi
         total = overheads.get("tp_sp" if cfg.sequence_parallel else "tp", plain)
     else:
         total = plain
-    if cfg.fsdp > 1:
+    if cfg.zero_stage:
         # under a pipeline the runtime's ZeRO-3 keeps its units gathered, as ZeRO-1/2 do
         # (`autopar.runtime.data_parallel`): their style
         zero3 = cfg.zero_stage == 3 and cfg.pp == 1

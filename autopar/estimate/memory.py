@@ -14,13 +14,13 @@ its gradients summed with the first stage's after the backward): `StageMemory.st
 Peak memory of a stage (`StageMemory.stage_phases(...).peak()`):
     model state   parameters, gradients, optimizer state by ZeRO stage over fsdp ranks (fsdp x
                   cp where the stack shards over the context-parallel ranks too); with ep > 1
-                  and fsdp > 1 the experts over the dp x fsdp x cp / ep ranks holding the
+                  under ZeRO the experts over the dp x fsdp x cp / ep ranks holding the
                   same ones (`expert_shard_ways`) (`cost_models.memory.model_state_bytes`)
     activations   a_l under the layer's recompute policy, per micro-batch, times the
                   micro-batches in flight n (an offloaded block's, `offload_layers`, wait in
                   host memory instead: two of the largest such on the device, one going out
                   and one coming back, under buffers); where autocast computes over fp32 parameters
-                  (fsdp == 1, mixed precision), its bf16 weight copies,
+                  (no ZeRO, mixed precision), its bf16 weight copies,
                   `autocast_weight_bytes` per parameter of the layers not recomputed whole
                   (all of a pipeline stage's: one region over the step); saved activations
                   scaled by the stack's `activation_factor`; an eager norm's fp32 upcast
@@ -38,7 +38,7 @@ Peak memory of a stage (`StageMemory.stage_phases(...).peak()`):
     buffers       ZeRO-3: twice the largest layer's parameters and gradients (the gathered
                   layer and the prefetched next), or under pp > 1 where the stack keeps them
                   over the step (`CostOptions.pp_keeps_unsharded`) all of the stage's; else
-                  two DDP buckets where there is data parallelism (dp x fsdp > 1), none
+                  two DDP buckets where there is data parallelism (dp x fsdp > 1, or ZeRO), none
                   without
     reserve       the allocator's share (`cost_models.memory.allocator_reserve_bytes`), at
                   least the stage's largest tensor (the loss's logit-sized one): fragmented
@@ -197,10 +197,10 @@ def expert_replicas(cfg: ParallelConfig) -> int:
 
 
 def expert_shard_ways(cfg: ParallelConfig) -> int:
-    """How many ways ZeRO splits the experts' state: with fsdp > 1 each MoE layer's experts are
+    """How many ways ZeRO splits the experts' state: under ZeRO each MoE layer's experts are
     an FSDP2 unit over their replicas; without, or where ep spans every data rank (FSDP leaves
     them out), not at all."""
-    return expert_replicas(cfg) if cfg.fsdp > 1 else 1
+    return expert_replicas(cfg) if cfg.zero_stage else 1
 
 
 def tied_elements(tables: ModelTables) -> float:
@@ -234,8 +234,8 @@ def sequence_ends_gathered(cfg: ParallelConfig, tables: ModelTables, options: Co
 
 def stage_kept_gathered(cfg: ParallelConfig, options: CostOptions) -> bool:
     """Whether FSDP's units stay gathered, their gradients unsharded, over a pipeline's step
-    (`CostOptions.pp_keeps_unsharded`, pp > 1, ZeRO over fsdp > 1)."""
-    return options.pp_keeps_unsharded and cfg.pp > 1 and cfg.fsdp > 1 and cfg.zero_stage >= 1
+    (`CostOptions.pp_keeps_unsharded`, pp > 1, ZeRO)."""
+    return options.pp_keeps_unsharded and cfg.pp > 1 and cfg.zero_stage >= 1
 
 
 def dispatched(cfg: ParallelConfig, table: LayerTable, imbalance: float = 1.0) -> LayerTable:
@@ -420,7 +420,9 @@ class StageMemory:
         per_mb = transient = logits = cast = staged = 0.0
         fp32_copies = self.options.logit_fp32_copies
         # autocast over fp32 parameters: without FSDP2's bf16 gathers, in mixed precision
-        casts = cfg.fsdp == 1 and self.precision != "fp32" and self.options.autocast_weight_bytes
+        casts = (
+            not cfg.zero_stage and self.precision != "fp32" and self.options.autocast_weight_bytes
+        )
         for table in layers:
             policy = self.policy(cfg, table, recomputed)
             kept, none = (self.activation_bytes(cfg, table, p) for p in (policy, "none"))
@@ -444,7 +446,7 @@ class StageMemory:
         elif cfg.zero_stage == 3:
             largest = max((self.params(cfg, [x]) for x in layers), default=0.0)
             buffers = 2 * largest * (pbytes + self.options.grad_bytes)
-        elif cfg.dp * cfg.fsdp > 1:
+        elif cfg.dp * cfg.fsdp > 1 or cfg.zero_stage:
             buffers = 2 * min(self.options.ddp_bucket_bytes, params * self.options.grad_bytes)
         else:  # no data parallelism: no gradient buckets
             buffers = 0.0

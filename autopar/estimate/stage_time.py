@@ -137,7 +137,7 @@ class StageTimer:
             split *= sum(t.kind == "block" and t.name not in first for t in layers)
             for key in ("compute_backward", "weight_grad", "backward"):
                 out[key] += split
-        events = PARAM_HOOK_EVENTS.get(cfg.zero_stage, 0) if cfg.fsdp > 1 else 0
+        events = PARAM_HOOK_EVENTS.get(cfg.zero_stage, 0)
         if events and self.options.param_hook_s:
             # per-tensor hook events (CostOptions.param_hook_s), host time in the backward
             hooks = events * self.options.param_hook_s * sum(t.num_param_tensors for t in layers)
@@ -202,7 +202,7 @@ class StageTimer:
         micro-batch; where the stage stays gathered over the step (`stage_kept_gathered`),
         one gather (the first micro-batch's forward) and one reduce-scatter (the last one's
         backward) a step, spread over its ``microbatches``."""
-        if cfg.zero_stage < 3 or cfg.fsdp == 1:
+        if cfg.zero_stage < 3:
             return 0.0, 0.0
         pbytes = PRECISION_BYTES[self.precision]
         grad_ratio = self.options.grad_bytes / pbytes
@@ -355,12 +355,17 @@ class StageTimer:
                 gather = self._hidden(gather, st["forward"])
             sync = self._overlapped(reduce, grad, st) + gather
         elif cfg.zero_stage == 3 and cfg.dp > 1:  # HSDP: the dense shards over dp
-            dense = self._zero_parts(cfg, layers, params)[0][0] * self.options.grad_bytes / cfg.fsdp
+            n, _, ways = self._zero_parts(cfg, layers, params)[0]
+            dense = n * self.options.grad_bytes / ways
             sync = self._overlapped(mesh.time("all_reduce", dense, "dp"), grad, st)
         tied = self.memory.tied_copy(cfg, layers)
         if tied:  # the last stage's copy and the first stage's embedding sum their gradients
             # (Pipeline.sync_tied_gradients, after the backward): priced on the last stage
-            g = tied * self.options.grad_bytes / (cfg.fsdp if cfg.zero_stage >= 1 else 1)
+            g = (
+                tied
+                * self.options.grad_bytes
+                / (self.memory.shard_ways(cfg) if cfg.zero_stage else 1)
+            )
             sync += mesh.time("all_reduce", g, "pp")
         summed = token_summed_params(cfg, layers) * self.options.grad_bytes
         if summed:  # SP: routers and experts saw the rank's sequence shard; after the

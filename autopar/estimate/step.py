@@ -57,7 +57,7 @@ from autopar.estimate.memory import (
     vocab_whole,
 )
 from autopar.estimate.mesh import MeshGroups
-from autopar.estimate.options import CostOptions
+from autopar.estimate.options import CostOptions, stack_problems
 from autopar.estimate.stacks import load_stack
 from autopar.estimate.stage_time import StageTimer, StageTimes
 from autopar.estimate.stages import (
@@ -190,6 +190,8 @@ class Estimator:
         """Price ``cfg``; with ``time_bound_s``, return None as soon as a lower bound on the
         step (`StageTimer.step_lower_bound`) exceeds it, before simulating the pipeline."""
         cfg.validate(self.cluster)
+        if problems := stack_problems(cfg, self.options):
+            raise ConfigError(f"config {cfg.as_text()}: " + "; ".join(problems))
         config, cfg = cfg, self.as_run(cfg)
         m = self.num_microbatches(cfg, global_batch_size)
         mesh = self.mesh(cfg)

@@ -112,7 +112,7 @@ def export_megatron(plan: Plan, shape: ModelShape | None, priced: Priced | None)
 
 def _sharding(plan: Plan, shape: ModelShape | None, gaps: list[str]) -> list[str]:
     c = plan.config
-    if c.fsdp == 1:
+    if not c.zero_stage:  # the distributed optimizer shards over dp x cp: cp alone too
         return []
     fsdp2_blocked = [why for cond, why in ((c.pp > 1, "pp"), (c.ep > 1, "ep")) if cond]
     tied = shape is not None and shape.tied_embeddings

@@ -93,7 +93,7 @@ def export_torchtitan(plan: Plan, shape: ModelShape | None, priced: Priced | Non
             f"tp={c.tp} with ep=1: torchtitan splits an MoE model's experts over tp (etp = tp); "
             "the plan keeps them whole on every tp rank (etp=1)"
         )
-    if c.fsdp > 1:
+    if c.zero_stage:  # over fsdp, or over cp alone (torchtitan shards dp_shard x cp)
         parallelism["fsdp_reshard_after_forward"] = "always" if c.zero_stage == 3 else "never"
         if c.zero_stage == 1:
             gaps.append(
@@ -180,8 +180,8 @@ def _low_precision(plan: Plan, sections: dict[str, dict[str, object]], gaps: lis
         tensorwise = recipe.torchao_recipe == "tensorwise"
         sections["quantize.linear.float8"] = {
             "recipe_name": recipe.torchao_recipe,
-            "enable_fsdp_float8_all_gather": tensorwise and plan.config.fsdp > 1,
-            "precompute_float8_dynamic_scale_for_fsdp": tensorwise and plan.config.fsdp > 1,
+            "enable_fsdp_float8_all_gather": tensorwise and plan.config.zero_stage > 0,
+            "precompute_float8_dynamic_scale_for_fsdp": tensorwise and plan.config.zero_stage > 0,
         }
     elif recipe.gemm_dtype == "mxfp8":
         model["converters"] = ["quantize.linear.mx"]

@@ -13,6 +13,8 @@ prices through the mechanisms it names.
   under ZeRO-3, none under ZeRO-1.
 - `fsdp_over_cp` shards the model state fsdp x cp ways and drops the separate cp gradient
   all-reduce (torchtitan's and Megatron's layout); autopar's own stack keeps both apart.
+  With fsdp = 1 ZeRO shards over the cp ranks alone (torchtitan's dp_shard 1 under cp), priced
+  as fsdp x cp with the same product, and refused by name on a stack that does not.
 - The plan records and prints its stack; a stack and options together are refused.
 """
 
@@ -271,3 +273,31 @@ def test_a_stack_and_options_together_are_refused(llama):
             model, cluster, autopar.ParallelConfig(dp=8), global_batch_size=64, graph=graph,
             stack="torchtitan", options=CostOptions(),
         )  # fmt: skip
+
+
+def test_zero_over_the_context_parallel_ranks_alone(llama):
+    model, graph = llama
+    tables = build_tables(graph)
+    cluster = autopar.Cluster.from_profile("dgx_h100")
+    over = CostOptions(fsdp_over_cp=True, stack="torchtitan")
+    alone = autopar.ParallelConfig(cp=8, zero_stage=3, micro_batch_size=1)
+    beside = autopar.ParallelConfig(fsdp=2, cp=4, zero_stage=3, micro_batch_size=1)
+    unsharded = autopar.ParallelConfig(cp=8, micro_batch_size=1)
+    plans = {c: Estimator(tables, cluster, options=over).evaluate(c, 8) for c in (alone, beside)}
+    # the same 8 ways as fsdp 2 x cp 4: model state and the ZeRO-3 gathers alike
+    a, b = (plans[c].stages[0].memory for c in (alone, beside))
+    for part in ("parameters", "gradients", "optimizer"):
+        assert getattr(a, f"{part}_bytes") == pytest.approx(getattr(b, f"{part}_bytes"))
+    assert plans[alone].breakdown["fsdp_comm"] > 0
+    whole = Estimator(tables, cluster, options=over).evaluate(unsharded, 8).stages[0].memory
+    assert a.optimizer_bytes == pytest.approx(whole.optimizer_bytes / 8)
+    # a stack that shards over fsdp only refuses it, naming what does
+    with pytest.raises(AutoparError, match="fsdp_over_cp is false.*torchtitan"):
+        Estimator(tables, cluster, options=CostOptions(stack="autopar")).evaluate(alone, 8)
+    with pytest.raises(AutoparError, match="does not do"):
+        autopar.evaluate(model, cluster, alone, graph=graph, global_batch_size=8)
+    # and without cp there is nothing to shard over, on any stack
+    with pytest.raises(AutoparError, match="needs fsdp > 1 to shard over"):
+        Estimator(tables, cluster, options=over).evaluate(
+            autopar.ParallelConfig(tp=8, zero_stage=1), 8
+        )
