@@ -9,7 +9,8 @@ group makes this HSDP with the replicate axis fault tolerant), its optimizer, an
                         now); a group that (re)joins behind the others is healed there -- its
                         model and optimizer state copied from a healthy peer's same rank
                         (`state_dict` / `load_state_dict`, local shards) -- and its step set
-                        to theirs, so the loop goes on from the peers' step, not from 0
+                        to theirs, so the loop goes on from the peers' step, not from 0; the
+                        group's ranks then check that they stand at one step (`group_step`)
     sync_gradients(m)   each gradient's local shard averaged over the groups in the quorum
                         (torchft's fault-tolerant all-reduce): a failure there is recorded,
                         not raised
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -68,6 +70,31 @@ class FTGroup:
             )
         if not 1 <= self.min_replicas <= self.num_replicas:
             raise ValueError(f"min_replicas must be in [1, {self.num_replicas}]")
+
+
+def group_step(step: int) -> int:
+    """``step``, checked to be every rank's of this group (its default process group).
+
+    A heal that succeeds on some ranks of a group and fails on others leaves them at different
+    steps, and torchft does not bring them back together: under load in CI a group's two
+    ranks went on at steps 6, 12, 13, ... and 9, 11, 15, ..., their shards from different
+    states. Raising fails the group instead, so torchrun restarts it and it heals whole.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return step
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    )
+    bounds = torch.tensor([step, -step], dtype=torch.int64, device=device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    high, low = int(bounds[0]), -int(bounds[1])
+    if high != low:
+        raise RuntimeError(
+            f"the ranks of this replica group stand at steps {low} to {high} after a quorum "
+            f"(this rank: {step}): a heal failed on some of them; the group stops so that "
+            "torchrun restarts it and it heals from a peer whole"
+        )
+    return step
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -130,7 +157,7 @@ class FaultTolerantGroups:
             t0 = time.perf_counter()
             self.manager.start_quorum()
             self._spent["quorum"].append(time.perf_counter() - t0)
-            step = self.manager.current_step()
+            step = group_step(self.manager.current_step())
             if step >= total:
                 return
             yield step

@@ -17,6 +17,9 @@ end the same rank of both groups holds bitwise the same parameter shards (the pr
 digest line), which is what the algorithm promises -- the steps group 1 missed were averaged
 over group 0 alone, so the weights are not an uninterrupted run's, and nothing here claims
 they are.
+
+And the ranks of a group that stand at different steps after a quorum (a heal that failed
+on some of them) stop with the steps named, on 2 real gloo ranks (`group_step`).
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import run_ranks
 
 from autopar.runtime.collectives import all_reduce_flat
+from autopar.runtime.fault_tolerance import group_step
 from cost_models.comm import DDP_BUCKET_BYTES
 
 HERE = Path(__file__).resolve().parent
@@ -172,3 +177,22 @@ def test_gradients_are_reduced_in_chunks_each_given_back_its_own_elements():
     chunk = DDP_BUCKET_BYTES // 4
     assert calls == [(torch.float32, chunk), (torch.float32, floats - chunk),
                      (torch.float64, 5)]  # fmt: skip
+
+
+def _steps_of_a_group(offset: int) -> tuple[int, str]:
+    import torch.distributed as dist
+
+    step = 7 + offset * dist.get_rank()
+    try:
+        return group_step(step), ""
+    except RuntimeError as error:
+        return -1, str(error)
+
+
+@pytest.mark.multiprocess
+def test_ranks_of_a_group_at_different_steps_stop_naming_them():
+    assert run_ranks(2, _steps_of_a_group, 0) == [(7, ""), (7, "")]
+    (a, why_a), (b, why_b) = run_ranks(2, _steps_of_a_group, 3)
+    assert a == b == -1
+    assert "steps 7 to 10 after a quorum (this rank: 7)" in why_a and "(this rank: 10)" in why_b
+    assert "torchrun restarts it" in why_a
