@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from autopar.tracing.capture import TraceError, capture
+from autopar.tracing.causal_calls import count_causal_calls
 from autopar.tracing.graph import LayerClass, LayerInfo, ModelGraph, MoEInfo, NodeInfo, ParamInfo
 from autopar.tracing.layers import assign_layers, find_blocks, linear_of
 from autopar.tracing.nodes import RawNode, build_node_table
@@ -51,6 +52,7 @@ def trace(model: nn.Module, example_inputs: Any) -> ModelGraph:
     program = capture(model, inputs)
     prober = OpProber()
     table = build_node_table(program, model, prober)
+    count_causal_calls(model, table)  # a causal mask made only for the export
     blocks = find_blocks(model)
     layer_of = assign_layers(table, blocks)
     layers, classes, params = summarize_layers(table, layer_of, blocks, model)

@@ -185,7 +185,40 @@ class OpProber:
         except Exception as e:  # an op meta cannot run: record it, measure nothing
             self.failures.setdefault(str(target), f"{type(e).__name__}: {e}"[:300])
             return OpProfile(0.0, 0.0, (), (), 0, probed=False)
+        share = _causal_share(target, meta_args, meta_kwargs)
+        forward, backward = forward * share, backward * share
         return _classify_saved(str(target), saved, tensors, outputs, forward, backward)
+
+
+def _causal_share(target: Any, args: tuple, kwargs: dict) -> float:
+    """The share of the score matrix a call with ``is_causal`` computes (`causal_share`); 1
+    for any other call or op.
+
+    torch's FLOP counter prices scaled_dot_product_attention as the whole L x S score matrix
+    (meta runs the math path), but with ``is_causal`` the fused kernels (flash, cuDNN, the CPU
+    flash kernel) skip the blocks above the diagonal: about half the work at L = S. Counted
+    whole, a 32k-token Llama 3.1 8B layer's attention priced 2x its FLOPs. A call handed a
+    mask tensor is counted whole here (kernels given a mask compute every block); a Hugging
+    Face model's causal mask, made only because it is exported, is `tracing.causal_calls`'.
+    """
+    schema = getattr(target, "_schema", None)
+    if schema is None or op_class_of(str(target), False, True) != "attention":
+        return 1.0
+    names = [a.name for a in schema.arguments]
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    if not bound.get("is_causal") or "query" not in bound or "key" not in bound:
+        return 1.0
+    return causal_share(bound["query"].shape[-2], bound["key"].shape[-2])
+
+
+def causal_share(rows: int, cols: int) -> float:
+    """The share of an L x S score matrix under torch's causal mask, which is top-left aligned
+    (row i sees keys 0..i): sum_i min(i + 1, S) / (L S)."""
+    if not rows or not cols:
+        return 1.0
+    full = min(rows, cols)  # rows i >= cols - 1 see every key
+    seen = full * (full + 1) / 2 + (rows - full) * cols
+    return seen / (rows * cols)
 
 
 def _classify_saved(
