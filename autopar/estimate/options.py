@@ -231,16 +231,17 @@ class CostOptions:
 def stack_problems(cfg: ParallelConfig, options: CostOptions) -> list[str]:
     """What in ``cfg`` the stack of ``options`` cannot run, each naming the stacks that can."""
     out = []
+    where = f"the {options.stack} stack" if options.stack else "these cost options"
     if cfg.async_tp and not options.async_tp_overlap:
         out.append(
-            f"async_tp: the {options.stack} stack does not overlap TP matmuls with their "
+            f"async_tp: {where} does not overlap TP matmuls with their "
             "collectives (its async_tp_overlap is 0); torchtitan-compile (enable_async_tensor_"
             "parallel) and Megatron-Core (--tp-comm-overlap) do"
         )
     if cfg.zero_stage and cfg.fsdp == 1 and not options.fsdp_over_cp:
         out.append(
             f"zero_stage={cfg.zero_stage} with fsdp=1 shards over the cp={cfg.cp} ranks, which "
-            f"the {options.stack} stack does not do (its fsdp_over_cp is false: it shards over "
+            f"{where} does not do (its fsdp_over_cp is false: it shards over "
             "fsdp and sums gradients over cp); torchtitan and Megatron-Core do, or use fsdp > 1"
         )
     return out
