@@ -146,6 +146,7 @@ def parallelize(
         limits,
         async_tp=options.cost.async_tp_overlap > options.cost.tp_comm_overlap,
         ep_over_tp=options.cost.stack in EP_FOLDING_STACKS,
+        zero_over_cp=options.cost.fsdp_over_cp,
         recompute_modules=(
             module_sets(model_regions(graph))
             if options.cost.stack in MODULE_RECOMPUTE_STACKS

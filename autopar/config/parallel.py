@@ -13,7 +13,8 @@ tokens' experts whole) or tp (each expert's intermediate width split over the tp
 `autopar.runtime.expert_tensor_parallel`).
 With fsdp = 1, cp > 1 and zero_stage 1-3, ZeRO shards over the cp ranks alone: what
 torchtitan (dp_shard 1 under cp) and Megatron's distributed optimizer run; priced where the
-stack shards over cp (`CostOptions.fsdp_over_cp`), refused elsewhere. ``micro_batch_size`` is
+stack shards over cp (`CostOptions.fsdp_over_cp`) and offered by the search there
+(`SpaceLimits.zero_over_cp`), refused elsewhere. ``micro_batch_size`` is
 per rank; global batch = micro_batch_size * num_microbatches * dp * fsdp. ``recompute`` is
 the policy; ``recompute_layers`` k applies it to only the first k repeated layers (blocks) of
 each model chunk (the whole model when pp = 1; one of the pp x virtual_stages chunks otherwise),

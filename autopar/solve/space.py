@@ -67,6 +67,10 @@ class SpaceLimits:
     # the recompute_modules sets offered beside the policies, as selective recompute
     # (`estimate.module_regions.module_sets`: a stack that runs Megatron's module recompute)
     recompute_modules: tuple[tuple[str, ...], ...] = ()
+    # ZeRO over the context-parallel ranks alone (fsdp = 1, cp > 1, zero 1-3) offered beside
+    # plain cp: a stack that shards over them (`CostOptions.fsdp_over_cp`: torchtitan's
+    # dp_shard 1 under cp, Megatron's distributed optimizer), not autopar's runtime
+    zero_over_cp: bool = False
     # ring attention offered beside the all-gather with cp > 1 (not for a model whose
     # attention drops probabilities: `runtime.attention_check.attention_dropout`)
     cp_ring: bool = True
@@ -291,6 +295,8 @@ def inner_choices(
     constraints hold."""
     dp, fsdp, cp, tp, pp, ep = degrees
     zeros = (0,) if fsdp == 1 else (1, 2, 3)
+    if fsdp == 1 and cp > 1 and lim.zero_over_cp:
+        zeros = (0, 1, 2, 3)
     sp_ok = tp > 1 and not lim.no_sequence_parallel and lim.seq_len % (cp * tp) == 0
     sps = (True, False) if sp_ok else (False,)
     # expert tensor parallelism: each expert whole on every tp rank, or split over them (into

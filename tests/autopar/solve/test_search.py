@@ -177,3 +177,27 @@ def test_time_limit_returns_the_best_found_and_says_so(gpt):
     assert cut.step_time_s >= full.step_time_s
     assert cut.step_time_s * (1 - cut.report["optimality_gap"]) <= full.step_time_s
     assert full.report["num_unsearched"] == 0
+
+
+def test_a_stack_that_shards_over_cp_is_offered_zero_over_the_cp_ranks_alone():
+    """fsdp = 1, cp > 1 with ZeRO: torchtitan's layout at long sequences (dp_shard 1 under cp),
+    offered where the stack shards over cp and not on autopar's own runtime, which does not."""
+    limits = SpaceLimits(
+        world_size=8, devices_per_node=8, num_blocks=4, num_heads=32, seq_len=131072,
+        num_experts=0, global_batch_size=8,
+    )  # fmt: skip
+    degrees = (1, 1, 8, 1, 1, 1)
+    assert {c.zero_stage for c in inner_choices(limits, degrees)} == {0}
+    over = replace(limits, zero_over_cp=True)
+    assert {c.zero_stage for c in inner_choices(over, degrees)} == {0, 1, 2, 3}
+    model, graph = _traced("llama-8b", num_layers=4, seq_len=131072)
+    cluster = Cluster.from_profile("dgx_h100")
+    plans = {
+        stack: autopar.parallelize(model, cluster, global_batch_size=8, graph=graph, stack=stack)
+        for stack in ("torchtitan", "autopar")
+    }
+    titan, own = plans["torchtitan"].config, plans["autopar"].config
+    # 131k tokens on one node: cp = 8 either way; torchtitan shards the optimizer over it
+    # instead of recomputing, autopar's runtime keeps zero 0
+    assert (titan.cp, titan.fsdp, own.cp) == (8, 1, 8)
+    assert titan.zero_stage > 0 and own.zero_stage == 0
