@@ -216,7 +216,7 @@ def causal_share(rows: int, cols: int) -> float:
     (row i sees keys 0..i): sum_i min(i + 1, S) / (L S)."""
     if not rows or not cols:
         return 1.0
-    full = min(rows, cols)  # rows i >= cols - 1 see every key
+    full = min(rows, cols)  # rows 0..full-1 see 1..full keys; any row past S sees all S
     seen = full * (full + 1) / 2 + (rows - full) * cols
     return seen / (rows * cols)
 
