@@ -82,12 +82,9 @@ def group_step(step: int) -> int:
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return step
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
-    )
-    bounds = torch.tensor([step, -step], dtype=torch.int64, device=device)
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
-    high, low = int(bounds[0]), -int(bounds[1])
+    steps: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(steps, step)  # torch puts the bytes on the backend's device
+    low, high = min(steps), max(steps)
     if high != low:
         raise RuntimeError(
             f"the ranks of this replica group stand at steps {low} to {high} after a quorum "

@@ -294,9 +294,8 @@ def inner_choices(
     """Every config with these degrees (laid out in ``axis_order``) whose batch and schedule
     constraints hold."""
     dp, fsdp, cp, tp, pp, ep = degrees
-    zeros = (0,) if fsdp == 1 else (1, 2, 3)
-    if fsdp == 1 and cp > 1 and lim.zero_over_cp:
-        zeros = (0, 1, 2, 3)
+    # ZeRO over fsdp; with fsdp = 1 over the cp ranks alone where the stack shards there
+    zeros = (1, 2, 3) if fsdp > 1 else (0, 1, 2, 3) if cp > 1 and lim.zero_over_cp else (0,)
     sp_ok = tp > 1 and not lim.no_sequence_parallel and lim.seq_len % (cp * tp) == 0
     sps = (True, False) if sp_ok else (False,)
     # expert tensor parallelism: each expert whole on every tp rank, or split over them (into
