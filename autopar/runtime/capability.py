@@ -81,7 +81,7 @@ from autopar.runtime.split_check import (
     whole_width_norm,
     wide_norm_refusal,
 )
-from autopar.runtime.tensor_parallel import find_blocks, tp_plan, unsplit_block
+from autopar.runtime.tensor_parallel import find_blocks, left_whole, tp_plan, unsplit_block
 from autopar.runtime.traced_stages import NO_LOSS_SLOT, traced_blocks, why_no_block_list
 from autopar.solve.space import SpaceLimits
 from autopar.tracing import ModelGraph
@@ -93,7 +93,9 @@ def traced_roles(model: nn.Module, graph: ModelGraph) -> CheckedRoles:
     none is held back), and why the model's code fails with its projections split at all:
     `split_check.checked_roles` on the trace's inputs, on meta."""
     inputs = _meta_inputs(graph)
-    return checked_roles(model, tensor_parallel_roles(graph), inputs, _cut_outputs(graph))
+    traced = tensor_parallel_roles(graph)
+    found = checked_roles(model, traced, inputs, _cut_outputs(graph))
+    return found._replace(priced=tuple(traced))
 
 
 def attention_refusal(model: nn.Module, graph: ModelGraph) -> str:
@@ -307,13 +309,8 @@ def runtime_limits(
     if limits.max_cp > 1 and (why := _cp_problem(model, limits.seq_len, attention)):
         limits = replace(limits, max_cp=1)
         notes.append(f"no context-parallel plans: {why}")
-    unsplit = unsplit_block(model, limits.num_blocks, roles[0])
-    wide = whole_width_norm(model)
-    fails = _unsplittable(roles)
-    if unsplit or wide or fails:
+    if why := _tp_refusal(model, limits.num_blocks, roles):
         limits = replace(limits, max_tp=1)
-        why = (_no_tp(name, unsplit, roles[1]) if unsplit
-               else wide_norm_refusal(wide) if wide else _code_fails(name, fails))  # fmt: skip
         notes.append(f"no tensor-parallel plans: {why}")
     elif no_sp := _no_sp(model, roles[0]):
         limits = replace(limits, no_sequence_parallel=True)
@@ -406,14 +403,8 @@ def runtime_problems(
                 f"{width} of {name} into {width // config.etp}, not a multiple of {MX_BLOCK} "
                 "(torchao's MXFP8 blocks)"
             )
-    unsplit = unsplit_block(model, num_blocks, roles[0]) if config.tp > 1 else None
-    wide = whole_width_norm(model) if config.tp > 1 else None
-    if unsplit:
-        out.append(f"tp={config.tp}: {_no_tp(name, unsplit, roles[1])}")
-    elif wide:
-        out.append(f"tp={config.tp}: {wide_norm_refusal(wide)}")
-    elif config.tp > 1 and (fails := _unsplittable(roles)):
-        out.append(f"tp={config.tp}: {_code_fails(name, fails)}")
+    if config.tp > 1 and (why := _tp_refusal(model, num_blocks, roles)):
+        out.append(f"tp={config.tp}: {why}")
     elif config.tp > 1 and config.sequence_parallel and (no_sp := _no_sp(model, roles[0])):
         out.append(f"sequence_parallel: {no_sp}")
     return out
@@ -510,6 +501,27 @@ def _no_cp(name: str) -> str:
         f"shard's positions (autopar.runtime.parts: its zoo and Hugging Face decoder "
         f"families), not {name}"
     )
+
+
+def _tp_refusal(model: nn.Module, num_blocks: int, roles: tuple) -> str:
+    """Why autopar's runtime would not split ``model`` over tp as the estimate prices it, or
+    "": a block left whole, a q/k norm over a whole projection's output, code that fails with
+    the projections it splits by name, or a projection priced split left whole."""
+    name = type(model).__name__
+    if unsplit := unsplit_block(model, num_blocks, roles[0]):
+        return _no_tp(name, unsplit, roles[1])
+    if wide := whole_width_norm(model):
+        return wide_norm_refusal(wide)
+    if fails := _unsplittable(roles):
+        return _code_fails(name, fails)
+    if left := left_whole(model, getattr(roles, "priced", ()), roles[0]):
+        return (
+            f"autopar's runtime would leave {left} whole, in {name}'s blocks that it splits "
+            "otherwise, while the estimate prices it sharded"
+            + (f"; it does not split the projections the trace pairs because {roles[1]}"
+               if roles[1] else "") + _splittable(roles[1])
+        )  # fmt: skip
+    return ""
 
 
 def _unsplittable(roles: tuple) -> str:

@@ -38,9 +38,15 @@ blocks, and the first of each other kind), so a 126-block model costs what a 3-b
 what they find of a block holds for every block of its kind. A model whose code will not run
 with its lists cut short is run whole.
 
-What they do not prove: code that first views features into (pieces, heads) and then cuts the
-pieces would pass and be wrong on ranks. The suite's any-model matrix runs each family it
-names against one process (`tests/autopar/runtime/test_any_model.py`).
+Both runs also follow each column-parallel output through its reshapes (`share_views`): a view
+as (pieces, heads, head width) makes a fused projection of those pieces (ModernBERT's Wqkv),
+and a reshape of a rank's share that is not its share of the whole reshape (OPT's
+``view(bsz, -1, heads, head_dim)``, which runs on half the features) is refused, naming it.
+
+What they do not prove: a share read by position after an operation that mixes it with other
+values (a fixed count in a matmul's or a norm's shape) passes where it runs. The suite's
+any-model matrix runs each family it names against one process
+(`tests/autopar/runtime/test_any_model.py`).
 
 Public:
     checked_roles(model, roles, inputs) -> CheckedRoles(roles the runtime applies, why not,
@@ -66,6 +72,7 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.models.quiet import quiet_fake_tensors
 from autopar.runtime.fused_pieces import CUTS, local_cut
+from autopar.runtime.share_views import Reshape, ShareViews, misread, view_pieces
 from autopar.runtime.tensor_parallel import (
     COLUMN_NAMES,
     ROW_NAMES,
@@ -85,6 +92,8 @@ class CheckedRoles(NamedTuple):
     roles: dict[str, str]
     why: str
     unsplittable: str = ""
+    # the block projections the estimate prices split (the trace's roles, `traced_roles`)
+    priced: tuple[str, ...] = ()
 
 
 def checked_roles(
@@ -248,10 +257,11 @@ def _fused(
     whole: dict[str, torch.Tensor],
     roles: dict[str, str],
     args: tuple[torch.Tensor, ...],
-) -> tuple[dict[str, int], list[tuple[int, ...]]]:
+) -> tuple[dict[str, int], _Whole]:
     """{column-parallel path: its number of pieces} for each whose output the code cuts along
-    its features where it is made, into pieces of one width, each of two heads or more where
-    the config says the head width; and the shapes of the model's outputs. Raises `_Unequal`
+    its features where it is made (or views as (pieces, heads, head width), `view_pieces`),
+    into pieces of one width, each of two heads or more where the config says the head width;
+    and what the model makes whole. Raises `_Unequal`
     otherwise: pieces of a head or less (a code that cuts heads apart) would be split inside
     a head."""
     head = _head_width(model)
@@ -269,6 +279,8 @@ def _fused(
             h.remove()
     for path in cuts.unread:
         raise _Unequal(f"its code cuts {path}'s output along its features, not contiguous")
+    for path, (n, width) in view_pieces(cuts.views.reshapes, head).items():  # as (pieces, ..)
+        cuts.bounds.setdefault(path, (width, set()))[1].update(width * i // n for i in range(n))
     out = {}
     for path, (width, bounds) in cuts.bounds.items():
         edges = sorted(bounds | {0, width})
@@ -285,7 +297,15 @@ def _fused(
                 "pieces of whole heads, two or more"
             )
         out[path] = len(widths)
-    return out, shapes
+    return out, _Whole(shapes, cuts.views.reshapes)
+
+
+class _Whole(NamedTuple):
+    """What the model makes whole: its outputs' shapes, and the reshapes of its column-parallel
+    outputs (`share_views`)."""
+
+    shapes: list[tuple[int, ...]]
+    reshapes: list[Reshape]
 
 
 def _head_width(model: nn.Module) -> int:
@@ -305,10 +325,11 @@ def _problem(
     roles: dict[str, str],
     pieces: dict[str, int],
     args: tuple[torch.Tensor, ...],
-    want: list[tuple[int, ...]],
+    want: _Whole,
 ) -> str:
-    """Why ``model`` run as the runtime splits ``roles`` at tp = 2 fails or changes its outputs'
-    shapes, or ""."""
+    """Why ``model`` run as the runtime splits ``roles`` at tp = 2 fails, changes its outputs'
+    shapes, or reshapes a rank's share of a projection's output into other than its share of
+    the whole (`share_views.misread`), or ""."""
     for path, role in roles.items():
         module = model.get_submodule(path)
         in_f, out_f = module.weight.shape if transposed(module) else module.weight.shape[::-1]
@@ -320,7 +341,7 @@ def _problem(
     for path, role in roles.items():
         module = model.get_submodule(path)
         if role == "col":
-            hooks.append(module.register_forward_hook(shares.hook(pieces.get(path, 1))))
+            hooks.append(module.register_forward_hook(shares.hook(path, pieces.get(path, 1))))
         else:
             hooks.append(module.register_forward_pre_hook(_widened, with_kwargs=True))
             hooks.append(module.register_forward_hook(shares.row(path)))
@@ -342,9 +363,10 @@ def _problem(
     finally:
         for h in hooks:
             h.remove()
-    if got != want:
+    if got != want.shapes:
         return f"its outputs at 1/{_WAYS} of {_named(roles)}'s features have other shapes"
-    return ""
+    whole = [r for r in want.reshapes if r.source in roles]
+    return misread(whole, shares.views.reshapes, _WAYS)
 
 
 class _Shares(TorchFunctionMode):
@@ -358,6 +380,7 @@ class _Shares(TorchFunctionMode):
         self.fused: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (kept alive, piece)
         self.rows: dict[int, tuple[str, torch.Tensor]] = {}  # id -> (path, kept alive)
         self.changed: tuple[str, str] | None = None
+        self.views = ShareViews()
 
     def row(self, path: str):
         def made(module: nn.Module, args: Any, out: Any) -> None:
@@ -366,13 +389,14 @@ class _Shares(TorchFunctionMode):
 
         return made
 
-    def hook(self, pieces: int):
+    def hook(self, path: str, pieces: int):
         def made(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
             piece = out.shape[-1] // pieces
             cut = out.split(piece, dim=-1)
             share = torch.cat([p[..., : piece // _WAYS] for p in cut], dim=-1)
             if pieces > 1:
                 self.fused[id(share)] = (share, piece)
+            self.views.start(path, share, pieces)
             return share
 
         return made
@@ -385,7 +409,9 @@ class _Shares(TorchFunctionMode):
         in_place = name.endswith("_") and not name.startswith("_") or name.startswith("__i")
         if in_place and args and id(args[0]) in self.rows and self.changed is None:
             self.changed = (self.rows[id(args[0])][0], name)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        self.views.follow(func, args, kwargs, out)
+        return out
 
 
 def _widened(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -441,17 +467,20 @@ class _CutWatch(TorchFunctionMode):
         self.outputs: dict[int, tuple[str, torch.Tensor]] = {}  # the tensors kept alive
         self.bounds: dict[str, tuple[int, set[int]]] = {}
         self.unread: set[str] = set()
+        self.views = ShareViews()
 
     def made(self, path: str):
         def hook(module: nn.Module, args: Any, out: Any) -> None:
             if isinstance(out, torch.Tensor):
                 self.outputs[id(out)] = (path, out)
+                self.views.start(path, out)
 
         return hook
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.views.follow(func, args, kwargs, out)
         source = args[0] if args else None
         if func not in CUTS or not isinstance(source, torch.Tensor):
             return out

@@ -79,6 +79,7 @@ Public functions:
     tp_plan(model, config, placements=None, roles=None, vocab_parallel=False) -> dict[str, str]
     splits_every_block(model, num_blocks, roles=None) -> bool   # may the planner offer tp > 1
     unsplit_block(model, num_blocks, roles=None) -> "path (Class)" | None   # the first it would not
+    left_whole(model, priced, roles=None) -> "path (Class)" | None  # a priced split it would not
     collectives_of(style) -> str      # the comment the program prints
     STYLES                            # the style names
 """
@@ -86,6 +87,7 @@ Public functions:
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 
 from torch import nn
 
@@ -182,6 +184,20 @@ def unsplit_block(
         styles = {base_style(s) for key, s in plan.items() if key.startswith(path + ".")}
         if "colwise" not in styles or "rowwise" not in styles:
             return f"{path} ({type(block).__name__})"
+    return None
+
+
+def left_whole(
+    model: nn.Module, priced: Iterable[str], roles: dict[str, str] | None = None
+) -> str | None:
+    """The first projection the estimate prices split over tp (``priced``: the trace's
+    column/row-parallel weight matmuls) that `tp_plan` with ``roles`` leaves whole, as "path
+    (Class)", or None. A block split in part (MPT's MLP by name, its fused Wqkv held back)
+    runs more parameters per rank than priced."""
+    plan = tp_plan(model, ParallelConfig(tp=2), roles=roles)
+    for path in priced:
+        if not base_style(plan.get(path, "")).startswith(("colwise", "rowwise")):
+            return f"{path} ({type(model.get_submodule(path)).__name__})"
     return None
 
 

@@ -1,5 +1,7 @@
 """Thirteen more model families a user builds with their own factories (issue 47), beside
-`model_factories`' ten: tiny configs of the same sizes, no dropout, fp32, each seeded.
+`model_factories`' ten, and three found computing another model or holding other bytes than
+planned under tensor parallelism when 26 more families were tried (OPT, ModernBERT, MPT): tiny
+configs of the same sizes, no dropout, fp32, each seeded.
 
 Decoders take token ids and the next-token loss; the encoder has its own data hook and loss.
 """
@@ -87,6 +89,32 @@ def mamba2() -> nn.Module:
 
 def smollm3() -> nn.Module:
     return _hf("SmolLM3Config", "SmolLM3ForCausalLM", **_DECODER, num_key_value_heads=2)
+
+
+def opt() -> nn.Module:
+    """OPT views q, k and v by ``view(bsz, -1, heads, head_dim)``: on a tp rank's half of the
+    features it runs, folding half of them into the sequence axis."""
+    return _hf("OPTConfig", "OPTForCausalLM", num_hidden_layers=LAYERS, hidden_size=HIDDEN,
+               ffn_dim=2 * HIDDEN, num_attention_heads=HEADS, vocab_size=VOCAB,
+               max_position_embeddings=64, word_embed_proj_dim=HIDDEN, dropout=0.0,
+               attention_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=0)  # fmt: skip
+
+
+def modernbert() -> nn.Module:
+    """ModernBERT's fused Wqkv is viewed as (3, heads, head_dim) and unbound; its MLP's Wi is
+    chunked in two. Local and global attention layers, bidirectional."""
+    return _hf("ModernBertConfig", "ModernBertForMaskedLM", **_DECODER,
+               global_attn_every_n_layers=2, local_attention=8, embedding_dropout=0.0,
+               mlp_dropout=0.0, attention_dropout=0.0, cls_token_id=0,
+               sep_token_id=0)  # fmt: skip
+
+
+def mpt() -> nn.Module:
+    """MPT's MLP splits by its names (up_proj, down_proj), its fused Wqkv by no rule: its code
+    views heads by the config's count."""
+    return _hf("MptConfig", "MptForCausalLM", d_model=HIDDEN, n_heads=HEADS, n_layers=LAYERS,
+               max_seq_len=64, vocab_size=VOCAB, expansion_ratio=2, resid_pdrop=0.0,
+               emb_pdrop=0.0, attn_config={"attn_pdrop": 0})  # fmt: skip
 
 
 class Encoder(nn.Module):

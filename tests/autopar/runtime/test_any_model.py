@@ -5,8 +5,8 @@ from-scratch transformer on nn.MultiheadAttention, an MLP classifier with its ow
 Hugging Face GPT-2, GPT-NeoX, Gemma 2, Phi-3, Qwen2, BERT (masked LM), T5 (encoder-decoder)
 and ViT (image classification), built from configs; and issue 47's thirteen more families
 (`family_factories`: OLMo2, Gemma 3, Falcon, StableLM, Granite, GraniteMoE, OLMoE, Qwen3 with
-tied embeddings, Llama 4, Cohere, Mamba2, SmolLM3, an encoder with its own loss) under TP,
-TP+SP and CP.
+tied embeddings, Llama 4, Cohere, Mamba2, SmolLM3, an encoder with its own loss) and three
+that a trial of 26 more found mis-split (OPT, ModernBERT, MPT) under TP, TP+SP and CP.
 
 Styles, on 2 and 4 local_cpu devices: the plan `parallelize` returns, and forced DP, FSDP
 (ZeRO-3), TP, TP+SP, PP and CP (the suite runs on 2 ranks all but DP, the forced twins of the
@@ -50,11 +50,12 @@ MODELS = {
     "t5": ("t5", "t5_batch", "masked_lm_loss"),
     "vit": ("vit", "vit_batch", "classify_loss"),
 }
-# issue 47's thirteen families no test named before (`family_factories`)
+# issue 47's thirteen families no test named before, and three more (`family_factories`)
 FAMILIES = {
     **{m: (f"family_factories:{m}", None, None)
        for m in ("olmo2", "gemma3", "falcon", "stablelm", "granite", "granite_moe", "olmoe",
-                 "qwen3_tied", "llama4", "cohere", "mamba2", "smollm3")},
+                 "qwen3_tied", "llama4", "cohere", "mamba2", "smollm3", "opt", "modernbert",
+                 "mpt")},
     "encoder": tuple(f"family_factories:encoder{s}" for s in ("", "_batch", "_loss")),
 }  # fmt: skip
 
@@ -110,6 +111,11 @@ FAMILY_REFUSED = {
         ("llama4", "changes model.layers.1.feed_forward.shared_expert.down_proj's output in "
                    "place (add_)"),
         ("mamba2", "cuts backbone.layers.0.mixer.in_proj's output into pieces of [64, 80, 8]"),
+        ("opt", "reshapes model.decoder.layers.0.self_attn.q_proj's output (view) to "
+                "[1, 8, 4, 8] on a tp rank, where that rank's share of the whole [1, 16, 4, 8] "
+                "is [1, 16, 2, 8]"),
+        ("mpt", "would leave transformer.blocks.0.attn.Wqkv (Linear) whole, in "
+                "MptForCausalLM's blocks that it splits otherwise"),
         ("encoder", "layers.0.self_attn (MultiheadAttention) multiplies by its weights"),
     ) for s in ("TP", "TP+SP")},
     ("falcon", "PP"): "its code makes transformer.h.0.self_attention.lifted_tensor_0 and 7 more "
@@ -117,6 +123,8 @@ FAMILY_REFUSED = {
     ("llama4", "CP"): "model.layers.0.self_attn attends under a mask made from the run's own",
     ("mamba2", "CP"): "Mamba2ForCausalLM.forward takes no position_ids",
     ("encoder", "CP"): _NO_CP,
+    ("modernbert", "CP"): "model.layers.0.attn attends under a mask that is neither",
+    ("mpt", "CP"): "MptForCausalLM.forward takes no position_ids",
 }  # fmt: skip
 
 
@@ -257,10 +265,11 @@ def test_every_model_runs_its_plan_and_a_pipeline_over_data_parallelism_on_4_ran
 
 
 def test_more_families_are_planned_or_refused_naming_the_module_and_the_operation():
-    """Issue 47's thirteen families under TP, TP+SP, CP and PP on 2 devices: what `evaluate`
-    refuses is pinned (above), and what it accepts runs: gemma3, granite, granite_moe,
-    qwen3_tied and smollm3 under every style; olmo2, stablelm, olmoe, cohere and falcon under
-    CP, through their own forward; all but Falcon under a pipeline cut from the traced graph (the
+    """Issue 47's thirteen families and three more under TP, TP+SP, CP and PP on 2 devices:
+    what `evaluate` refuses is pinned (above), and what it accepts runs: gemma3, granite,
+    granite_moe, qwen3_tied and smollm3 under every style; olmo2, stablelm, olmoe, cohere,
+    falcon and opt under CP, through their own forward; modernbert under TP with its Wqkv
+    split piece by piece; all but Falcon under a pipeline cut from the traced graph (the
     script below runs them all on ranks)."""
     refused = {}
     for label in FAMILIES:
@@ -277,12 +286,15 @@ def test_context_parallelism_runs_models_through_their_own_forward_on_2_ranks():
     the cp ranks too (ep=2 folded over cp: each rank's sequence shard dispatched to both
     ranks' experts), Cohere's [heads, head_dim] q/k norm, Falcon's own calls of torch's SDPA
     (redirected, round the ring, and again where full recompute re-runs its blocks in
-    backward) -- and GraniteMoE's blocks split under TP + SP."""
+    backward) -- and GraniteMoE's blocks split under TP + SP, and ModernBERT's: its Wqkv,
+    viewed as (3, heads, head_dim), split piece by piece."""
     cases = [composed(2, m, C(cp=2, micro_batch_size=1)) for m in ("gemma3", "cohere")]
     ring = C(cp=2, cp_attention="ring", recompute="full", micro_batch_size=1)
     cases.append(composed(2, "falcon", ring))
     cases.append(composed(2, "olmoe", C(cp=2, ep=2, micro_batch_size=1)))
-    cases.append(composed(2, "granite_moe", C(tp=2, sequence_parallel=True, micro_batch_size=1)))
+    for m in ("granite_moe", "modernbert"):
+        cases.append(composed(2, m, C(tp=2, sequence_parallel=True, micro_batch_size=1)))
+    assert cases[-1].roles["model.layers.0.attn.Wqkv"] == "col/3", cases[-1].roles
     check_cases(2, cases)
 
 

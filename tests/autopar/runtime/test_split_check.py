@@ -99,6 +99,43 @@ class PerHeadCuts(nn.Module):
         return x + self.out(att.transpose(1, 2).reshape(b, s, -1))
 
 
+class FixedCountViews(nn.Module):
+    """Attention whose code views q, k and v by a fixed count that still runs on a tp rank's
+    half: OPT's ``view(b, -1, heads, head_dim)`` ("sequence": half the features folded into
+    the tokens) or ``view(b, s, heads, -1)`` ("width": heads of half their width)."""
+
+    def __init__(self, by: str = "sequence") -> None:
+        super().__init__()
+        self.to_q, self.to_k, self.to_v = (nn.Linear(HIDDEN, HIDDEN) for _ in range(3))
+        self.to_out = nn.Linear(HIDDEN, HIDDEN)
+        self.by = by
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        shape = (b, -1, HEADS, HIDDEN // HEADS) if self.by == "sequence" else (b, s, HEADS, -1)
+        q, k, v = (p(x).view(*shape).transpose(1, 2) for p in (self.to_q, self.to_k, self.to_v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.to_out(att.transpose(1, 2).reshape(b, s, -1))
+
+
+class ViewedPieces(nn.Module):
+    """A fused q|k|v viewed as (3, heads, head_dim) and unbound (ModernBERT's Wqkv): no cut
+    where it is made, but its pieces are a dimension of the view."""
+
+    config = type("Config", (), {"num_attention_heads": HEADS, "hidden_size": HIDDEN})()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.packed = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.out = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.packed(x).view(b, s, 3, -1, HIDDEN // HEADS).unbind(dim=2)
+        att = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+        return x + self.out(att.transpose(1, 2).reshape(b, s, -1))
+
+
 class OwnWeights(nn.Module):
     """Weights multiplied in the block's own code (nn.MultiheadAttention's in_proj_weight)."""
 
@@ -186,6 +223,41 @@ def test_code_that_reads_a_projection_by_position_is_refused_with_its_reason():
     )
 
 
+def test_a_view_that_reads_a_share_by_a_fixed_count_is_refused_though_it_runs():
+    """Both views run on a rank's half of the features and keep the block's output shape:
+    only the reshape itself shows the rank computing another model."""
+    roles, why = _roles(Stack(FixedCountViews, by="sequence"))
+    assert roles == {} and why.startswith(
+        "its code reshapes blocks.0.to_q's output (view) to [1, 4, 4, 8] on a tp rank, where "
+        "that rank's share of the whole [1, 8, 4, 8] is [1, 8, 2, 8]"
+    ), why
+    roles, why = _roles(Stack(FixedCountViews, by="width"))
+    assert "(view) to [1, 8, 4, 4] on a tp rank" in why and "is [1, 8, 2, 8]" in why, why
+
+
+def test_a_fused_projection_viewed_as_pieces_splits_piece_by_piece():
+    """(3, heads, head_dim) in the features' place makes the projection three pieces: split as
+    one block a rank's "q" would be half the q heads and its "k" the other half."""
+    model = Stack(ViewedPieces)
+    model.config = ViewedPieces.config
+    roles, why = _roles(model)
+    assert why == "" and roles == {
+        "blocks.0.packed": "col/3", "blocks.0.out": "row",
+        "blocks.1.packed": "col/3", "blocks.1.out": "row",
+    }  # fmt: skip
+
+
+def test_where_a_split_share_lands_after_a_reshape():
+    from autopar.runtime.share_views import share_dim
+
+    assert share_dim((1, 8, 32), (1, 8, 4, 8), 2) == (2, 1)  # heads by -1
+    assert share_dim((1, 4, 8, 8), (1, 4, 64), 1) == (1, 1)  # heads merged back, outermost
+    assert share_dim((1, 8, 4, 8), (1, 8, 32), 3) is None  # the head width: not one block
+    assert share_dim((1, 8, 96), (1, 8, 3, 4, 8), 2, pieces=3) == (3, 1)  # past the pieces
+    assert share_dim((1, 8, 96), (1, 1, 8, 96), 2, pieces=3) == (3, 3)  # unsqueezed around
+    assert share_dim((1, 8, 96), (1, 8, 12, 8), 2, pieces=3) is None  # pieces not a dim
+
+
 def test_evaluate_prices_and_carries_the_pairs_or_refuses_naming_the_reason():
     cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=2)
     inputs = (torch.randn(1, SEQ, HIDDEN),)
@@ -224,7 +296,7 @@ def test_the_check_runs_one_block_of_each_kind_and_gives_every_block_its_kinds_r
         assert len(gpt2.transformer.h) == 2
         assert alike == {f"transformer.h.{i}": "transformer.h.0" for i in range(2, 6)}
     assert len(gpt2.transformer.h) == 6 and len(list(gpt2.parameters())) == 4 + 6 * 12
-    roles, why, _ = traced_roles(gpt2, trace(gpt2, (torch.randint(0, 64, (1, SEQ)),)))
+    roles, why = traced_roles(gpt2, trace(gpt2, (torch.randint(0, 64, (1, SEQ)),)))[:2]
     assert why == "" and all(roles[f"transformer.h.{i}.attn.c_attn"] == "col/3" for i in range(6))
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
