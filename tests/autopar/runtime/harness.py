@@ -27,7 +27,9 @@ import torch
 import torch.multiprocessing as mp
 
 from autopar.config import ParallelConfig
+from autopar.estimate.memory import expert_replicas
 from autopar.models.source import HF_FACTORY, ZOO_FACTORY
+from autopar.runtime.expert_parallel import is_moe_block
 from autopar.runtime.mesh import free_port, rank_environment
 from autopar.runtime.parallelize import pipeline_tp_plan
 from autopar.runtime.task import task_from_source
@@ -196,6 +198,26 @@ def max_rel_error(got: list[tuple[float, float]], want: list[tuple[float, float]
 PARAM_RTOL = 0.01
 
 
+def _resident(case: Case, planned: float) -> float:
+    """The parameter bytes a rank keeps between steps of the plan's ``planned``: ZeRO-1/2 over
+    FSDP2 prices the parameters whole (as DeepSpeed keeps them), and FSDP2 keeps only its
+    shards (autopar/runtime/data_parallel.py's docstring): the dense ones over fsdp, the
+    experts over the ranks holding the same ones (none where ep spans every data rank)."""
+    c = case.config
+    if c.fsdp == 1 or c.zero_stage not in (1, 2):
+        return planned
+    experts = _expert_bytes(case) / c.ep if c.ep > 1 and c.pp == 1 else 0.0
+    return (planned - experts) / c.fsdp + experts / expert_replicas(c)
+
+
+def _expert_bytes(case: Case) -> float:
+    """The bytes of the model's experts (every MoE layer's experts, on meta)."""
+    model = task_of(case).build_meta()
+    stacks = [m.experts if hasattr(m, "dispatch") else m for m in model.modules()
+              if is_moe_block(m)]  # fmt: skip
+    return sum(p.numel() * p.element_size() for s in stacks for p in s.parameters())
+
+
 def check_parameter_bytes(case: Case, measured: list[float]) -> list[str]:
     """``measured``: each rank's parameter bytes; per pipeline stage (the mesh's outermost
     axis; under interleaving a rank holds stages r, r + pp, ...), the mean over its ranks
@@ -204,14 +226,11 @@ def check_parameter_bytes(case: Case, measured: list[float]) -> list[str]:
         return []
     c = case.config
     pp, per_stage = c.pp, len(measured) // c.pp
-    # ZeRO-1/2 over FSDP2: the plan prices the parameters whole (as DeepSpeed keeps them);
-    # FSDP2 keeps only its shards between steps (autopar/runtime/data_parallel.py's docstring)
-    resident = c.fsdp if c.fsdp > 1 and c.zero_stage in (1, 2) else 1
     out = []
     for stage in range(pp):
         ranks = measured[stage * per_stage : (stage + 1) * per_stage]
         mean = sum(ranks) / len(ranks)
-        planned = sum(case.planned_params[stage::pp]) / resident
+        planned = _resident(case, sum(case.planned_params[stage::pp]))
         if abs(mean - planned) > PARAM_RTOL * planned:
             out.append(
                 f"{case.label}: stage {stage}'s ranks hold {mean:.0f} parameter bytes each "
