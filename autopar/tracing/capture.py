@@ -6,12 +6,15 @@ is captured without allocating its weights. The model is put in training mode fo
 back as it was.
 When export fails, the model is run once more, eagerly under a FakeTensorMode with module hooks,
 to find the op and module path that failed, and the error says both (torch's own log of the
-failure is kept quiet: the error is its one line).
+failure is kept quiet, and the partial graph it prints to stderr left out: the error is its
+one line).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,15 +38,30 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...]) -> torch.export.E
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     with _training_mode(model), _without_stack_traces(), quiet_fake_tensors():
+        written = io.StringIO()
         try:
-            return torch.export.export(model, example_inputs, strict=False)
+            with contextlib.redirect_stderr(written):
+                program = torch.export.export(model, example_inputs, strict=False)
         except Exception as export_error:
+            _replay(written.getvalue(), getattr(export_error, "partial_fx_graph", None))
             where = _locate_failure(model, example_inputs)
             first_line = str(export_error).strip().splitlines()[0][:300]
             raise TraceError(
                 f"cannot trace {type(model).__name__}: {where or 'no single op found'}; "
                 f"torch.export said: {type(export_error).__name__}: {first_line}"
             ) from export_error
+        _replay(written.getvalue())
+        return program
+
+
+def _replay(text: str, partial_graph: str | None = None) -> None:
+    """What torch wrote to stderr while exporting, written there again, less the partial
+    graph it prints on a data-dependent failure (hundreds of lines of aten ops; the error
+    names the op and the module instead)."""
+    if partial_graph:
+        text = text.replace(f"{partial_graph}\n", "")
+    if text.strip():
+        sys.stderr.write(text)
 
 
 @contextlib.contextmanager
