@@ -515,12 +515,8 @@ def _tp_refusal(model: nn.Module, num_blocks: int, roles: tuple) -> str:
     if fails := _unsplittable(roles):
         return _code_fails(name, fails)
     if left := left_whole(model, getattr(roles, "priced", ()), roles[0]):
-        return (
-            f"autopar's runtime would leave {left} whole, in {name}'s blocks that it splits "
-            "otherwise, while the estimate prices it sharded"
-            + (f"; it does not split the projections the trace pairs because {roles[1]}"
-               if roles[1] else "") + _splittable(roles[1])
-        )  # fmt: skip
+        what = f"{left} whole, in {name}'s blocks that it splits otherwise, while the estimate"
+        return _held_back(f"{what} prices it sharded", roles[1])
     return ""
 
 
@@ -544,9 +540,17 @@ def _code_fails(name: str, why: str) -> str:
 
 
 def _no_tp(name: str, block: str, why: str = "") -> str:
+    return _held_back(
+        f"{name}'s blocks replicated, {block} first (it splits linear projections it can pair "
+        "column/row), while the estimate prices them sharded",
+        why,
+    )
+
+
+def _held_back(what: str, why: str) -> str:
+    """The runtime would leave ``what``, and ``why`` it holds the trace's pairs back."""
     return (
-        f"autopar's runtime would leave {name}'s blocks replicated, {block} first (it splits "
-        "linear projections it can pair column/row), while the estimate prices them sharded"
+        f"autopar's runtime would leave {what}"
         + (f"; it does not split the projections the trace pairs because {why}" if why else "")
         + _splittable(why)
     )

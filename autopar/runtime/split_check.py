@@ -261,9 +261,8 @@ def _fused(
     """{column-parallel path: its number of pieces} for each whose output the code cuts along
     its features where it is made (or views as (pieces, heads, head width), `view_pieces`),
     into pieces of one width, each of two heads or more where the config says the head width;
-    and what the model makes whole. Raises `_Unequal`
-    otherwise: pieces of a head or less (a code that cuts heads apart) would be split inside
-    a head."""
+    and what the model makes whole. Raises `_Unequal` otherwise: pieces of a head or less (a
+    code that cuts heads apart) would be split inside a head."""
     head = _head_width(model)
     cuts = _CutWatch()
     hooks = [
