@@ -63,6 +63,8 @@ class ShareViews:
             self.followed[id(out)] = (out, path, out.dim() - 1, pieces)
 
     def follow(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        if not self.followed:  # before the first projection: nothing to look for
+            return
         leaves = tree_flatten((args, kwargs))[0]
         src = next(
             (a for a in leaves if isinstance(a, torch.Tensor) and id(a) in self.followed), None
