@@ -4,8 +4,9 @@ A DP2xTP2 plan of gpt-tiny (4 CPU ranks) is saved with its generated train.py an
 under `torchrun --nproc-per-node=4 --max-restarts=3`, checkpointing every 2 steps:
 - uninterrupted, 7 steps (asynchronous checkpoints);
 - with a fault: rank 1 kills itself with SIGKILL when it fetches step 6's batch, once (a marker
-  file says it has). torchrun stops the group and starts it again; the next attempt resumes from
-  the step-4 checkpoint (the newest complete one), recomputes step 5 and runs to step 7.
+  file says it has), after rank 0 has logged step 5. torchrun stops the group and starts it
+  again; the next attempt resumes from the step-4 checkpoint (the newest complete one),
+  recomputes step 5 and runs to step 7.
 torchrun may restart a group more than once: with TORCH_DISABLE_SHARE_RDZV_TCP_STORE rank 0 binds
 the port the agent picked, and on a busy machine another test can take it first (EADDRINUSE at
 init). Such an attempt logs no step, so the test reads the attempts that logged steps.
@@ -39,6 +40,7 @@ BATCH, STEPS, EVERY, KILL_STEP, KILL_RANK = 4, 7, 2, 6, 1
 HOOK = f"""
 import os
 import signal
+import time
 
 from autopar.models.source import ZOO_FACTORY
 from autopar.runtime.task import task_from_source
@@ -51,6 +53,14 @@ def batch(step, start, stop):
     kill = int(os.environ.get("FAULT_KILL_STEP", "0"))
     marker = os.environ.get("FAULT_MARKER", "")
     if step + 1 == kill and int(os.environ["RANK"]) == {KILL_RANK} and not os.path.exists(marker):
+        # rank 0 logs the step before this one after its last collective, so this rank can get
+        # here first; on a loaded machine torchrun would stop rank 0 before it writes the line.
+        # Wait for it (bounded), so the test reads which steps ran, not which rank was quicker
+        log = os.environ["FAULT_LOG"]
+        for _ in range(1200):
+            if os.path.exists(log) and f'"step": {{kill - 1}},' in open(log).read():
+                break
+            time.sleep(0.1)
         open(marker, "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
     return TASK.batch(step, start, stop)
@@ -98,6 +108,7 @@ def test_killed_rank_resumes_from_last_checkpoint_bitwise(tmp_path):
 
     fault_dir = tmp_path / "fault"
     env = {"FAULT_KILL_STEP": str(KILL_STEP), "FAULT_MARKER": str(tmp_path / "killed")}
+    env["FAULT_LOG"] = str(fault_dir / "log.jsonl")
     out = _torchrun(program, fault_dir, hooks, [], env)
     assert re.search(r"Signals\.SIGKILL|signal 9|exitcode\s*:\s*-9", out), out[-3000:]
     log = _log(fault_dir)
