@@ -22,6 +22,10 @@ import torch.nn.functional as F
 
 Progress = Callable[[str], None]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# A call this long is timed once more, not in batches, and no larger size of its op is timed:
+# its rate is the large-size rate (launch overhead is microseconds). Without it, bf16 matmuls
+# on an AVX2 CPU (1 GFLOP/s, no bf16 units) took 7 of a 9-minute profile on 2026-11-29.
+SLOW_CALL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,8 @@ def time_call(
     sync()
     first = max(time.perf_counter() - start, 1e-7)
     calls = max(1, min(10_000, int(target_s / first)))
+    if first >= SLOW_CALL_S:  # a call of seconds is its own long batch: one more is enough
+        calls, repeats = 1, 1
     best = float("inf")
     for _ in range(repeats):
         sync()
@@ -97,14 +103,19 @@ def measure_compute(
             m = _matmul(device, plan, name, n)
             out.append(m)
             progress(f"matmul {name} {m.shape}: {m.flops / m.time_s / 1e9:.1f} GFLOP/s")
+            if m.time_s >= SLOW_CALL_S:  # a CPU without bf16 units: 1 GFLOP/s, and the
+                # larger sizes would take minutes each at a rate this one already shows
+                progress(f"matmul {name}: {m.time_s:.1f} s a call at {m.shape}, larger skipped")
+                break
     for s in plan.attention_seq_lens:
         m = _attention(device, plan, s)
         out.append(m)
         progress(f"attention {m.dtype} {m.shape}: {m.flops / m.time_s / 1e9:.1f} GFLOP/s")
     for fn in (_copy, _add):
         points = [fn(device, plan, numel) for numel in plan.memory_numels]
-        out += _retime_stalls(points, lambda n, f=fn: f(device, plan, n), progress)
-        for m in out[-len(points) :]:
+        points = _retime_stalls(points, lambda n, f=fn: f(device, plan, n), progress)
+        out += points
+        for m in points:
             size = int(m.shape) * 4 / 2**20
             progress(f"{m.op} {size:g} MiB: {m.bytes_moved / m.time_s / 1e9:.2f} GB/s")
     return out
