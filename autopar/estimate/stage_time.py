@@ -27,7 +27,11 @@ Data parallel, per stage, gradients G bytes (params on the rank x grad bytes):
     units of their own over the ranks holding the same experts ("expert_dp", dp x fsdp x cp / ep of
     them; no collective where that is one rank), the dense rest over fsdp as above.
     Overlap (none on a CPU profile: gloo runs on the compute cores): gradient reduction
-    hides behind the last micro-batch's backward except the last bucket; FSDP gathers are
+    hides behind the last micro-batch's backward except the last bucket, and an overlapped
+    ZeRO-1/2 parameter gather behind the next forward except the first. That bucket holds the
+    stage's first layer, the first to be gathered and the last whose gradients are ready, and
+    buckets take whole tensors: it is the bucket size or the first layer's tensor where that is
+    larger (a token embedding, vocabulary x hidden: `_edge_bucket`); FSDP gathers are
     prefetched behind the previous layer's compute (exposed: what the stage's compute cannot
     cover, plus the first gather). Hidden communication still slows the compute it overlaps
     by the stack's `comm_interference` of its time.
@@ -330,6 +334,7 @@ class StageTimer:
         optimizer step and gradient clipping (module docstring)."""
         params = self.memory.stage_params(cfg, layers)
         grad = params * self.options.grad_bytes
+        edge = self._edge_bucket(cfg, layers)  # parameters of the first (last) bucket
         sync = 0.0
         # the experts' gradients, where ep shares them out
         experts = shared_out_experts(cfg, layers) * self.options.grad_bytes
@@ -338,11 +343,11 @@ class StageTimer:
             # the same experts after the backward (ExpertParallel.sync_gradients): exposed
             dense = grad - experts
             if cfg.dp > 1:
-                sync = self._overlapped(mesh.time("all_reduce", dense, "dp"), dense, st)
+                sync = self._overlapped(mesh.time("all_reduce", dense, "dp"), dense, st, edge)
             if expert_replicas(cfg) > 1 and experts:
                 sync += mesh.time("all_reduce", experts, "expert_dp")
         elif cfg.zero_stage == 0 and cfg.dp > 1:
-            sync = self._overlapped(mesh.time("all_reduce", grad, "dp"), grad, st)
+            sync = self._overlapped(mesh.time("all_reduce", grad, "dp"), grad, st, edge)
         elif cfg.zero_stage in (1, 2):
             reduce = gather = 0.0
             for n, axis, ways in self._zero_parts(cfg, layers, params):  # dense; the experts
@@ -351,13 +356,15 @@ class StageTimer:
                 if axis != "expert_dp":  # HSDP: the dense shards replicated over dp
                     reduce += mesh.time("all_reduce", g / ways, "dp")
                 gather += mesh.time("all_gather", n * PRECISION_BYTES[self.precision], axis)
-            if self.options.overlap_param_gather:
-                gather = self._hidden(gather, st["forward"])
-            sync = self._overlapped(reduce, grad, st) + gather
+            if self.options.overlap_param_gather:  # all but the first bucket's, which the
+                # forward waits for before it starts
+                first = gather * min(1.0, self._bucket_params(edge) / params) if params else 0.0
+                gather = first + self._hidden(gather - first, st["forward"])
+            sync = self._overlapped(reduce, grad, st, edge) + gather
         elif cfg.zero_stage == 3 and cfg.dp > 1:  # HSDP: the dense shards over dp
             n, _, ways = self._zero_parts(cfg, layers, params)[0]
             dense = n * self.options.grad_bytes / ways
-            sync = self._overlapped(mesh.time("all_reduce", dense, "dp"), grad, st)
+            sync = self._overlapped(mesh.time("all_reduce", dense, "dp"), grad, st, edge)
         tied = self.memory.tied_copy(cfg, layers)
         if tied:  # the last stage's copy and the first stage's embedding sum their gradients
             # (Pipeline.sync_tied_gradients, after the backward): priced on the last stage
@@ -413,12 +420,29 @@ class StageTimer:
             parts.append((experts, "expert_dp", ways))
         return parts
 
-    def _overlapped(self, comm_s: float, nbytes: float, st: StageTimes) -> float:
-        """The part of a gradient reduction the last micro-batch's backward cannot hide."""
+    def _overlapped(
+        self, comm_s: float, nbytes: float, st: StageTimes, edge_params: float = 0.0
+    ) -> float:
+        """The part of a gradient reduction of ``nbytes`` the last micro-batch's backward
+        cannot hide: the last bucket's (`_bucket_params` of ``edge_params``)."""
         if not self.options.overlap_grad_reduce or nbytes <= 0:
             return comm_s
-        last_bucket = comm_s * min(1.0, self.options.ddp_bucket_bytes / nbytes)
+        last = self._bucket_params(edge_params) * self.options.grad_bytes
+        last_bucket = comm_s * min(1.0, last / nbytes)
         return last_bucket + self._hidden(comm_s - last_bucket, st["backward"])
+
+    def _bucket_params(self, edge_params: float) -> float:
+        """Parameters of the bucket holding the stage's first layer: the bucket size, or that
+        layer's tensor where it is larger (module docstring)."""
+        return max(self.options.ddp_bucket_bytes / self.options.grad_bytes, edge_params)
+
+    def _edge_bucket(self, cfg: ParallelConfig, layers: list[LayerTable]) -> float:
+        """A rank's elements of one tensor of the stage's first layer with parameters (their
+        mean size; a token embedding's one tensor): what the edge bucket holds at least."""
+        first = next((t for t in layers if t.num_param_tensors), None)
+        if first is None:
+            return 0.0
+        return self.memory.params(cfg, [first]) / first.num_param_tensors
 
     @staticmethod
     def breakdown(

@@ -92,6 +92,46 @@ def test_data_parallel_all_reduce_with_and_without_overlap(stack_tables):
     assert overlapped.breakdown["dp_comm"] == pytest.approx(max(bucket, ring - backward))
 
 
+
+class Embedded(nn.Module):
+    """A token embedding larger than a gradient bucket, then equal linear layers."""
+
+    def __init__(self, vocab: int, width: int, depth: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(depth))
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_the_last_bucket_holds_the_whole_embedding():
+    # buckets take whole tensors, and the embedding's gradient is the last ready: its whole
+    # reduction is exposed, not a bucket's share of the total, and under ZeRO-1 with the
+    # parameter gather overlapped the next forward waits for its whole gather
+    model = Embedded(16384, 1024, 4)
+    tables = build_tables(autopar.trace(model, torch.zeros(1, 1024, dtype=torch.long)))
+    emb, params = 16384 * 1024, 16384 * 1024 + 4 * 1024 * 1024
+    assert emb * 4 > 25 * 2**20  # larger than DDP's bucket
+    ring = 2 * (2 - 1) / 2 * params * 4 / FAST
+    est = Estimator(tables, cluster(2)).evaluate(ParallelConfig(dp=2), 2)
+    backward = est.breakdown["compute_backward"]
+    last = ring * emb / params
+    assert est.breakdown["dp_comm"] == pytest.approx(max(last, ring - backward))
+    opts = CostOptions(overlap_param_gather=True)
+    zero1 = Estimator(tables, cluster(2), options=opts).evaluate(
+        ParallelConfig(fsdp=2, zero_stage=1), 2
+    )
+    reduce_scatter = 1 / 2 * params * 4 / FAST
+    all_gather = 1 / 2 * params * 2 / FAST
+    forward = zero1.breakdown["compute_forward"]
+    exposed = max(reduce_scatter * emb / params, reduce_scatter - backward)
+    exposed += all_gather * emb / params + max(0.0, all_gather * (1 - emb / params) - forward)
+    assert zero1.breakdown["dp_comm"] == pytest.approx(exposed)
+
 def test_zero1_reduce_scatters_grads_and_gathers_params(stack_tables):
     _, tables = stack_tables
     params = 4 * 1024 * 1024
