@@ -28,6 +28,10 @@ class CostOptions:
     async_tp_overlap: float = 0.0
     # Gradient reduction overlapped with the backward (DDP buckets, --overlap-grad-reduce).
     overlap_grad_reduce: bool = True
+    # With overlap_grad_reduce: the replicated (ZeRO-0) all-reduce overlaps too, as DDP's
+    # bucket hooks run it. False: it runs after the last backward, all of it exposed (autopar's
+    # runtime: `DataParallel.sync_gradients`, a flat all-reduce in bucket-sized chunks).
+    replicated_grad_overlap: bool = True
     # ZeRO-1/2 parameter all-gather overlapped with the next forward (--overlap-param-gather).
     overlap_param_gather: bool = False
     # FSDP prefetches the next layer's parameters while the current one computes.

@@ -27,7 +27,8 @@ Data parallel, per stage, gradients G bytes (params on the rank x grad bytes):
     units of their own over the ranks holding the same experts ("expert_dp", dp x fsdp x cp / ep of
     them; no collective where that is one rank), the dense rest over fsdp as above.
     Overlap (none on a CPU profile: gloo runs on the compute cores): gradient reduction
-    hides behind the last micro-batch's backward except the last bucket, and an overlapped
+    hides behind the last micro-batch's backward except the last bucket (the replicated
+    all-reduce only where the stack overlaps it, `replicated_grad_overlap`), and an overlapped
     ZeRO-1/2 parameter gather behind the next forward except the first. That bucket holds the
     stage's first layer, the first to be gathered and the last whose gradients are ready, and
     buckets take whole tensors: it is the bucket size or the first layer's tensor where that is
@@ -343,11 +344,11 @@ class StageTimer:
             # the same experts after the backward (ExpertParallel.sync_gradients): exposed
             dense = grad - experts
             if cfg.dp > 1:
-                sync = self._overlapped(mesh.time("all_reduce", dense, "dp"), dense, st, edge)
+                sync = self._replicated(mesh.time("all_reduce", dense, "dp"), dense, st, edge)
             if expert_replicas(cfg) > 1 and experts:
                 sync += mesh.time("all_reduce", experts, "expert_dp")
         elif cfg.zero_stage == 0 and cfg.dp > 1:
-            sync = self._overlapped(mesh.time("all_reduce", grad, "dp"), grad, st, edge)
+            sync = self._replicated(mesh.time("all_reduce", grad, "dp"), grad, st, edge)
         elif cfg.zero_stage in (1, 2):
             reduce = gather = 0.0
             for n, axis, ways in self._zero_parts(cfg, layers, params):  # dense; the experts
@@ -430,6 +431,15 @@ class StageTimer:
         last = self._bucket_params(edge_params) * self.options.grad_bytes
         last_bucket = comm_s * min(1.0, last / nbytes)
         return last_bucket + self._hidden(comm_s - last_bucket, st["backward"])
+
+    def _replicated(
+        self, comm_s: float, nbytes: float, st: StageTimes, edge_params: float
+    ) -> float:
+        """The replicated (ZeRO-0) gradient all-reduce's exposed part: `_overlapped`, or all of
+        it where the stack runs it after the backward (`CostOptions.replicated_grad_overlap`)."""
+        if not self.options.replicated_grad_overlap:
+            return comm_s
+        return self._overlapped(comm_s, nbytes, st, edge_params)
 
     def _bucket_params(self, edge_params: float) -> float:
         """Parameters of the bucket holding the stage's first layer: the bucket size, or that
