@@ -326,7 +326,7 @@ def _context_parallel(
     for t in layers:
         forwards = 2 if cfg.recompute == "full" and t.kind == "block" else 1
         for op in t.attention:
-            gathered = op.kv_bytes * cfg.micro_batch_size * x / (2 * cfg.tp)  # K or V
+            gathered = op.kv_sent_bytes * cfg.micro_batch_size * x / (2 * cfg.tp)  # K or V
             out.append(
                 PlannedCollective("cp", "all_gather", "cp", 2 * forwards * m, gathered, t.name)
             )

@@ -382,7 +382,7 @@ def _cp_comm(
     fwd = bwd = 0.0
     c = cfg.cp
     for op in table.attention:
-        gathered = op.kv_bytes * cfg.micro_batch_size * act_scale / (2 * cfg.tp)  # K or V
+        gathered = op.kv_sent_bytes * cfg.micro_batch_size * act_scale / (2 * cfg.tp)  # K or V
         if cfg.cp_attention == "ring":
             block = gathered / c  # one rank's K (or V)
             fwd += (c - 1) * max(0.0, comm("send_recv", 2 * block, "cp") - attn_fwd / c)

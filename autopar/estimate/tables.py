@@ -57,6 +57,9 @@ class AttentionOp:
     backward_flops: float
     kv_bytes: float  # keys + values, per sample (at the traced precision)
     io_bytes: float
+    # keys + values as context parallelism sends them: before a GQA repeat to the query heads
+    # (`_unrepeated_bytes`), as the runtime and Megatron/TransformerEngine exchange them
+    kv_sent_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -221,6 +224,28 @@ def _weight_copies(graph: ModelGraph) -> set[str]:
     return copies
 
 
+# ops that copy or reshape a tensor without computing on it: how a GQA repeat of the key and
+# value heads is traced (Hugging Face's `repeat_kv`: a slice, expand and reshape, a copy)
+_REPEATS = _VIEWS | {
+    f"aten.{op}"
+    for op in (
+        "clone.default", "contiguous.default", "repeat.default", "repeat_interleave.self_int",
+    )
+}  # fmt: skip
+
+
+def _unrepeated_bytes(name: str, nodes: dict[str, NodeInfo]) -> float:
+    """The bytes of an attention input before any repeat: the smallest tensor on its chain of
+    views and copies back to the op that computed it (a GQA model's K and V before they are
+    repeated to the query heads; the input itself where nothing repeats it)."""
+    least = value_bytes(nodes[name])
+    node = nodes[name]
+    while node.kind == "call" and node.op in _REPEATS and node.inputs and node.inputs[0] in nodes:
+        node = nodes[node.inputs[0]]
+        least = min(least, value_bytes(node))
+    return least
+
+
 def _is_float(node: NodeInfo) -> bool:
     return any(d.startswith(("float", "bfloat")) for d in node.dtypes)
 
@@ -267,10 +292,15 @@ def _layer_table(
         elif node.op_class in ("matmul", "attention"):
             if node.op_class == "attention":
                 kv = sum(value_bytes(nodes[i]) for i in acts[1:3])
+                sent = sum(_unrepeated_bytes(i, nodes) for i in acts[1:3])
                 attention_nodes.append(node.name)
                 attention.append(
                     AttentionOp(
-                        node.flops, node.backward_flops, kv, node.bytes_read + node.bytes_written
+                        node.flops,
+                        node.backward_flops,
+                        kv,
+                        node.bytes_read + node.bytes_written,
+                        sent,
                     )
                 )
             else:

@@ -81,9 +81,11 @@ class GQAttention(nn.Module):
     """Causal self-attention with grouped-query heads (Ainslie et al. 2023) and RoPE.
 
     `num_kv_heads` divides `num_heads`; each key/value head serves `num_heads // num_kv_heads`
-    query heads. Key/value heads are repeated with expand+reshape (as Hugging Face's `repeat_kv`)
-    rather than SDPA's `enable_gqa`, so the attention op sees equal head counts, which FLOP
-    counters and DTensor's attention rules expect.
+    query heads. The `attention_fn` hook takes the key/value heads unrepeated, with SDPA's
+    signature and `enable_gqa=True`; the default (`repeated_kv_attention`) repeats them with
+    expand+reshape (as Hugging Face's `repeat_kv`) rather than SDPA's `enable_gqa`, so the
+    attention op sees equal head counts, which FLOP counters and DTensor's attention rules
+    expect, while context parallelism's hook moves the K heads, not their N-head repeat.
     """
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, dropout: float = 0.0):
@@ -98,7 +100,7 @@ class GQAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden, bias=False)
         # called with SDPA's signature; context parallelism (autopar.runtime.context_parallel)
         # swaps in its own for the sequence shards
-        self.attention_fn = F.scaled_dot_product_attention
+        self.attention_fn = repeated_kv_attention
 
     def forward(
         self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor
@@ -110,11 +112,31 @@ class GQAttention(nn.Module):
         v_BKSD = self.v_proj(x_BSH).view(b, s, -1, d).transpose(1, 2)
         q_BNSD = apply_rope(q_BNSD, cos_SD, sin_SD)
         k_BKSD = apply_rope(k_BKSD, cos_SD, sin_SD)
-        k_BNSD = repeat_kv(k_BKSD, self.num_heads // self.num_kv_heads)
-        v_BNSD = repeat_kv(v_BKSD, self.num_heads // self.num_kv_heads)
         dropout_p = self.dropout if self.training else 0.0
-        y_BNSD = self.attention_fn(q_BNSD, k_BNSD, v_BNSD, is_causal=True, dropout_p=dropout_p)
+        y_BNSD = self.attention_fn(
+            q_BNSD, k_BKSD, v_BKSD, is_causal=True, dropout_p=dropout_p, enable_gqa=True
+        )
         return self.o_proj(y_BNSD.transpose(1, 2).reshape(b, s, -1))
+
+
+def repeated_kv_attention(
+    q_BNSD: torch.Tensor,
+    k_BKSD: torch.Tensor,
+    v_BKSD: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """SDPA over the key/value heads repeated to the query heads (`repeat_kv`): the zoo's
+    `GQAttention.attention_fn` by default (its docstring says why not `enable_gqa`)."""
+    n = q_BNSD.shape[1] // k_BKSD.shape[1]
+    if n != 1 and not enable_gqa:
+        raise ValueError(f"{q_BNSD.shape[1]} query heads but {k_BKSD.shape[1]} key heads")
+    return F.scaled_dot_product_attention(
+        q_BNSD, repeat_kv(k_BKSD, n), repeat_kv(v_BKSD, n), is_causal=is_causal,
+        dropout_p=dropout_p,
+    )  # fmt: skip
 
 
 def repeat_kv(x_BKSD: torch.Tensor, num_repeats: int) -> torch.Tensor:

@@ -40,7 +40,7 @@ def test_ring_exposes_only_what_a_blocks_attention_does_not_hide(
     (op,) = table.attention
     assert isinstance(op, AttentionOp)
     cfg = ParallelConfig(cp=4, cp_attention="ring", micro_batch_size=2)
-    k = op.kv_bytes * 2 / 2  # K (or V) of a micro-batch of 2, tp = 1, act_scale 1
+    k = op.kv_sent_bytes * 2 / 2  # K (or V) of a micro-batch of 2, tp = 1, act_scale 1
     block = k / 4
     fwd, bwd = _cp_comm(table, cfg, 1.0, _comm, attn_fwd, attn_bwd)
     want_f = 3 * max(0.0, 2 * block * 1e-9 - attn_fwd / 4)
@@ -80,3 +80,16 @@ def test_ring_is_refused_and_not_offered_where_attention_drops_probabilities():
     lim = replace(space_limits(model, graph, cluster, 2), max_cp=2)
     bounded, notes = runtime_limits(model, lim, "autopar", ({}, ""), "bf16")
     assert not bounded.cp_ring and any("no ring context parallelism" in n for n in notes)
+
+
+def test_the_ring_sends_keys_and_values_before_their_gqa_repeat(attention_layer):
+    # llama-tiny has 4 query heads and 2 key/value heads; its attention op reads K and V
+    # repeated to 4 (`repeat_kv`), while the ring and the all-gather move the 2 heads' (the
+    # runtime's `CPAttention`, Megatron's and TransformerEngine's): half the bytes here
+    cfg = zoo.config("llama-tiny")
+    (op,) = attention_layer.attention
+    assert op.kv_sent_bytes == op.kv_bytes * cfg.num_kv_heads / cfg.num_heads
+    mha = zoo.build("gpt-tiny", device="meta", num_layers=1)
+    tables = autopar.estimate.build_tables(autopar.trace(mha, zoo.example_inputs("gpt-tiny", mha)))
+    (whole,) = next(t for t in tables.layers if t.attention).attention
+    assert whole.kv_sent_bytes == whole.kv_bytes  # no repeat: what attention reads
