@@ -59,7 +59,7 @@ class AttentionOp:
     io_bytes: float
     # keys + values as context parallelism sends them: before a GQA repeat to the query heads
     # (`_unrepeated_bytes`), as the runtime and Megatron/TransformerEngine exchange them
-    kv_sent_bytes: float = 0.0
+    kv_sent_bytes: float
 
 
 @dataclass(frozen=True)
