@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autopar.estimate.graph_values import unrepeated_bytes, weight_copies
 from autopar.estimate.kernel_savings import fused_kernel_surplus, norm_upcasts, up_projection_region
 from autopar.estimate.module_regions import RegionTable, block_regions, region_tables
 from autopar.estimate.saved_split import DTYPE_BYTES, activation_split, value_bytes
@@ -58,7 +59,7 @@ class AttentionOp:
     kv_bytes: float  # keys + values, per sample (at the traced precision)
     io_bytes: float
     # keys + values as context parallelism sends them: before a GQA repeat to the query heads
-    # (`_unrepeated_bytes`), as the runtime and Megatron/TransformerEngine exchange them
+    # (`graph_values.unrepeated_bytes`), as the runtime and Megatron/TransformerEngine exchange them
     kv_sent_bytes: float
 
 
@@ -126,7 +127,7 @@ def build_tables(graph: ModelGraph) -> ModelTables:
     seq_len = graph.input_shapes[0][-1] if graph.input_shapes else 1
     hidden = _hidden_size(graph)
     float_bytes = _traced_float_bytes(graph)
-    derived = _weight_copies(graph)
+    derived = weight_copies(graph)
     kept = _whole_head_matmuls(graph)
     layers = tuple(_layer_table(layer, nodes, graph, derived, kept) for layer in graph.layers)
     return ModelTables(
@@ -185,71 +186,6 @@ def _is_expert(node: NodeInfo) -> bool:
     return "experts" in node.module_path.split(".")
 
 
-# ops whose output is a view of their input's memory: a view of a parameter holds no bytes
-_VIEWS = frozenset(
-    f"aten.{op}"
-    for op in (
-        "transpose.int", "t.default", "permute.default", "view.default", "_unsafe_view.default",
-        "reshape.default", "expand.default", "unsqueeze.default", "squeeze.dim", "alias.default",
-        "slice.Tensor", "select.int", "detach.default",
-    )
-)  # fmt: skip
-
-
-def _weight_copies(graph: ModelGraph) -> set[str]:
-    """Values that are a parameter's, not activations: computed from parameters alone with a
-    parameter gathered per token on the way (transformers' batched_mm experts, a model's own
-    choice, index an [E, f, h] weight by each token's expert), or views of a parameter (the
-    transposed expert stack its grouped_mm experts pass to the grouped GEMM). Real MoE kernels
-    read each expert's weights once and store no per-token copy, and a view stores nothing, so
-    these values are neither activations nor memory traffic here, and a matmul that reads one
-    is the experts' weight matmul."""
-    copies: set[str] = set()
-    weights: set[str] = set()
-    views: set[str] = set()  # a parameter, or a chain of views of one
-    for node in graph.nodes.values():
-        if node.kind == "parameter":
-            weights.add(node.name)
-            views.add(node.name)
-        elif node.kind == "call" and node.inputs:
-            if node.op in _VIEWS and node.inputs[0] in views:
-                views.add(node.name)
-                copies.add(node.name)
-            floats = [i for i in node.inputs if _is_float(graph.nodes[i])]
-            if floats and all(i in weights for i in floats):
-                weights.add(node.name)
-                gathered = node.op.startswith("aten.index") or any(i in copies for i in floats)
-                if gathered:
-                    copies.add(node.name)
-    return copies
-
-
-# ops that copy or reshape a tensor without computing on it: how a GQA repeat of the key and
-# value heads is traced (Hugging Face's `repeat_kv`: a slice, expand and reshape, a copy)
-_REPEATS = _VIEWS | {
-    f"aten.{op}"
-    for op in (
-        "clone.default", "contiguous.default", "repeat.default", "repeat_interleave.self_int",
-    )
-}  # fmt: skip
-
-
-def _unrepeated_bytes(name: str, nodes: dict[str, NodeInfo]) -> float:
-    """The bytes of an attention input before any repeat: the smallest tensor on its chain of
-    views and copies back to the op that computed it (a GQA model's K and V before they are
-    repeated to the query heads; the input itself where nothing repeats it)."""
-    least = value_bytes(nodes[name])
-    node = nodes[name]
-    while node.kind == "call" and node.op in _REPEATS and node.inputs and node.inputs[0] in nodes:
-        node = nodes[node.inputs[0]]
-        least = min(least, value_bytes(node))
-    return least
-
-
-def _is_float(node: NodeInfo) -> bool:
-    return any(d.startswith(("float", "bfloat")) for d in node.dtypes)
-
-
 def _layer_table(
     layer: LayerInfo,
     nodes: dict[str, NodeInfo],
@@ -292,7 +228,7 @@ def _layer_table(
         elif node.op_class in ("matmul", "attention"):
             if node.op_class == "attention":
                 kv = sum(value_bytes(nodes[i]) for i in acts[1:3])
-                sent = sum(_unrepeated_bytes(i, nodes) for i in acts[1:3])
+                sent = sum(unrepeated_bytes(i, nodes) for i in acts[1:3])
                 attention_nodes.append(node.name)
                 attention.append(
                     AttentionOp(
@@ -409,7 +345,7 @@ def tensor_parallel_roles(graph: ModelGraph) -> dict[str, str]:
     propagation). Routers, experts and MLA's down-projections are not split by TP and are
     left out. What autopar's runtime splits for a model whose projections it does not know
     by name (`autopar.runtime.tensor_parallel.tp_plan`'s ``roles``)."""
-    derived = _weight_copies(graph)
+    derived = weight_copies(graph)
     roles: dict[str, str] = {}
     for layer in graph.layers:
         if layer.kind != "block":
