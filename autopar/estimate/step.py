@@ -10,9 +10,11 @@ memory, MFU). `Estimator.evaluate` sequences the parts, each in its own module:
     pipeline        the schedule's simulation                        `StageTimer.pipeline`
     tail            gradient sync, optimizer, clipping per stage      `StageTimer.step_tail`
     memory          model state, activations, buffers per stage       `memory.StageMemory`
+    stragglers      the step at its slowest device's pace             `Cluster.straggler_share`
 
-    step = pipeline(stage forward/backward per micro-batch, m micro-batches)
-           + max over stages (exposed data-parallel sync + optimizer step + clipping)
+    step = (pipeline(stage forward/backward per micro-batch, m micro-batches)
+            + max over stages (exposed data-parallel sync + optimizer step + clipping))
+           x (1 + the slowest device's excess over the typical one)
 
 A config is priced as its stack runs it (`Estimator.as_run`: under a pipeline kept gathered
 over the step, FSDP's ZeRO-1 and ZeRO-2 as its ZeRO-3); the estimate names the config asked.
@@ -210,6 +212,7 @@ class Estimator:
             for ls, st in zip(layers, per_stage, strict=True)
         ]
         step = pipe_s + max(sum(t.values()) for t in tail)
+        slowest = step * self.cluster.straggler_share  # the pace of the slowest device
         stages = tuple(
             StageEstimate(
                 index=i,
@@ -221,6 +224,10 @@ class Estimator:
             )
             for i, (ls, st) in enumerate(zip(layers, per_stage, strict=True))
         )
+        breakdown = self.timer.breakdown(m, per_stage[busiest], pipe_s, tail[busiest])
+        if slowest:
+            breakdown["stragglers"] = slowest
+            step += slowest
         model_flops = self.tables.model_flops_per_sample * global_batch_size
         world = self.cluster.world_size
         return Estimate(
@@ -228,7 +235,7 @@ class Estimator:
             global_batch_size=global_batch_size,
             num_microbatches=m,
             step_time_s=step,
-            breakdown=self.timer.breakdown(m, per_stage[busiest], pipe_s, tail[busiest]),
+            breakdown=breakdown,
             stages=stages,
             peak_memory_bytes=max(s.memory.total_bytes for s in stages),
             model_flops=model_flops,

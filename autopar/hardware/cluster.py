@@ -24,6 +24,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 from autopar.errors import ProfileError
@@ -220,6 +221,20 @@ class Cluster:
         if self.slice_shape is not None or not slots or self.devices_per_node <= slots:
             return 1.0
         return slots / self.devices_per_node
+
+    @property
+    def straggler_share(self) -> float:
+        """How much longer than its typical device a synchronous step takes: it runs at the
+        pace of its slowest of ``world_size`` devices, whose speeds spread by the profile's
+        ``speed_spread`` (a relative standard deviation). The slowest of n normal draws sits
+        about Phi^-1((n - 0.375) / (n + 0.25)) deviations out (Blom's approximation of the
+        expected maximum: 4.5% over the exact value at n = 2, within 1% from n = 8 to 10^5;
+        the standard library's inverse normal, since none of the dependencies has the exact
+        order statistic): 1.43 at 8 devices, 2.58 at 128, 3.43 at 2,048."""
+        n, spread = self.world_size, self.profile.speed_spread
+        if n < 2 or not spread:
+            return 0.0
+        return spread * NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
 
     def pipeline_placement(self, pp: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
         """Per pipeline rank (pp is the outermost axis): the node it sits on and the devices it

@@ -37,6 +37,19 @@ Kind = Literal["gpu", "tpu", "cpu"]
 # quorum. local_cpu measures 2.2 ms (`benchmarks/ft_goodput.py`: two groups on one machine).
 FT_CONTROL_S = 0.005
 
+# The spread of sustained speed between devices of one model (relative standard deviation), for
+# GPU profiles that do not state their own: boost clocks under power and thermal management
+# differ from chip to chip, and a synchronous step runs at its slowest device's pace (the
+# cost of that: `autopar.hardware.cluster.Cluster.straggler_share`). Sinha et al., "Not All
+# GPUs Are Created Equal" (SC22, arXiv 2208.11035), measured 8% between the fastest and
+# slowest of thousands of same-SKU GPUs in GEMM-bound runs, some 1% as a standard deviation on
+# a cluster that size; 0.5% is the one value fitted over the 67 BF16 rows of
+# data/published_grids.csv, whose weak-scaling grids run 1.7-3.0% slower from their smallest
+# to their largest device count at the same work per device (benchmarks/published_grids.py:
+# median |error| 5.9% -> 4.8%). TPUs run their chips in lockstep at a fixed clock (0), and a
+# CPU profile is measured on the ranks it prices (0).
+GPU_SPEED_SPREAD = 0.005
+
 
 @dataclass(frozen=True)
 class Reliability:
@@ -95,6 +108,9 @@ class HardwareProfile:
     efficiency_stack: str = "megatron-lm"
     # device failures and checkpoint bandwidth ([reliability]); None where the profile has none
     reliability: Reliability | None = None
+    # relative standard deviation of the devices' sustained speed ([device] speed_spread;
+    # `GPU_SPEED_SPREAD` for a GPU profile that does not state it, else 0)
+    speed_spread: float = 0.0
 
     def as_text(self) -> str:
         d = self.device
@@ -266,7 +282,17 @@ def _parse(f: _Fields, origin: str) -> HardwareProfile:
         model_overhead_s=_runtime_overheads(f, sources, "model_overhead_s"),
         efficiency_stack=_efficiency_stack(f, kind),
         reliability=_reliability(f, sources),
+        speed_spread=_speed_spread(f, kind),
     )
+
+
+def _speed_spread(f: _Fields, kind: str) -> float:
+    if f.get("device.speed_spread", required=False) is None:
+        return GPU_SPEED_SPREAD if kind == "gpu" else 0.0
+    value = f.number("device.speed_spread", strict=False)
+    if value >= 1:
+        raise f.error("device.speed_spread", f"must be in [0, 1), got {value!r}")
+    return value
 
 
 def _reliability(f: _Fields, sources: dict[str, str]) -> Reliability | None:

@@ -21,9 +21,12 @@ GiB = 2**30
 # the breakdown's documented order (README); a loaded plan's dict comes back sorted by name
 TERM_ORDER = (
     *("compute_forward", "compute_backward", "recompute", "tp_comm", "cp_comm", "ep_comm"),
-    *("fsdp_comm", "pipeline_bubble", "dp_comm", "optimizer", "grad_clip"),
+    *("fsdp_comm", "pipeline_bubble", "dp_comm", "optimizer", "grad_clip", "stragglers"),
 )
-COMPUTE_TERMS = ("compute_forward", "compute_backward", "recompute", "optimizer", "grad_clip")
+COMPUTE_TERMS = (
+    *("compute_forward", "compute_backward", "recompute", "optimizer", "grad_clip"),
+    "stragglers",  # the step's work at its slowest device's pace
+)
 
 
 def summary_text(plan: Plan) -> str:

@@ -96,7 +96,6 @@ def test_data_parallel_all_reduce_with_and_without_overlap(stack_tables):
     assert after.evaluate(ParallelConfig(dp=2), 2).breakdown["dp_comm"] == pytest.approx(ring)
 
 
-
 class Embedded(nn.Module):
     """A token embedding larger than a gradient bucket, then equal linear layers."""
 
@@ -135,6 +134,7 @@ def test_the_last_bucket_holds_the_whole_embedding():
     exposed = max(reduce_scatter * emb / params, reduce_scatter - backward)
     exposed += all_gather * emb / params + max(0.0, all_gather * (1 - emb / params) - forward)
     assert zero1.breakdown["dp_comm"] == pytest.approx(exposed)
+
 
 def test_zero1_reduce_scatters_grads_and_gathers_params(stack_tables):
     _, tables = stack_tables
