@@ -38,6 +38,7 @@ one process (`tests/autopar/runtime/test_any_model.py`).
 
 Public:
     cp_refusal(model, inputs) -> str     # "" when context parallelism computes its attention
+    own_code_refusal(model, inputs) -> str  # why not, for a model with no Hugging Face config
     attention_route(model, inputs) -> Route(kind "interface" | "direct" | "", why, callers)
     sdpa_masks(make) -> context           # transformers' "sdpa" masks made by ``make``
     attention_dropout(model) -> float    # the ring (no dropout) refuses a model with p > 0
@@ -95,6 +96,42 @@ def cp_refusal(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str:
     """Why context parallelism would not compute ``model``'s attention (module docstring), or
     "". ``inputs``: one sample's, on meta."""
     return attention_route(model, inputs).why
+
+
+def own_code_refusal(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str:
+    """Why context parallelism would not run ``model``, which has no Hugging Face config
+    (nothing to switch its attention through) and no `autopar.runtime.parts` entry, naming
+    the module and the operation: a fake run (few blocks) notes its calls of torch's
+    scaled_dot_product_attention and nn.MultiheadAttention's. A call that attends both ways,
+    or under a mask the model made, says so (`_refusal`); a model that makes none attends
+    over no sequence; a causal one could be computed, but the runtime has no way to run the
+    model at a sequence shard's positions. ``inputs``: one sample's, on meta."""
+    name = type(model).__name__
+    seen = _Seen()
+    try:
+        with quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True):
+            args = tuple(fake_like(t) for t in inputs)
+            with few_blocks(model):
+                state = {k: fake_like(v) for k, v in meta_state(model).items()}
+                with _SDPAWatch(seen, kernels=True):
+                    functional_call(model, state, args)
+    except Exception as e:  # its code does not run on fake tensors: nothing can be read
+        first = str(e).splitlines()[0][:200] if str(e) else ""
+        return f"{name}'s forward does not run on fake tensors ({type(e).__name__}: {first})"
+    seq = inputs[0].shape[1] if inputs and inputs[0].dim() > 1 else 0
+    if why := _refusal(model, seen, seq):
+        return why
+    if not seen.calls:
+        return (
+            f"{name} calls no scaled dot-product attention (torch's, or nn.MultiheadAttention's): "
+            "it attends over no sequence for context parallelism to cut"
+        )
+    where = dict((id(m), p) for p, m in model.named_modules()).get(id(seen.calls[0][0]), name)
+    return (
+        f"{where} attends causally, but {name} has no Hugging Face config whose attention "
+        "implementation can be set, nor an autopar.runtime.parts entry: the runtime cannot run "
+        "it at a sequence shard's positions"
+    )
 
 
 class Route(NamedTuple):
@@ -265,11 +302,13 @@ class _SDPAWatch(TorchFunctionMode):
     """Notes each call of `F.scaled_dot_product_attention` as (the innermost module running,
     "sdpa" or how its mask was made, the mask's window, {is_causal, masked}) and returns an
     empty output of its shape; the innermost module is kept by global forward hooks while
-    the mode is on."""
+    the mode is on. ``kernels``: nn.MultiheadAttention's calls are noted too, as SDPA calls
+    of its module (its functional form calls SDPA where the mode no longer sees it)."""
 
-    def __init__(self, seen: _Seen) -> None:
+    def __init__(self, seen: _Seen, kernels: bool = False) -> None:
         super().__init__()
         self.seen, self.stack, self.handles = seen, [], []
+        self.kernels = kernels
 
     def __enter__(self):
         from torch.nn.modules import module as nn_module
@@ -293,6 +332,13 @@ class _SDPAWatch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.kernels and func is F.multi_head_attention_forward:
+            bound = _MHA_SIGNATURE.bind(*args, **kwargs).arguments
+            mask = bound.get("attn_mask")
+            facts = {"is_causal": bool(bound.get("is_causal")), "masked": mask is not None}
+            module = self.stack[-1] if self.stack else None
+            self.seen.calls.append((module, "sdpa" if mask is None else "own", None, facts))
+            return func(*args, **kwargs)
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         query, key, value, mask, _, is_causal, *_ = sdpa_arguments(*args, **kwargs)
@@ -305,6 +351,9 @@ class _SDPAWatch(TorchFunctionMode):
         facts = {"is_causal": bool(is_causal), "masked": mask is not None}
         self.seen.calls.append((module, kind, window, facts))
         return query.new_empty(*query.shape[:-1], value.shape[-1])
+
+
+_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 
 def sdpa_arguments(

@@ -64,7 +64,7 @@ from autopar.errors import ConfigError
 from autopar.estimate.stacks import load_stack, stack_names
 from autopar.estimate.tables import tensor_parallel_roles
 from autopar.hardware.profile import HardwareProfile
-from autopar.runtime.attention_check import attention_dropout, cp_refusal
+from autopar.runtime.attention_check import attention_dropout, cp_refusal, own_code_refusal
 from autopar.runtime.expert_parallel import is_moe_block
 from autopar.runtime.expert_tensor_parallel import expert_split_problem
 from autopar.runtime.hf_experts import is_hf_experts
@@ -101,11 +101,12 @@ def traced_roles(model: nn.Module, graph: ModelGraph) -> CheckedRoles:
 def attention_refusal(model: nn.Module, graph: ModelGraph) -> str:
     """Why context parallelism would not compute ``model``'s attention, or "": for a model
     with a Hugging Face config, `attention_check.cp_refusal` on the trace's inputs (its own
-    code's attention calls and masks); for another, whether autopar's `parts` cut it and its
-    attention modules take an `attention_fn` (the zoo's)."""
-    name = type(model).__name__
+    code's attention calls and masks); for another, "" where autopar's `parts` cut it (the
+    zoo's attention modules take an `attention_fn`), else `attention_check.own_code_refusal`."""
     if not hasattr(getattr(model, "config", None), "_attn_implementation"):
-        return "" if has_parts(model) else _no_cp(name)
+        own = "" if has_parts(model) else own_code_refusal(model, _meta_inputs(graph))
+        name = type(model).__name__
+        return f"autopar's runtime cannot run context parallelism on {name}: {own}" if own else ""
     why = cp_refusal(model, _meta_inputs(graph))
     return (
         f"autopar's runtime computes causal attention under context parallelism: {why}"

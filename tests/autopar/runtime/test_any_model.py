@@ -91,14 +91,16 @@ def styles(n: int) -> dict[str, C]:
 # count (`autopar.runtime.split_check`) and nn.MultiheadAttention holds its weights outside a
 # linear layer
 _NO_TP = "blocks replicated"
-_NO_CP = "context parallelism on models it can call at a sequence shard's positions"
+# a model with no Hugging Face config nor parts entry: its own attention calls, named
+_BOTH_WAYS = "layers.0.self_attn calls torch's scaled_dot_product_attention with no mask and "
 _NO_PP = "cannot cut"
 _OWN_CODE = "multiplies by its weights in its own code"
 _FAILS = "its code fails with"
 REFUSED = {
     **{(m, s): why for m, why in (("mha", _OWN_CODE), ("classifier", _NO_TP), ("t5", _FAILS))
        for s in ("TP", "TP+SP")},
-    **{(m, "CP"): _NO_CP for m in ("mha", "classifier")},
+    ("mha", "CP"): _BOTH_WAYS,
+    ("classifier", "CP"): "Classifier calls no scaled dot-product attention",
     ("bert", "CP"): "bert.encoder.layer.0.attention.self attends under a mask that is neither",
     ("t5", "CP"): "Seq2Seq has no set_attn_implementation",
     ("vit", "CP"): "ViTForImageClassification.forward takes no position_ids",
@@ -133,7 +135,7 @@ FAMILY_REFUSED = {
                       "from the meta device's tensors",
     ("llama4", "CP"): "model.layers.0.self_attn attends under a mask made from the run's own",
     ("mamba2", "CP"): "Mamba2ForCausalLM.forward takes no position_ids",
-    ("encoder", "CP"): _NO_CP,
+    ("encoder", "CP"): _BOTH_WAYS,
     ("modernbert", "CP"): "model.layers.0.attn attends under a mask that is neither",
     ("mpt", "CP"): "MptForCausalLM.forward takes no position_ids",
 }  # fmt: skip

@@ -320,3 +320,62 @@ def test_context_parallelism_is_decided_from_the_models_own_attention_calls():
     ))  # fmt: skip
     with pytest.raises(ConfigError, match=r"cp=2: .*model.layers.0.self_attn soft-caps"):
         autopar.evaluate(gemma2, cluster, config, inputs, global_batch_size=8)
+
+
+class _OwnAttention(nn.Module):
+    """A language model of the user's own: blocks of nn.TransformerEncoderLayer (``mask``: a
+    causal mask its forward makes), or of a projection and torch's SDPA, causal, called in
+    its own code (``sdpa``)."""
+
+    def __init__(self, mask: bool = False, sdpa: bool = False) -> None:
+        super().__init__()
+        self.mask, self.sdpa = mask, sdpa
+        self.embed = nn.Embedding(64, 32)
+        block = (lambda: _CausalSDPA()) if sdpa else (
+            lambda: nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        )  # fmt: skip
+        self.layers = nn.ModuleList(block() for _ in range(2))
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        seq = ids.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(seq, device=ids.device)
+        for layer in self.layers:
+            h = layer(h) if self.sdpa or not self.mask else layer(h, src_mask=mask, is_causal=True)
+        return self.head(h)
+
+
+class _CausalSDPA(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(h).unflatten(-1, (3, 4, 8)).permute(2, 0, 3, 1, 4)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return h + out.transpose(1, 2).flatten(2)
+
+
+@pytest.mark.parametrize(
+    ("model", "words"),
+    [
+        (_OwnAttention(), r"layers.0.self_attn calls torch's scaled_dot_product_attention with "
+                          r"no mask and is_causal=False: it attends both ways"),
+        (_OwnAttention(mask=True), r"layers.0.self_attn is handed an attention mask "
+                                   r"_OwnAttention's own code made"),
+        (_OwnAttention(sdpa=True), r"layers.0 attends causally, but _OwnAttention has no Hugging "
+                                   r"Face config .* nor an autopar.runtime.parts entry"),
+        (Classifier(), r"Classifier calls no scaled dot-product attention"),
+    ],
+)  # fmt: skip
+def test_context_parallelism_on_a_users_own_model_is_refused_naming_its_attention(model, words):
+    """Issue 47: a model with no Hugging Face config and no parts entry is refused cp by what
+    its own attention calls do (nn.MultiheadAttention's included), not by its class name."""
+    cluster = autopar.Cluster.from_profile("local_cpu", 1, num_devices=2)
+    config = autopar.ParallelConfig(cp=2, micro_batch_size=1)
+    inputs = (torch.randn(1, 32),) if isinstance(model, Classifier) else (
+        torch.randint(0, 64, (1, 16)),
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=rf"cp=2: .*on {type(model).__name__}: {words}"):
+        autopar.evaluate(model, cluster, config, inputs, global_batch_size=4, precision="fp32")
