@@ -109,12 +109,7 @@ def own_code_refusal(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str:
     name = type(model).__name__
     seen = _Seen()
     try:
-        with quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True):
-            args = tuple(fake_like(t) for t in inputs)
-            with few_blocks(model):
-                state = {k: fake_like(v) for k, v in meta_state(model).items()}
-                with _SDPAWatch(seen, kernels=True):
-                    functional_call(model, state, args)
+        _fake_forward(model, inputs, _SDPAWatch(seen, kernels=True), {}, seen)
     except Exception as e:  # its code does not run on fake tensors: nothing can be read
         first = str(e).splitlines()[0][:200] if str(e) else ""
         return f"{name}'s forward does not run on fake tensors ({type(e).__name__}: {first})"
@@ -126,7 +121,7 @@ def own_code_refusal(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str:
             f"{name} calls no scaled dot-product attention (torch's, or nn.MultiheadAttention's): "
             "it attends over no sequence for context parallelism to cut"
         )
-    where = dict((id(m), p) for p, m in model.named_modules()).get(id(seen.calls[0][0]), name)
+    where = {id(m): p for p, m in model.named_modules()}.get(id(seen.calls[0][0]), name)
     return (
         f"{where} attends causally, but {name} has no Hugging Face config whose attention "
         "implementation can be set, nor an autopar.runtime.parts entry: the runtime cannot run "
@@ -212,21 +207,30 @@ def _probe(model: nn.Module, inputs: tuple[torch.Tensor, ...], direct: bool) -> 
             watch = contextlib.ExitStack()
             watch.enter_context(sdpa_masks(_mask(seen)))
             watch.enter_context(_SDPAWatch(seen))
-        with quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True):
-            args = tuple(fake_like(t) for t in inputs)
-            with few_blocks(model):
-                state = {k: fake_like(v) for k, v in meta_state(model).items()}
-                # with a cache (even where the config says none): transformers then reads no
-                # packing from the positions, a read of values a fake tensor has not
-                with watch:
-                    functional_call(
-                        model, state, args, {"use_cache": True} if "use_cache" in takes else {}
-                    )
-                silent = _silent_blocks(model, {id(m) for m, *_ in seen.calls})
+        # with a cache (even where the config says none): transformers then reads no
+        # packing from the positions, a read of values a fake tensor has not
+        silent = _fake_forward(
+            model, inputs, watch, {"use_cache": True} if "use_cache" in takes else {}, seen
+        )
     finally:
         if config._attn_implementation != before:
             model.set_attn_implementation(before)
     return seen, silent
+
+
+def _fake_forward(
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], watch: Any, kwargs: dict, seen: _Seen
+) -> str:
+    """``model``'s forward on fake tensors of its parameters and ``inputs`` (few blocks,
+    `split_check.few_blocks`) within ``watch``, which notes calls in ``seen``; the first block
+    that made none (`_silent_blocks`)."""
+    with quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True):
+        args = tuple(fake_like(t) for t in inputs)
+        with few_blocks(model):
+            state = {k: fake_like(v) for k, v in meta_state(model).items()}
+            with watch:
+                functional_call(model, state, args, kwargs)
+            return _silent_blocks(model, {id(m) for m, *_ in seen.calls})
 
 
 @contextlib.contextmanager
