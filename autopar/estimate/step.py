@@ -212,7 +212,6 @@ class Estimator:
             for ls, st in zip(layers, per_stage, strict=True)
         ]
         step = pipe_s + max(sum(t.values()) for t in tail)
-        slowest = step * self.cluster.straggler_share  # the pace of the slowest device
         stages = tuple(
             StageEstimate(
                 index=i,
@@ -225,6 +224,7 @@ class Estimator:
             for i, (ls, st) in enumerate(zip(layers, per_stage, strict=True))
         )
         breakdown = self.timer.breakdown(m, per_stage[busiest], pipe_s, tail[busiest])
+        slowest = step * self.cluster.straggler_share  # the pace of the slowest device
         if slowest:
             breakdown["stragglers"] = slowest
             step += slowest

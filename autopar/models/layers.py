@@ -130,13 +130,19 @@ def repeated_kv_attention(
 ) -> torch.Tensor:
     """SDPA over the key/value heads repeated to the query heads (`repeat_kv`): the zoo's
     `GQAttention.attention_fn` by default (its docstring says why not `enable_gqa`)."""
-    n = q_BNSD.shape[1] // k_BKSD.shape[1]
-    if n != 1 and not enable_gqa:
-        raise ValueError(f"{q_BNSD.shape[1]} query heads but {k_BKSD.shape[1]} key heads")
+    n = kv_repeats(q_BNSD, k_BKSD, enable_gqa)
     return F.scaled_dot_product_attention(
         q_BNSD, repeat_kv(k_BKSD, n), repeat_kv(v_BKSD, n), is_causal=is_causal,
         dropout_p=dropout_p,
     )  # fmt: skip
+
+
+def kv_repeats(q_BNSD: torch.Tensor, k_BKSD: torch.Tensor, enable_gqa: bool) -> int:
+    """How many query heads each key/value head serves; as SDPA, unequal head counts only with
+    ``enable_gqa`` (a ValueError naming both counts otherwise)."""
+    if k_BKSD.shape[1] != q_BNSD.shape[1] and not enable_gqa:
+        raise ValueError(f"{q_BNSD.shape[1]} query heads but {k_BKSD.shape[1]} key heads")
+    return q_BNSD.shape[1] // k_BKSD.shape[1]
 
 
 def repeat_kv(x_BKSD: torch.Tensor, num_repeats: int) -> torch.Tensor:

@@ -111,10 +111,8 @@ def own_code_refusal(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> str:
     try:
         _fake_forward(model, inputs, _SDPAWatch(seen, kernels=True), {}, seen)
     except Exception as e:  # its code does not run on fake tensors: nothing can be read
-        first = str(e).splitlines()[0][:200] if str(e) else ""
-        return f"{name}'s forward does not run on fake tensors ({type(e).__name__}: {first})"
-    seq = inputs[0].shape[1] if inputs and inputs[0].dim() > 1 else 0
-    if why := _refusal(model, seen, seq):
+        return _not_on_fake(name, e)
+    if why := _refusal(model, seen, _seq_len(inputs)):
         return why
     if not seen.calls:
         return (
@@ -153,7 +151,7 @@ def attention_route(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Route
     if "position_ids" not in inspect.signature(model.forward).parameters:
         why = "a sequence shard cannot say where it is"
         return Route("", f"{name}.forward takes no position_ids: {why}")
-    seq = inputs[0].shape[1] if inputs and inputs[0].dim() > 1 else 0
+    seq = _seq_len(inputs)
     # a model whose attention does not follow the interface says so (transformers then
     # leaves its implementation as it is): only its own SDPA calls can be replaced
     settable = getattr(model, "_can_set_attn_implementation", lambda: True)()
@@ -171,9 +169,7 @@ def attention_route(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Route
                 return Route("interface", _refusal(model, seen, seq))
         direct, still = _probe(model, inputs, direct=True)
     except Exception as e:  # its code does not run on fake tensors: nothing can be read
-        first = str(e).splitlines()[0][:200] if str(e) else ""
-        why = f"({type(e).__name__}: {first})"
-        return Route("", f"{name}'s forward does not run on fake tensors {why}")
+        return Route("", _not_on_fake(name, e))
     callers = tuple(dict.fromkeys(type(m) for m, *_ in direct.calls))
     if still or not callers or type(None) in callers:
         return Route("", (
@@ -182,6 +178,18 @@ def attention_route(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> Route
             "the sequence some other way, which context parallelism would cut"
         ))  # fmt: skip
     return Route("direct", _refusal(model, direct, seq), callers)
+
+
+def _seq_len(inputs: tuple[torch.Tensor, ...]) -> int:
+    """The tokens of one sample's first input ([batch, seq, ...]), 0 where it has no sequence."""
+    return inputs[0].shape[1] if inputs and inputs[0].dim() > 1 else 0
+
+
+def _not_on_fake(name: str, e: Exception) -> str:
+    """Why nothing could be read of ``name``'s attention: its forward failed on fake tensors
+    with ``e`` (its first line)."""
+    first = str(e).splitlines()[0][:200] if str(e) else ""
+    return f"{name}'s forward does not run on fake tensors ({type(e).__name__}: {first})"
 
 
 def _probe(model: nn.Module, inputs: tuple[torch.Tensor, ...], direct: bool) -> tuple[_Seen, str]:

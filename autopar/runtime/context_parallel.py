@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from autopar.models.layers import kv_repeats
 from autopar.runtime import parts as model_parts
 from autopar.runtime.attention_check import sdpa_arguments, sdpa_masks
 from autopar.runtime.collectives import (
@@ -179,8 +180,7 @@ class CPAttention:
     ) -> torch.Tensor:
         if attn_mask is not None:
             raise NotImplementedError("context-parallel attention takes no explicit attn_mask")
-        if k.shape[1] != q.shape[1] and not enable_gqa:
-            raise ValueError(f"{q.shape[1]} query heads but {k.shape[1]} key heads")
+        kv_repeats(q, k, enable_gqa)  # refuses unequal head counts without enable_gqa
         o = self.options
         return cp_attention(
             q, k, v, self.group, o.layout, o.kind, is_causal, scale, dropout_p, window
