@@ -186,6 +186,8 @@ def _evaluate(run: GridRun, model, graph, base: Priced, changes: dict) -> Priced
     )
     options = autopar.load_stack(run.stack).options
     options = replace(options, **{**dict(run.option_changes), **changes})
+    if run.stage_plan:
+        return _evaluate_stages(run, graph, cluster, options, base, common)
     try:
         plan = autopar.evaluate(
             model,
@@ -205,6 +207,39 @@ def _evaluate(run: GridRun, model, graph, base: Priced, changes: dict) -> Priced
             "predicted_s": plan.step_time_s,
             "predicted_memory": plan.peak_memory_bytes,
             "breakdown": dict(plan.breakdown),
+        }
+    )
+
+
+def _evaluate_stages(run: GridRun, graph, cluster, options, base: Priced, common: dict) -> Priced:
+    """An Aceso row: its stages' own meshes priced by `Estimator.evaluate_stages`."""
+    from aceso_plans import load_plans, operator_saved_bytes, operator_seconds, stage_meshes
+
+    from autopar.estimate import Estimator, build_tables
+
+    tables = build_tables(graph)
+    estimator = Estimator(tables, cluster, precision=run.precision, options=options)
+    plan = load_plans()[run.stage_plan]
+    d, device = run.dims, cluster.profile.device
+    weights = operator_seconds(d.hidden, d.seq_len, d.num_heads, device.peak(run.precision),
+                               device.memory_bandwidth_bytes_per_s)  # fmt: skip
+    names = [t.name for t in tables.layers]
+    blocks = [t.name for t in tables.layers if t.kind == "block"]
+    saved = operator_saved_bytes(d.hidden, d.seq_len, d.num_heads)
+    stages = stage_meshes(plan, names, blocks, weights, saved)
+    try:
+        estimate = estimator.evaluate_stages(stages, run.global_batch, plan["micro_batch_size"])
+    except autopar.AutoparError as e:
+        return Priced(**{**asdict(base), **common, "skipped": str(e).splitlines()[0]})
+    meshes = " ".join(f"{s.tp}x{s.dp}" for s in stages)
+    return Priced(
+        **{
+            **asdict(base),
+            **common,
+            "config": f"{common['config']} stages tp x dp: {meshes}",
+            "predicted_s": estimate.step_time_s,
+            "predicted_memory": estimate.peak_memory_bytes,
+            "breakdown": dict(estimate.breakdown),
         }
     )
 

@@ -77,6 +77,7 @@ PROFILES = (  # hardware text -> shipped profile (first match)
     ("H100", "dgx_h100"),
     ("A100 80GB", "dgx_a100_80g"),
     ("A100 40GB", "dgx_a100_40g"),
+    ("A100-SXM4-40GB", "dgx_a100_40g"),
     ("16x V100 (1 node)", "dgx2_v100"),  # 16 V100 in one node: a DGX-2 (NVSwitch)
     ("V100", "dgx_v100"),
     ("DGX-GB200", "gb200_nvl72"),
@@ -121,6 +122,8 @@ class GridRun:
     measured_from: str = ""
     measured_memory_bytes: float | None = None
     ran: bool = True  # False: the source reports the config as not runnable
+    # an Aceso plan: its key in data/aceso_stages.json (stages of their own meshes)
+    stage_plan: str = ""
     # settings the row states that differ from its stack's defaults (CostOptions fields)
     option_changes: tuple[tuple[str, object], ...] = ()
     assumptions: tuple[str, ...] = ()
@@ -150,6 +153,8 @@ def parse_row(row: dict[str, str], run_id: str) -> GridRun:
     if skip:
         return GridRun(**{**base.__dict__, "skip": skip, "precision": _precision(row["precision"])})
     notes: list[str] = []
+    if "aceso" in row["source_id"]:
+        return _aceso(row, base, notes)
     dims, family = _dims(row, notes)
     num_devices = _int(row["hardware"].split("x")[0])
     profile = next((p for key, p in PROFILES if key in row["hardware"]), "")
@@ -194,6 +199,40 @@ def parse_row(row: dict[str, str], run_id: str) -> GridRun:
     )
 
 
+def _aceso(row: dict[str, str], base: GridRun, notes: list[str]) -> GridRun:
+    """An Aceso row: its plan's stages (data/aceso_stages.json, `aceso_plans`) on the row's
+    devices, priced as Megatron-LM (Aceso's runtime is built on it) in FP16."""
+    shape = re.search(r"(\d+)L h(\d+) (\d+)H", row["model"])
+    layers, hidden, heads = (int(x) for x in shape.groups())
+    seq = int(row["seq_len"])
+    # Aceso's Megatron: attention step by step (its score, softmax, dropout and context
+    # operators), GPT-2's vocabulary, dropout 0.1
+    dims = ModelDims(layers, hidden, 4 * hidden, heads, heads, GPT2_VOCAB, seq,
+                     attention="math", dropout=0.1)  # fmt: skip
+    notes.append(f"vocab {GPT2_VOCAB} (GPT-2's), ffn 4h, math attention, dropout 0.1")
+    notes.append("each stage's tp, dp, operators and recompute list: data/aceso_stages.json")
+    num_devices = _int(row["hardware"].split("x")[0])
+    mbs, batch, pp = _int(row["mbs"]), _int(row["gbs"]), _int(row["pp"])
+    config = autopar.ParallelConfig(pp=pp, micro_batch_size=mbs, recompute="selective")
+    step = re.search(r"iteration_time=([0-9.]+)ms", row["measured"])
+    return GridRun(
+        **{
+            **base.__dict__,
+            "dims": dims,
+            "profile": next((p for key, p in PROFILES if key in row["hardware"]), ""),
+            "num_devices": num_devices,
+            "config": config,
+            "global_batch": batch,
+            "precision": _precision(row["precision"]),
+            "stack": "megatron-lm",
+            "measured_step_s": float(step.group(1)) / 1e3,
+            "measured_from": "iteration time (Aceso's runtime csv, stage 0 rank 0)",
+            "stage_plan": re.search(r"config (\S+\.json)", row["source"]).group(1),
+            "assumptions": tuple(notes),
+        }
+    )
+
+
 def _option_changes(row: dict[str, str], notes: list[str]) -> tuple[tuple[str, object], ...]:
     """Settings the row states that differ from its stack's defaults."""
     changes: list[tuple[str, object]] = []
@@ -232,8 +271,6 @@ def _precision(text: str) -> str:
 
 def _unsupported(row: dict[str, str]) -> str | None:
     source = row["source_id"]
-    if "aceso" in source:
-        return "per-stage tensor-parallel degrees (Aceso's non-uniform stages): not expressible"
     if source.startswith("maxtext"):
         return "MaxText runs JAX/XLA: autopar prices PyTorch stacks only"
     if "BERT" in row["model"]:

@@ -62,6 +62,7 @@ from autopar.estimate.mesh import MeshGroups
 from autopar.estimate.options import CostOptions, stack_problems
 from autopar.estimate.stacks import load_stack
 from autopar.estimate.stage_time import StageTimer, StageTimes
+from autopar.estimate.staged import StageMesh, evaluate_stages
 from autopar.estimate.stages import (
     Chunks,
     chunk_weights,
@@ -241,6 +242,17 @@ class Estimator:
             model_flops=model_flops,
             mfu=model_flops / (step * world * self.peak_flops),
         )
+
+    def evaluate_stages(
+        self,
+        stages: list[StageMesh],
+        global_batch_size: int,
+        micro_batch_size: int,
+        shared: ParallelConfig | None = None,
+    ) -> Estimate:
+        """Price a pipeline whose stages have meshes and cuts of their own, ``shared`` giving
+        what they have in common (`autopar.estimate.staged`)."""
+        return evaluate_stages(self, stages, global_batch_size, micro_batch_size, shared)
 
     def _stage_times(
         self,

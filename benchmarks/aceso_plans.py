@@ -1,0 +1,110 @@
+"""Aceso's searched plans (data/aceso_stages.json) as autopar's per-stage meshes.
+
+In: a plan of data/aceso_stages.json (per stage: how many of Aceso's GPT operators it runs,
+its tp and dp, which operators it recomputes) and the layer names of the traced model, in
+order. Out: one `StageMesh` per stage (`autopar.estimate.staged`).
+
+Aceso cuts stages between operators: the embedding, 13 per transformer layer, the final
+layernorm and the post-process (logits and loss). A stage's share of a layer is the share of
+that layer's forward time in the operators it holds, and its recompute share that of the
+operators it recomputes. An operator's time is its FLOPs at the device's peak plus its bytes
+at its memory bandwidth: Aceso's Megatron runs attention step by step (score, softmax,
+dropout, context), whose s x s x heads probabilities make the softmax and the dropout cost a
+share of the layer that GEMM FLOPs alone would miss. What a part keeps of the layer's
+activations is the share of the layer's saved bytes (Korthikanti et al. 2022's 34 s h + 5 a s^2
+per layer, operator by operator) in the operators it holds and does not recompute. The
+embedding's operator takes the layers before the first block, the post-process the layers
+after the last.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from autopar.estimate import StageMesh, StagePart
+
+PLANS = Path(__file__).resolve().parents[1] / "data" / "aceso_stages.json"
+BLOCK_OPS = 13  # Aceso's operators per GPT layer (data/aceso_stages.json "operators")
+
+
+def load_plans(path: Path = PLANS) -> dict[str, dict]:
+    """The plans by the config path the csv's source names."""
+    return json.loads(path.read_text())["plans"]
+
+
+def operator_seconds(hidden: int, seq: int, heads: int, peak_flops: float, bandwidth: float):
+    """Per token, the forward seconds of each of a layer's 13 operators in order (2-byte
+    activations; a 0.1 dropout keeps a 1-byte mask)."""
+    h, s, a = hidden, seq, heads
+
+    def op(flops: float, nbytes: float) -> float:
+        return flops / peak_flops + nbytes / bandwidth
+
+    return [
+        op(0, 4 * h),  # 1st layernorm: read and write h
+        op(6 * h * h, 2 * 4 * h),  # qkv GEMM
+        op(2 * s * h, 2 * (3 * h + s * a)),  # scores Q K^T: s probabilities per head
+        op(0, 4 * s * a),  # softmax over them
+        op(0, 5 * s * a),  # their dropout and its mask
+        op(2 * s * h, 2 * (s * a + 2 * h)),  # context: probabilities times V
+        op(2 * h * h, 4 * h),  # attention output GEMM
+        op(0, 5 * h),  # dropout after attention
+        op(0, 4 * h),  # 2nd layernorm
+        op(8 * h * h, 2 * 5 * h),  # MLP up GEMM
+        op(0, 16 * h),  # gelu on 4h
+        op(8 * h * h, 2 * 5 * h),  # MLP down GEMM
+        op(0, 5 * h),  # dropout after the MLP
+    ]
+
+
+def operator_saved_bytes(hidden: int, seq: int, heads: int) -> list[float]:
+    """Per token, the bytes each of a layer's 13 operators saves for its backward without
+    recompute (Korthikanti et al. 2022, sec. 4.1: 2-byte activations, 1-byte dropout masks)."""
+    h, sa = hidden, seq * heads
+    attention = [2 * h, 2 * h, 4 * h, 2 * sa, sa, 2 * sa + 2 * h, 2 * h, h]
+    return [*attention, 2 * h, 2 * h, 8 * h, 8 * h, h]
+
+
+def stage_meshes(
+    plan: dict,
+    layer_names: list[str],
+    block_names: list[str],
+    weights: list[float],
+    saved: list[float],
+) -> list[StageMesh]:
+    """``plan``'s stages over the model's layers (``layer_names`` in order, of which
+    ``block_names`` are the transformer layers), each layer operator weighted by ``weights``
+    (`operator_seconds`) in time and ``saved`` (`operator_saved_bytes`) in memory."""
+    if len(block_names) != plan["num_layers"]:
+        raise ValueError(f"the plan has {plan['num_layers']} layers, the model {len(block_names)}")
+    first = layer_names.index(block_names[0])
+    last = layer_names.index(block_names[-1])
+    total, total_saved = sum(weights), sum(saved)
+    out, op = [], 0
+    for stage in plan["stages"]:
+        held: dict[str, list[float]] = {}  # layer -> [share, recompute, keeps]
+        for flag in stage["recompute"]:
+            if op == 0:
+                names = layer_names[:first]
+                part = (1.0, 0.0, 1.0)
+            elif op > BLOCK_OPS * len(block_names):  # final layernorm, post-process
+                names = layer_names[last + 1 :] if op == 2 + BLOCK_OPS * len(block_names) else []
+                part = (1.0, 0.0, 1.0)
+            else:
+                block, k = divmod(op - 1, BLOCK_OPS)
+                names = [block_names[block]]
+                w, kept = weights[k] / total, saved[k] / total_saved
+                part = (w, w, 0.0) if flag == "1" else (w, 0.0, kept)
+            for name in names:
+                got = held.setdefault(name, [0.0, 0.0, 0.0])
+                for j in range(3):
+                    got[j] += part[j]
+            op += 1
+        parts = tuple(
+            StagePart(name, min(1.0, share), min(recompute, share), min(1.0, keeps))
+            for name, (share, recompute, keeps) in held.items()
+            if share > 0
+        )
+        out.append(StageMesh(parts, tp=stage["tp"], dp=stage["dp"]))
+    return out

@@ -1,0 +1,169 @@
+"""Pipelines whose stages have meshes and cuts of their own (`Estimator.evaluate_stages`).
+
+Uniform stages price exactly as `Estimator.evaluate` prices the same config; a stage of its own
+tp prices as that tp's uniform config prices its stage; a layer cut between two stages costs
+each its share; bad stages are refused naming what is wrong; Aceso's shipped plans map onto
+the model's layers once each."""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import autopar
+from autopar.estimate import Estimator, StageMesh, StagePart, build_tables, load_stack
+
+ROOT = Path(__file__).resolve().parents[3]
+BATCH, MICRO = 16, 2
+
+
+@pytest.fixture(scope="module")
+def tables():
+    from autopar.models import zoo
+
+    model = zoo.build("gpt-tiny", device="meta", num_layers=4, hidden=512, num_heads=8,
+                      seq_len=512)  # fmt: skip
+    return build_tables(autopar.trace(model, zoo.example_inputs("gpt-tiny", model)))
+
+
+def _estimator(tables, devices: int) -> Estimator:
+    cluster = autopar.Cluster.from_profile("dgx_a100_40g", num_devices=devices)
+    return Estimator(tables, cluster, options=load_stack("megatron-lm").options)
+
+
+def _meshes(estimate, tp: int, recompute: float) -> list[StageMesh]:
+    return [
+        StageMesh(
+            tuple(
+                StagePart(n, 1.0, recompute if n.startswith("blocks") else 0.0)
+                for n in stage.layers
+            ),
+            tp=tp,
+        )  # fmt: skip
+        for stage in estimate.stages
+    ]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_uniform_stages_price_as_the_uniform_config(tables, tp, policy):
+    estimator = _estimator(tables, 2 * tp)
+    cfg = autopar.ParallelConfig(pp=2, tp=tp, micro_batch_size=MICRO, recompute=policy)
+    want = estimator.evaluate(cfg, BATCH)
+    got = estimator.evaluate_stages(_meshes(want, tp, float(policy == "full")), BATCH, MICRO)
+    assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-12)
+    assert got.peak_memory_bytes == pytest.approx(want.peak_memory_bytes, rel=1e-12)
+    for key, value in want.breakdown.items():
+        assert got.breakdown[key] == pytest.approx(value, rel=1e-9, abs=1e-15), key
+
+
+def test_each_stage_prices_at_its_own_tensor_parallel_degree(tables):
+    one = _estimator(tables, 2).evaluate(
+        autopar.ParallelConfig(pp=2, micro_batch_size=MICRO), BATCH
+    )
+    two = _estimator(tables, 4).evaluate(
+        autopar.ParallelConfig(pp=2, tp=2, micro_batch_size=MICRO), BATCH
+    )
+    stages = [_meshes(one, 1, 0.0)[0], _meshes(two, 2, 0.0)[1]]
+    mixed = _estimator(tables, 3).evaluate_stages(stages, BATCH, MICRO)
+    for got, want in zip(mixed.stages, (one.stages[0], two.stages[1]), strict=True):
+        assert got.forward_s == pytest.approx(want.forward_s, rel=1e-12)
+        assert got.backward_s == pytest.approx(want.backward_s, rel=1e-12)
+    assert mixed.stages[0].forward_s != pytest.approx(two.stages[0].forward_s, rel=1e-3)
+    assert "1x1 2x1" in mixed.notes[0]
+
+
+def test_a_layer_cut_between_two_stages_costs_each_its_share(tables):
+    estimator = _estimator(tables, 2)
+    whole = estimator.evaluate(autopar.ParallelConfig(pp=2, micro_batch_size=MICRO), BATCH)
+    first, second = _meshes(whole, 1, 0.0)
+    moved = first.parts[-1]  # the first stage's last block, a quarter of it to stage 1
+    cut = [
+        replace(first, parts=(*first.parts[:-1], replace(moved, share=0.75))),
+        replace(second, parts=(replace(moved, share=0.25), *second.parts)),
+    ]
+    got = estimator.evaluate_stages(cut, BATCH, MICRO)
+    cfg = autopar.ParallelConfig(micro_batch_size=MICRO, pp=1)
+    block = estimator.layer_times(cfg, estimator.mesh(cfg))[moved.layer].forward_s
+    assert got.stages[0].forward_s == pytest.approx(whole.stages[0].forward_s - block / 4)
+    assert got.stages[1].forward_s == pytest.approx(whole.stages[1].forward_s + block / 4)
+
+
+def test_recomputing_part_of_a_layer_pays_that_part_of_its_forward(tables):
+    estimator = _estimator(tables, 2)
+    whole = estimator.evaluate(autopar.ParallelConfig(pp=2, micro_batch_size=MICRO), BATCH)
+    full = estimator.evaluate(
+        autopar.ParallelConfig(pp=2, micro_batch_size=MICRO, recompute="full"), BATCH
+    )
+    got = estimator.evaluate_stages(_meshes(whole, 1, 0.3), BATCH, MICRO)
+    for g, none, rec in zip(got.stages, whole.stages, full.stages, strict=True):
+        assert g.backward_s == pytest.approx(0.7 * none.backward_s + 0.3 * rec.backward_s)
+    # a part keeping less than all its activations lowers the peak
+    assert got.peak_memory_bytes < whole.peak_memory_bytes
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ("devices", "the 2 stages use 3 devices (tp x dp summed) but the cluster has 2"),
+        ("missing", "the stages hold 0.5 of it, not all of it once"),
+        ("dp", "dp must divide micro_batch_size=2"),
+        ("name", "the model has no layer 'blocks.9'"),
+        ("recompute", "recompute=0.8 in [0, share]"),
+    ],
+)
+def test_bad_stages_are_refused_naming_what_is_wrong(tables, change, words):
+    estimator = _estimator(tables, 2)
+    whole = estimator.evaluate(autopar.ParallelConfig(pp=2, micro_batch_size=MICRO), BATCH)
+    first, second = _meshes(whole, 1, 0.0)
+    last = first.parts[-1]
+    stages = {
+        "devices": [first, replace(second, tp=2)],
+        "missing": [replace(first, parts=(*first.parts[:-1], replace(last, share=0.5))), second],
+        "dp": [replace(first, dp=3, tp=1), second],
+        "name": [replace(first, parts=(*first.parts, StagePart("blocks.9"))), second],
+        "recompute": [replace(first, parts=(replace(last, share=0.5, recompute=0.8),)), second],
+    }[change]
+    if change == "dp":
+        estimator = _estimator(tables, 4)
+    with pytest.raises(autopar.ConfigError, match=re.escape(words)):
+        estimator.evaluate_stages(stages, BATCH, MICRO)
+
+
+def test_acesos_shipped_plans_cover_every_layer_once_on_their_devices():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from aceso_plans import load_plans, operator_saved_bytes, operator_seconds, stage_meshes
+
+    plans = load_plans()
+    assert len(plans) == 37
+    layers = 24
+    names = ["emb", *(f"blocks.{i}" for i in range(layers)), "ln_f", "head"]
+    weights = operator_seconds(2048, 2048, 32, 125e12, 600e9)
+    saved = operator_saved_bytes(2048, 2048, 32)
+    # Korthikanti et al.'s 34 s h + 5 a s^2 bytes per token of a layer
+    assert sum(saved) == 34 * 2048 + 5 * 2048 * 32
+    for key, plan in plans.items():
+        if plan["num_layers"] != layers:
+            continue
+        stages = stage_meshes(plan, names, names[1:-2], weights, saved)
+        held: dict[str, float] = {}
+        for stage in stages:
+            for part in stage.parts:
+                held[part.layer] = held.get(part.layer, 0.0) + part.share
+                assert 0 <= part.recompute <= part.share + 1e-12 and 0 <= part.keeps <= 1
+        assert held == pytest.approx(dict.fromkeys(names, 1.0)), key
+        assert [s.tp * s.dp for s in stages] == [s["tp"] * s["dp"] for s in plan["stages"]]
+    # the 1.3B plan on 2 A10G: one stage of tp 2 recomputing 92 of its 315 operators; its
+    # blocks' recompute shares add up to those operators' share of the blocks' time
+    one = next(p for k, p in plans.items() if "1_3B_1stages" in k and "a10g" in k)
+    (stage,) = stage_meshes(one, names, names[1:-2], weights, saved)
+    flags = one["stages"][0]["recompute"]
+    assert stage.tp == 2 and flags.count("1") == 92
+    rerun = sum(p.recompute for p in stage.parts)
+    block_flags = flags[1 : 1 + 13 * layers]
+    want = sum(weights[k % 13] for k, f in enumerate(block_flags) if f == "1") / sum(weights)
+    assert rerun == pytest.approx(want)
