@@ -20,6 +20,7 @@ after the last.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from autopar.estimate import StageMesh, StagePart
@@ -33,37 +34,59 @@ def load_plans(path: Path = PLANS) -> dict[str, dict]:
     return json.loads(path.read_text())["plans"]
 
 
-def operator_seconds(hidden: int, seq: int, heads: int, peak_flops: float, bandwidth: float):
+# What every tp rank saves whole (Megatron without sequence parallelism, as Aceso runs it:
+# its model_ops_info.py op specs): the layernorms' inputs, the masks of the dropouts after
+# attention and after the MLP, and the inputs of the qkv and MLP-up GEMMs (a column-parallel
+# layer keeps its whole input); tp splits the rest
+SAVED_WHOLE = (0, 1, 7, 8, 9, 12)
+
+
+def operator_seconds(
+    hidden: int, seq: int, heads: int, peak_flops: float, bandwidth: float
+) -> list[float]:
     """Per token, the forward seconds of each of a layer's 13 operators in order (2-byte
-    activations; a 0.1 dropout keeps a 1-byte mask)."""
+    activations; a 0.1 dropout keeps a 1-byte mask): a layer's shares, the same for a layer
+    cut between stages of different tp, so that its parts add up to it."""
     h, s, a = hidden, seq, heads
-
-    def op(flops: float, nbytes: float) -> float:
-        return flops / peak_flops + nbytes / bandwidth
-
-    return [
-        op(0, 4 * h),  # 1st layernorm: read and write h
-        op(6 * h * h, 2 * 4 * h),  # qkv GEMM
-        op(2 * s * h, 2 * (3 * h + s * a)),  # scores Q K^T: s probabilities per head
-        op(0, 4 * s * a),  # softmax over them
-        op(0, 5 * s * a),  # their dropout and its mask
-        op(2 * s * h, 2 * (s * a + 2 * h)),  # context: probabilities times V
-        op(2 * h * h, 4 * h),  # attention output GEMM
-        op(0, 5 * h),  # dropout after attention
-        op(0, 4 * h),  # 2nd layernorm
-        op(8 * h * h, 2 * 5 * h),  # MLP up GEMM
-        op(0, 16 * h),  # gelu on 4h
-        op(8 * h * h, 2 * 5 * h),  # MLP down GEMM
-        op(0, 5 * h),  # dropout after the MLP
+    work = [
+        (0, 4 * h),  # 1st layernorm: read and write h
+        (6 * h * h, 2 * 4 * h),  # qkv GEMM
+        (2 * s * h, 2 * (3 * h + s * a)),  # scores Q K^T: s probabilities per head
+        (0, 4 * s * a),  # softmax over them
+        (0, 5 * s * a),  # their dropout and its mask
+        (2 * s * h, 2 * (s * a + 2 * h)),  # context: probabilities times V
+        (2 * h * h, 4 * h),  # attention output GEMM
+        (0, 5 * h),  # dropout after attention
+        (0, 4 * h),  # 2nd layernorm
+        (8 * h * h, 2 * 5 * h),  # MLP up GEMM
+        (0, 16 * h),  # gelu on 4h
+        (8 * h * h, 2 * 5 * h),  # MLP down GEMM
+        (0, 5 * h),  # dropout after the MLP
     ]
+    return [flops / peak_flops + nbytes / bandwidth for flops, nbytes in work]
 
 
-def operator_saved_bytes(hidden: int, seq: int, heads: int) -> list[float]:
+def operator_saved_bytes(hidden: int, seq: int, heads: int, tp: int = 1) -> list[float]:
     """Per token, the bytes each of a layer's 13 operators saves for its backward without
-    recompute (Korthikanti et al. 2022, sec. 4.1: 2-byte activations, 1-byte dropout masks)."""
+    recompute on one of ``tp`` ranks (Korthikanti et al. 2022, sec. 4.1: 2-byte activations,
+    1-byte dropout masks; of the 34 s h, the 10 s h in `SAVED_WHOLE` whole on every rank)."""
     h, sa = hidden, seq * heads
-    attention = [2 * h, 2 * h, 4 * h, 2 * sa, sa, 2 * sa + 2 * h, 2 * h, h]
-    return [*attention, 2 * h, 2 * h, 8 * h, 8 * h, h]
+    saved = [
+        2 * h,
+        2 * h,
+        4 * h,
+        2 * sa,
+        sa,
+        2 * sa + 2 * h,
+        2 * h,
+        h,
+        2 * h,
+        2 * h,
+        8 * h,
+        8 * h,
+        h,
+    ]
+    return [b / (1 if k in SAVED_WHOLE else tp) for k, b in enumerate(saved)]
 
 
 def stage_meshes(
@@ -71,18 +94,20 @@ def stage_meshes(
     layer_names: list[str],
     block_names: list[str],
     weights: list[float],
-    saved: list[float],
+    saved: Callable[[int], list[float]],
 ) -> list[StageMesh]:
     """``plan``'s stages over the model's layers (``layer_names`` in order, of which
     ``block_names`` are the transformer layers), each layer operator weighted by ``weights``
-    (`operator_seconds`) in time and ``saved`` (`operator_saved_bytes`) in memory."""
+    (`operator_seconds`) in time and ``saved(tp)`` (`operator_saved_bytes`) in memory at the
+    stage's tp."""
     if len(block_names) != plan["num_layers"]:
         raise ValueError(f"the plan has {plan['num_layers']} layers, the model {len(block_names)}")
     first = layer_names.index(block_names[0])
     last = layer_names.index(block_names[-1])
-    total, total_saved = sum(weights), sum(saved)
     out, op = [], 0
     for stage in plan["stages"]:
+        nbytes = saved(stage["tp"])
+        total, total_saved = sum(weights), sum(nbytes)
         held: dict[str, list[float]] = {}  # layer -> [share, recompute, keeps]
         for flag in stage["recompute"]:
             if op == 0:
@@ -94,7 +119,7 @@ def stage_meshes(
             else:
                 block, k = divmod(op - 1, BLOCK_OPS)
                 names = [block_names[block]]
-                w, kept = weights[k] / total, saved[k] / total_saved
+                w, kept = weights[k] / total, nbytes[k] / total_saved
                 part = (w, w, 0.0) if flag == "1" else (w, 0.0, kept)
             for name in names:
                 got = held.setdefault(name, [0.0, 0.0, 0.0])

@@ -221,12 +221,14 @@ def _evaluate_stages(run: GridRun, graph, cluster, options, base: Priced, common
     estimator = Estimator(tables, cluster, precision=run.precision, options=options)
     plan = load_plans()[run.stage_plan]
     d, device = run.dims, cluster.profile.device
-    weights = operator_seconds(d.hidden, d.seq_len, d.num_heads, device.peak(run.precision),
-                               device.memory_bandwidth_bytes_per_s)  # fmt: skip
+    peak, bandwidth = device.peak(run.precision), device.memory_bandwidth_bytes_per_s
     names = [t.name for t in tables.layers]
     blocks = [t.name for t in tables.layers if t.kind == "block"]
-    saved = operator_saved_bytes(d.hidden, d.seq_len, d.num_heads)
-    stages = stage_meshes(plan, names, blocks, weights, saved)
+    stages = stage_meshes(
+        plan, names, blocks,
+        operator_seconds(d.hidden, d.seq_len, d.num_heads, peak, bandwidth),
+        lambda tp: operator_saved_bytes(d.hidden, d.seq_len, d.num_heads, tp),
+    )  # fmt: skip
     try:
         estimate = estimator.evaluate_stages(stages, run.global_batch, plan["micro_batch_size"])
     except autopar.AutoparError as e:

@@ -143,9 +143,13 @@ def test_acesos_shipped_plans_cover_every_layer_once_on_their_devices():
     layers = 24
     names = ["emb", *(f"blocks.{i}" for i in range(layers)), "ln_f", "head"]
     weights = operator_seconds(2048, 2048, 32, 125e12, 600e9)
-    saved = operator_saved_bytes(2048, 2048, 32)
-    # Korthikanti et al.'s 34 s h + 5 a s^2 bytes per token of a layer
-    assert sum(saved) == 34 * 2048 + 5 * 2048 * 32
+    def saved(tp):
+        return operator_saved_bytes(2048, 2048, 32, tp)
+
+    # Korthikanti et al.'s 34 s h + 5 a s^2 bytes per token of a layer, 10 s h + (24 s h +
+    # 5 a s^2) / t of it on each of t tensor-parallel ranks
+    assert sum(saved(1)) == 34 * 2048 + 5 * 2048 * 32
+    assert sum(saved(4)) == pytest.approx(10 * 2048 + (24 * 2048 + 5 * 2048 * 32) / 4)
     for key, plan in plans.items():
         if plan["num_layers"] != layers:
             continue
