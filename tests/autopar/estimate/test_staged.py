@@ -143,6 +143,7 @@ def test_acesos_shipped_plans_cover_every_layer_once_on_their_devices():
     layers = 24
     names = ["emb", *(f"blocks.{i}" for i in range(layers)), "ln_f", "head"]
     weights = operator_seconds(2048, 2048, 32, 125e12, 600e9)
+
     def saved(tp):
         return operator_saved_bytes(2048, 2048, 32, tp)
 
