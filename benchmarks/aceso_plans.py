@@ -23,7 +23,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from autopar.estimate import StageMesh, StagePart
+from autopar.estimate import Estimate, Estimator, StageMesh, StagePart, build_tables
 
 PLANS = Path(__file__).resolve().parents[1] / "data" / "aceso_stages.json"
 BLOCK_OPS = 13  # Aceso's operators per GPT layer (data/aceso_stages.json "operators")
@@ -133,3 +133,22 @@ def stage_meshes(
         )
         out.append(StageMesh(parts, tp=stage["tp"], dp=stage["dp"]))
     return out
+
+
+def price_plan(run, graph, cluster, options) -> tuple[Estimate, list[StageMesh]]:
+    """The estimate of an Aceso row (`published_grids_mapping.GridRun` with a `stage_plan`)
+    traced as ``graph``, on ``cluster`` under the stack ``options``, and its stages."""
+    tables = build_tables(graph)
+    estimator = Estimator(tables, cluster, precision=run.precision, options=options)
+    plan = load_plans()[run.stage_plan]
+    d, device = run.dims, cluster.profile.device
+    peak, bandwidth = device.peak(run.precision), device.memory_bandwidth_bytes_per_s
+    stages = stage_meshes(
+        plan,
+        [t.name for t in tables.layers],
+        [t.name for t in tables.layers if t.kind == "block"],
+        operator_seconds(d.hidden, d.seq_len, d.num_heads, peak, bandwidth),
+        lambda tp: operator_saved_bytes(d.hidden, d.seq_len, d.num_heads, tp),
+    )
+    estimate = estimator.evaluate_stages(stages, run.global_batch, plan["micro_batch_size"])
+    return estimate, stages

@@ -213,24 +213,10 @@ def _evaluate(run: GridRun, model, graph, base: Priced, changes: dict) -> Priced
 
 def _evaluate_stages(run: GridRun, graph, cluster, options, base: Priced, common: dict) -> Priced:
     """An Aceso row: its stages' own meshes priced by `Estimator.evaluate_stages`."""
-    from aceso_plans import load_plans, operator_saved_bytes, operator_seconds, stage_meshes
+    from aceso_plans import price_plan
 
-    from autopar.estimate import Estimator, build_tables
-
-    tables = build_tables(graph)
-    estimator = Estimator(tables, cluster, precision=run.precision, options=options)
-    plan = load_plans()[run.stage_plan]
-    d, device = run.dims, cluster.profile.device
-    peak, bandwidth = device.peak(run.precision), device.memory_bandwidth_bytes_per_s
-    names = [t.name for t in tables.layers]
-    blocks = [t.name for t in tables.layers if t.kind == "block"]
-    stages = stage_meshes(
-        plan, names, blocks,
-        operator_seconds(d.hidden, d.seq_len, d.num_heads, peak, bandwidth),
-        lambda tp: operator_saved_bytes(d.hidden, d.seq_len, d.num_heads, tp),
-    )  # fmt: skip
     try:
-        estimate = estimator.evaluate_stages(stages, run.global_batch, plan["micro_batch_size"])
+        estimate, stages = price_plan(run, graph, cluster, options)
     except autopar.AutoparError as e:
         return Priced(**{**asdict(base), **common, "skipped": str(e).splitlines()[0]})
     meshes = " ".join(f"{s.tp}x{s.dp}" for s in stages)

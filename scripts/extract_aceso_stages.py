@@ -4,8 +4,11 @@ The rows (source_id mist_artifact_aceso) name each plan's config JSON in the Mis
 (github.com/Dazz993/Mist, benchmark/superscaler/results-ref/.../aceso/configs/...). This copies
 from each what pricing the plan needs, per pipeline stage: how many of Aceso's GPT operators
 it holds (Aceso cuts stages between operators, not layers), its tensor- and data-parallel
-degrees (the same for every operator of a stage in all these plans: checked here), and which
-of its operators it recomputes, as a string of 0/1. Run against a checkout of the repository:
+degrees (the same for every operator of a stage in all these plans: checked here), which of
+its operators it recomputes, as a string of 0/1, and, where the artifact holds the runtime csv
+of one of its ranks (the first node's), what that rank measured in the step the row reports:
+its forward and backward compute (Megatron's timers, seconds over the step) and its peak
+allocated and reserved bytes (PyTorch's caching allocator). Run against a checkout:
 
     python3 scripts/extract_aceso_stages.py /path/to/Mist [COMMIT]
 """
@@ -25,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def main(repo: str, commit: str = "HEAD") -> None:
     sha = subprocess.run(["git", "-C", repo, "rev-parse", commit], capture_output=True,
                          text=True, check=True).stdout.strip()  # fmt: skip
+    files = subprocess.run(["git", "-C", repo, "ls-tree", "-r", "--name-only", sha],
+                           capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
     plans = {}
     with open(ROOT / "data" / "published_grids.csv", newline="") as fh:
         rows = [r for r in csv.DictReader(fh) if "aceso" in r["source_id"]]
@@ -44,6 +49,8 @@ def main(repo: str, commit: str = "HEAD") -> None:
                 raise SystemExit(f"{path}: stage {i}'s recompute list is not its operators'")
             stages.append({"ops": len(flags), "tp": tp.pop(), "dp": dp.pop(),
                            "recompute": "".join(str(int(f)) for f in flags)})  # fmt: skip
+        for stage, measured in _measured(repo, sha, files, path).items():
+            stages[stage]["measured"] = measured
         plans[path] = {
             "num_layers": config["num_layers"],
             "hidden_size": config["hidden_size"],
@@ -65,6 +72,30 @@ def main(repo: str, commit: str = "HEAD") -> None:
     target = ROOT / "data" / "aceso_stages.json"
     target.write_text(json.dumps(out, indent=1) + "\n")
     print(f"{len(plans)} plans -> {target}")
+
+
+def _measured(repo: str, sha: str, files: list[str], path: str) -> dict[int, dict]:
+    """Per stage with a runtime csv beside the plan's config, what its first rank measured."""
+    stem = path.rsplit("/", 1)[1].removesuffix(".json")
+    where = path.split("/configs/")[0] + "/runtime/"
+    out: dict[int, dict] = {}
+    for name in sorted(files):
+        found = re.fullmatch(re.escape(where) + r".*/csv/" + re.escape(stem) +
+                             r"_stage(\d+)_rank(\d+)\.csv", name)  # fmt: skip
+        if not found or int(found.group(1)) in out:
+            continue
+        text = subprocess.run(["git", "-C", repo, "show", f"{sha}:{name}"], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+        row = next(csv.DictReader(text.splitlines()))
+        out[int(found.group(1))] = {
+            "rank": int(found.group(2)),
+            "forward_compute_s": float(row["forward-compute"]) / 1e3,
+            "backward_compute_s": float(row["backward-compute"]) / 1e3,
+            "step_s": float(row["time"]) / 1e3,
+            "max_allocated_bytes": float(row["max_allocated"]) * 2**20,
+            "max_reserved_bytes": float(row["max_reserved"]) * 2**20,
+        }
+    return out
 
 
 if __name__ == "__main__":

@@ -1,0 +1,64 @@
+"""Aceso's plans stage by stage: predicted against what each stage's rank measured.
+
+data/aceso_stages.json holds, for the stages of the first node of each Aceso run, what one
+of their ranks measured in the step published_grids.csv reports (Megatron's forward and
+backward compute timers, PyTorch's peak reserved bytes). Every plan on a shipped profile is
+priced by `Estimator.evaluate_stages` (`aceso_plans.price_plan`) and compared per stage:
+compute, the stage's forward + backward over the step (its tensor-parallel collectives
+included, as Megatron's compute timers include them), and memory, the stage's peak against the
+allocator's peak reserved. Printed: one line per stage, then the median and worst |error| of
+each.
+
+    python3 benchmarks/aceso_stages.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from aceso_plans import load_plans, price_plan  # noqa: E402
+from published_grids import _model  # noqa: E402
+from published_grids_mapping import read_grids  # noqa: E402
+
+import autopar  # noqa: E402
+
+GiB = 2**30
+
+
+def main() -> int:
+    runs = [r for r in read_grids() if r.stage_plan and r.profile and not r.skip]
+    plans = load_plans()
+    compute, memory, graphs = [], [], {}
+    for run in runs:
+        if run.dims not in graphs:
+            graphs[run.dims] = autopar.trace(*_model(run))
+        cluster = autopar.Cluster.from_profile(run.profile, num_devices=run.num_devices)
+        options = autopar.load_stack(run.stack).options
+        estimate, _ = price_plan(run, graphs[run.dims], cluster, options)
+        m = estimate.num_microbatches
+        print(f"{run.id} ({estimate.notes[0].split(': ')[1]}), m = {m}")
+        for i, stage in enumerate(plans[run.stage_plan]["stages"]):
+            measured = stage.get("measured")
+            if measured is None:
+                continue
+            priced = estimate.stages[i]
+            busy = m * (priced.forward_s + priced.backward_s)
+            busy_meas = measured["forward_compute_s"] + measured["backward_compute_s"]
+            peak, peak_meas = priced.memory.total_bytes, measured["max_reserved_bytes"]
+            compute.append(busy / busy_meas - 1)
+            memory.append(peak / peak_meas - 1)
+            print(f"  stage {i:2d} tp{stage['tp']} dp{stage['dp']}: compute {busy:6.1f} s "
+                  f"measured {busy_meas:6.1f} s {compute[-1]:+6.1%}; memory {peak / GiB:5.1f} "
+                  f"GiB measured {peak_meas / GiB:5.1f} GiB {memory[-1]:+6.1%}")  # fmt: skip
+    for name, errors in (("compute", compute), ("memory", memory)):
+        worst = max(errors, key=abs)
+        print(f"{name}: {len(errors)} stages, median |error| "
+              f"{statistics.median(abs(e) for e in errors):.1%}, worst {worst:+.1%}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
