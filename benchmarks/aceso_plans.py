@@ -12,7 +12,8 @@ at its memory bandwidth: Aceso's Megatron runs attention step by step (score, so
 dropout, context), whose s x s x heads probabilities make the softmax and the dropout cost a
 share of the layer that GEMM FLOPs alone would miss. What a part keeps of the layer's
 activations is the share of the layer's saved bytes (Korthikanti et al. 2022's 34 s h + 5 a s^2
-per layer, operator by operator) in the operators it holds and does not recompute. The
+per layer, operator by operator) in the operators it holds and does not recompute, and in the
+first operator of each run it recomputes (the run re-runs from that one's inputs). The
 embedding's operator takes the layers before the first block, the post-process the layers
 after the last.
 """
@@ -23,6 +24,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from autopar import ParallelConfig
 from autopar.estimate import Estimate, Estimator, StageMesh, StagePart, build_tables
 
 PLANS = Path(__file__).resolve().parents[1] / "data" / "aceso_stages.json"
@@ -95,11 +97,13 @@ def stage_meshes(
     block_names: list[str],
     weights: list[float],
     saved: Callable[[int], list[float]],
+    layer_bytes: Callable[[int], float] | None = None,
 ) -> list[StageMesh]:
     """``plan``'s stages over the model's layers (``layer_names`` in order, of which
     ``block_names`` are the transformer layers), each layer operator weighted by ``weights``
     (`operator_seconds`) in time and ``saved(tp)`` (`operator_saved_bytes`) in memory at the
-    stage's tp."""
+    stage's tp: a part keeps those bytes of what the whole layer saves, ``layer_bytes(tp)``
+    per token as the estimator prices it (default: the operators' sum)."""
     if len(block_names) != plan["num_layers"]:
         raise ValueError(f"the plan has {plan['num_layers']} layers, the model {len(block_names)}")
     first = layer_names.index(block_names[0])
@@ -107,8 +111,10 @@ def stage_meshes(
     out, op = [], 0
     for stage in plan["stages"]:
         nbytes = saved(stage["tp"])
-        total, total_saved = sum(weights), sum(nbytes)
+        total = sum(weights)
+        total_saved = layer_bytes(stage["tp"]) if layer_bytes else sum(nbytes)
         held: dict[str, list[float]] = {}  # layer -> [share, recompute, keeps]
+        previous = "0"
         for flag in stage["recompute"]:
             if op == 0:
                 names = layer_names[:first]
@@ -120,7 +126,11 @@ def stage_meshes(
                 block, k = divmod(op - 1, BLOCK_OPS)
                 names = [block_names[block]]
                 w, kept = weights[k] / total, nbytes[k] / total_saved
-                part = (w, w, 0.0) if flag == "1" else (w, 0.0, kept)
+                # a run of recomputed operators re-runs from its first one's inputs, which
+                # the forward keeps: the run's checkpoint
+                checkpoint = kept if previous == "0" else 0.0
+                part = (w, w, checkpoint) if flag == "1" else (w, 0.0, kept)
+            previous = flag
             for name in names:
                 got = held.setdefault(name, [0.0, 0.0, 0.0])
                 for j in range(3):
@@ -143,12 +153,19 @@ def price_plan(run, graph, cluster, options) -> tuple[Estimate, list[StageMesh]]
     plan = load_plans()[run.stage_plan]
     d, device = run.dims, cluster.profile.device
     peak, bandwidth = device.peak(run.precision), device.memory_bandwidth_bytes_per_s
+    block = next(t for t in tables.layers if t.kind == "block")
+
+    def layer_bytes(tp: int) -> float:  # per token, what the estimator's layer saves
+        cfg = ParallelConfig(tp=tp, micro_batch_size=1)
+        return estimator.memory.activation_bytes(cfg, block, "none") / d.seq_len
+
     stages = stage_meshes(
         plan,
         [t.name for t in tables.layers],
         [t.name for t in tables.layers if t.kind == "block"],
         operator_seconds(d.hidden, d.seq_len, d.num_heads, peak, bandwidth),
         lambda tp: operator_saved_bytes(d.hidden, d.seq_len, d.num_heads, tp),
+        layer_bytes,
     )
     estimate = estimator.evaluate_stages(stages, run.global_batch, plan["micro_batch_size"])
     return estimate, stages

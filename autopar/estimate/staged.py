@@ -15,8 +15,8 @@ holds one mesh for every stage, so these are priced here, from the same parts:
     pipeline     the schedule's simulation over those stage times, gbs / mbs micro-batches
     tail         each stage's gradient sync over its dp ranks, optimizer step and clipping, for
                  its share of the parameters it touches
-    memory       per stage, the model state of the whole layers it touches (an upper bound at
-                 a cut) and, per part, the activations it keeps (`StagePart.keeps`) for the
+    memory       per stage, its shares of its layers' model state and, per part, the
+                 activations it keeps (`StagePart.keeps`) for the
                  micro-batches in flight; a recomputing part rebuilds the rest of its
                  activations in the backward, the largest of them the stage's transient
 The terms are linear in a layer's work, so a layer cut in two costs what its parts do. The
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from autopar.config import ParallelConfig
 from autopar.errors import ConfigError
+from cost_models.memory import ModelStateBytes
 
 if TYPE_CHECKING:
     from autopar.estimate.step import Estimate, Estimator
@@ -120,6 +121,7 @@ def evaluate_stages(
     for i, (stage, cfg, layers) in enumerate(zip(stages, cfgs, touched, strict=True)):
         dropped, transient = _dropped(memory, cfg, stage, layers)
         phases = memory.stage_phases(cfg, layers, inflight[i], frozenset(), m)
+        phases = replace(phases, state=_held_state(memory, cfg, stage, layers))
         out_stages.append(
             StageEstimate(
                 index=i,
@@ -149,6 +151,18 @@ def evaluate_stages(
         mfu=model_flops / (step * estimator.cluster.world_size * estimator.peak_flops),
         notes=(f"stages of their own meshes (tp x dp per stage): {meshes}",),
     )
+
+
+def _held_state(memory, cfg: ParallelConfig, stage: StageMesh, layers: list) -> ModelStateBytes:
+    """The model state of the stage's shares of its layers (a layer cut in two: each stage
+    holds its share of the parameters, their gradients and optimizer state)."""
+    terms = ("parameters_bytes", "gradients_bytes", "optimizer_bytes")
+    held = dict.fromkeys(terms, 0.0)
+    for part, table in zip(stage.parts, layers, strict=True):
+        state = memory.model_state(cfg, [table])
+        for term in terms:
+            held[term] += part.share * getattr(state, term)
+    return ModelStateBytes(**held)
 
 
 def _dropped(memory, cfg: ParallelConfig, stage: StageMesh, layers: list) -> tuple[float, float]:

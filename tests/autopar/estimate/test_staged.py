@@ -91,6 +91,17 @@ def test_a_layer_cut_between_two_stages_costs_each_its_share(tables):
     block = estimator.layer_times(cfg, estimator.mesh(cfg))[moved.layer].forward_s
     assert got.stages[0].forward_s == pytest.approx(whole.stages[0].forward_s - block / 4)
     assert got.stages[1].forward_s == pytest.approx(whole.stages[1].forward_s + block / 4)
+    # and each stage holds its share of the layer's parameters, gradients and optimizer state
+    table = next(t for t in tables.layers if t.name == moved.layer)
+    state = estimator.memory.model_state(cfg, [table]).total_bytes
+
+    def state_of(stage):
+        m = stage.memory
+        return m.parameters_bytes + m.gradients_bytes + m.optimizer_bytes
+
+    held = [state_of(s) for s in got.stages]
+    before = [state_of(s) for s in whole.stages]
+    assert held == pytest.approx([before[0] - state / 4, before[1] + state / 4])
 
 
 def test_recomputing_part_of_a_layer_pays_that_part_of_its_forward(tables):
