@@ -73,21 +73,8 @@ def operator_saved_bytes(hidden: int, seq: int, heads: int, tp: int = 1) -> list
     recompute on one of ``tp`` ranks (Korthikanti et al. 2022, sec. 4.1: 2-byte activations,
     1-byte dropout masks; of the 34 s h, the 10 s h in `SAVED_WHOLE` whole on every rank)."""
     h, sa = hidden, seq * heads
-    saved = [
-        2 * h,
-        2 * h,
-        4 * h,
-        2 * sa,
-        sa,
-        2 * sa + 2 * h,
-        2 * h,
-        h,
-        2 * h,
-        2 * h,
-        8 * h,
-        8 * h,
-        h,
-    ]
+    attention = [2 * h, 2 * h, 4 * h, 2 * sa, sa, 2 * sa + 2 * h, 2 * h, h]
+    saved = [*attention, 2 * h, 2 * h, 8 * h, 8 * h, h]
     return [b / (1 if k in SAVED_WHOLE else tp) for k, b in enumerate(saved)]
 
 

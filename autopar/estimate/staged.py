@@ -16,9 +16,9 @@ holds one mesh for every stage, so these are priced here, from the same parts:
     tail         each stage's gradient sync over its dp ranks, optimizer step and clipping, for
                  its share of the parameters it touches
     memory       per stage, its shares of its layers' model state and, per part, the
-                 activations it keeps (`StagePart.keeps`) for the
-                 micro-batches in flight; a recomputing part rebuilds the rest of its
-                 activations in the backward, the largest of them the stage's transient
+                 activations it keeps (`StagePart.keeps`) for the micro-batches in flight; a
+                 recomputing part rebuilds the rest of its activations in the backward, the
+                 largest of them the stage's transient
 The terms are linear in a layer's work, so a layer cut in two costs what its parts do. The
 runtime runs one mesh for all stages: these layouts are priced, not run (Aceso's own runtime
 runs them).
@@ -36,7 +36,9 @@ from autopar.errors import ConfigError
 from cost_models.memory import ModelStateBytes
 
 if TYPE_CHECKING:
+    from autopar.estimate.memory import StageMemory
     from autopar.estimate.step import Estimate, Estimator
+    from autopar.estimate.tables import LayerTable
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,9 @@ def evaluate_stages(
     )
 
 
-def _held_state(memory, cfg: ParallelConfig, stage: StageMesh, layers: list) -> ModelStateBytes:
+def _held_state(
+    memory: StageMemory, cfg: ParallelConfig, stage: StageMesh, layers: list[LayerTable]
+) -> ModelStateBytes:
     """The model state of the stage's shares of its layers (a layer cut in two: each stage
     holds its share of the parameters, their gradients and optimizer state)."""
     terms = ("parameters_bytes", "gradients_bytes", "optimizer_bytes")
@@ -165,7 +169,9 @@ def _held_state(memory, cfg: ParallelConfig, stage: StageMesh, layers: list) -> 
     return ModelStateBytes(**held)
 
 
-def _dropped(memory, cfg: ParallelConfig, stage: StageMesh, layers: list) -> tuple[float, float]:
+def _dropped(
+    memory: StageMemory, cfg: ParallelConfig, stage: StageMesh, layers: list[LayerTable]
+) -> tuple[float, float]:
     """One micro-batch's activations the stage's parts do not keep of their whole layers, and
     the largest a recomputing part rebuilds in its backward (`StagePart.keeps`)."""
     dropped, transient = 0.0, 0.0
@@ -185,7 +191,7 @@ def _dropped(memory, cfg: ParallelConfig, stage: StageMesh, layers: list) -> tup
 
 def _check(
     stages: Sequence[StageMesh],
-    tables: dict,
+    tables: dict[str, LayerTable],
     world: int,
     global_batch_size: int,
     micro_batch_size: int,
