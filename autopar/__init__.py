@@ -8,6 +8,9 @@ The public API (docs/architecture.md draws the phases behind it):
     autopar.load_stack(name_or_path), autopar.stack_names()   (software stacks a plan is priced for)
     autopar.trace(model, example_inputs) -> ModelGraph       (imports torch on first use)
     autopar.evaluate(model, cluster, config, example_inputs, *, global_batch_size) -> Plan
+    autopar.evaluate_stages(model, cluster, [StageMesh, ...], example_inputs, *,
+                            global_batch_size, micro_batch_size) -> Estimate
+                          (stages of their own tp and dp, cut inside layers: priced, not run)
     autopar.parallelize(model, cluster, example_inputs=None, *, global_batch_size=None) -> Plan
     autopar.PlanOptions(..., algorithms=autopar.AlgorithmOptions(token_budget=...))
                           (synchronous, fault-tolerant groups or DiLoCo, priced and chosen)
@@ -43,6 +46,7 @@ _LAZY = {
     "ModelGraph": "autopar.tracing",
     "TraceError": "autopar.tracing",
     "evaluate": "autopar.api",
+    "evaluate_stages": "autopar.api",
     "parallelize": "autopar.api",
     "replan": "autopar.api",
     "export": "autopar.api",

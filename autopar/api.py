@@ -27,7 +27,7 @@ from autopar.codegen.launchers import LAUNCHERS
 from autopar.config import ParallelConfig
 from autopar.config.precision import base_precision, canonical
 from autopar.errors import ConfigError
-from autopar.estimate import CostOptions, Estimator, build_tables
+from autopar.estimate import CostOptions, Estimate, Estimator, StageMesh, build_tables
 from autopar.estimate.module_regions import model_regions, module_sets
 from autopar.estimate.options import stack_problems
 from autopar.estimate.stacks import load_stack, stack_options
@@ -334,6 +334,52 @@ def evaluate(
     plan = replace(plan, tensor_parallel_roles=roles[0])
     plan = with_sources(plan, model, model_factory, cluster, loss_fn)
     return with_goodput(plan, cluster, reliability)
+
+
+def evaluate_stages(
+    model: nn.Module,
+    cluster: Cluster,
+    stages: list[StageMesh],
+    example_inputs: Any = None,
+    *,
+    global_batch_size: int,
+    micro_batch_size: int,
+    precision: str = "bf16",
+    optimizer: str = "adamw",
+    stack: str | None = None,
+    options: CostOptions | None = None,
+    graph: ModelGraph | None = None,
+) -> Estimate:
+    """Price a pipeline whose stages each have their own tp and dp and may cut inside layers
+    (the plans operator-level planners such as Aceso search), one `StageMesh` per stage over
+    the model's layer names (`autopar.estimate.staged`). The stages' meshes are priced, not
+    run: `ParallelConfig` and the generated program hold one mesh for every stage.
+
+    Args:
+        stages: per pipeline stage its tp, dp and `StagePart`s (layer, share of the layer,
+            share of its forward recomputed, activations kept), every layer held once in all.
+        micro_batch_size: sequences per micro-batch; a stage's dp ranks split each one.
+        Others: as for `evaluate` (``stack`` is the software stack to price for).
+
+    Returns:
+        An `Estimate`: the step time and its breakdown, and per stage its times and memory.
+
+    Raises:
+        ConfigError: the stages do not use the cluster's devices, hold a layer other than
+            once, or do not divide the batch.
+    """
+    if graph is None:
+        if example_inputs is None:
+            raise ValueError("evaluate_stages needs example_inputs (one sample) or a graph")
+        graph = trace(model, example_inputs)
+    estimator = Estimator(
+        build_tables(graph),
+        cluster,
+        precision=canonical(precision),
+        optimizer=optimizer,
+        options=stack_options(stack, options),
+    )
+    return estimator.evaluate_stages(stages, global_batch_size, micro_batch_size)
 
 
 def replan(

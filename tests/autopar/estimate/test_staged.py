@@ -183,3 +183,26 @@ def test_acesos_shipped_plans_cover_every_layer_once_on_their_devices():
     block_flags = flags[1 : 1 + 13 * layers]
     want = sum(weights[k % 13] for k, f in enumerate(block_flags) if f == "1") / sum(weights)
     assert rerun == pytest.approx(want)
+
+
+def test_the_public_function_prices_a_users_stages_as_the_estimator_does():
+    from autopar.models import zoo
+
+    model = zoo.build("gpt-tiny", device="meta", num_layers=4, hidden=512, num_heads=8,
+                      seq_len=512)  # fmt: skip
+    inputs = zoo.example_inputs("gpt-tiny", model)
+    cluster = autopar.Cluster.from_profile("dgx_a100_40g", num_devices=3)
+    tables = build_tables(autopar.trace(model, inputs))
+    names = [t.name for t in tables.layers]
+    cut = names.index("blocks.2")
+    stages = [
+        StageMesh(tuple(StagePart(n) for n in names[:cut]), tp=1),
+        StageMesh(tuple(StagePart(n) for n in names[cut:]), tp=2),
+    ]
+    got = autopar.evaluate_stages(model, cluster, stages, inputs, global_batch_size=BATCH,
+                                  micro_batch_size=MICRO, stack="megatron-lm")  # fmt: skip
+    want = Estimator(tables, cluster, options=load_stack("megatron-lm").options)
+    assert got.step_time_s == pytest.approx(want.evaluate_stages(stages, BATCH, MICRO).step_time_s)
+    with pytest.raises(ValueError, match="needs example_inputs"):
+        autopar.evaluate_stages(model, cluster, stages, global_batch_size=BATCH,
+                                micro_batch_size=MICRO)  # fmt: skip
