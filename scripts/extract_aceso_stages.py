@@ -61,7 +61,7 @@ def main(repo: str, commit: str = "HEAD") -> None:
         }
     out = {
         "source": f"github.com/Dazz993/Mist at {sha}: the config JSON each row's source names "
-        "(scripts/extract_aceso_stages.py)",
+        "and the runtime csvs beside its log (scripts/extract_aceso_stages.py)",
         "operators": "Aceso's GPT operators in order: the embedding, then per layer "
         "1st-layernorm, attention-qkv, attention-score, attention-softmax, attention-dropout, "
         "attention-context, attention-dense, post-attention-dropout, 2nd-layernorm, MLP-GEMM-1, "
