@@ -12,7 +12,8 @@ holds one mesh for every stage, so these are priced here, from the same parts:
                  mbs / dp_i: its dp ranks split each micro-batch), the `StageTimer`'s per-layer
                  terms scaled by the part's share of the layer; a part recomputing r of its
                  layer's forward pays r of the layer's recompute time
-    pipeline     the schedule's simulation over those stage times, gbs / mbs micro-batches
+    pipeline     the schedule's simulation over those stage times, gbs / mbs micro-batches,
+                 each send a rank's share of one (mbs over the fewest dp ranks of any stage)
     tail         each stage's gradient sync over its dp ranks, optimizer step and clipping, for
                  its share of the parameters it touches
     memory       per stage, its shares of its layers' model state and, per part, the
@@ -113,9 +114,12 @@ def evaluate_stages(
         tails.append({k: v * weight for k, v in tail.items()})
         touched.append(layers)
         cfgs.append(cfg)
+    # the pipeline's sends: each stage's ranks send their share of a micro-batch, a stage of
+    # the fewest dp ranks the largest (the timer takes one hop time for all)
+    sent = micro_batch_size // min(s.dp for s in stages)
     pipe = replace(
         base, pp=len(stages), tp=1, dp=1, fsdp=1, cp=1, ep=1, virtual_stages=1, schedule="1f1b",
-        micro_batch_size=micro_batch_size, sequence_parallel=False, pipeline_slots=(),
+        micro_batch_size=sent, sequence_parallel=False, pipeline_slots=(),
     )  # fmt: skip
     pipe_s, inflight, busiest = timer.pipeline(pipe, m, per_stage, estimator.mesh(pipe))
     step = pipe_s + max(sum(t.values()) for t in tails)

@@ -206,3 +206,17 @@ def test_the_public_function_prices_a_users_stages_as_the_estimator_does():
     with pytest.raises(ValueError, match="needs example_inputs"):
         autopar.evaluate_stages(model, cluster, stages, global_batch_size=BATCH,
                                 micro_batch_size=MICRO)  # fmt: skip
+
+
+def test_a_stages_data_parallel_ranks_split_its_micro_batch_and_sync_its_gradients(tables):
+    """Stages of dp 2 fed micro-batches of 2: each rank runs 1, as the uniform pp 2 x dp 2
+    config of micro-batch 1 prices it, its gradient all-reduce included."""
+    estimator = _estimator(tables, 4)
+    want = estimator.evaluate(autopar.ParallelConfig(pp=2, dp=2, micro_batch_size=1), BATCH)
+    stages = [replace(s, dp=2) for s in _meshes(want, 1, 0.0)]
+    got = estimator.evaluate_stages(stages, BATCH, 2)
+    assert got.num_microbatches == want.num_microbatches == BATCH // 2
+    assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-12)
+    assert want.breakdown["dp_comm"] > 0
+    assert got.breakdown["dp_comm"] == pytest.approx(want.breakdown["dp_comm"])
+    assert got.peak_memory_bytes == pytest.approx(want.peak_memory_bytes, rel=1e-12)
