@@ -157,7 +157,7 @@ def parse_row(row: dict[str, str], run_id: str) -> GridRun:
         return _aceso(row, base, notes)
     dims, family = _dims(row, notes)
     num_devices = _int(row["hardware"].split("x")[0])
-    profile = next((p for key, p in PROFILES if key in row["hardware"]), "")
+    profile = _profile(row)
     config, batch = _config(row, num_devices, notes)
     per_node = None
     if profile in ("gb200_nvl72", "gb300_nvl72") and num_devices > NVL72 and num_devices % NVL72:
@@ -199,6 +199,11 @@ def parse_row(row: dict[str, str], run_id: str) -> GridRun:
     )
 
 
+def _profile(row: dict[str, str]) -> str:
+    """The shipped profile of the row's hardware (`PROFILES`' first match), "" for none."""
+    return next((p for key, p in PROFILES if key in row["hardware"]), "")
+
+
 def _aceso(row: dict[str, str], base: GridRun, notes: list[str]) -> GridRun:
     """An Aceso row: its plan's stages (data/aceso_stages.json, `aceso_plans`) on the row's
     devices, priced as Megatron-LM (Aceso's runtime is built on it) in FP16."""
@@ -219,7 +224,7 @@ def _aceso(row: dict[str, str], base: GridRun, notes: list[str]) -> GridRun:
         **{
             **base.__dict__,
             "dims": dims,
-            "profile": next((p for key, p in PROFILES if key in row["hardware"]), ""),
+            "profile": _profile(row),
             "num_devices": num_devices,
             "config": config,
             "global_batch": batch,
@@ -281,7 +286,7 @@ def _unsupported(row: dict[str, str]) -> str | None:
         )
     if ("experts" in row["model"] or "DeepSeek" in row["model"]) and not _deepseek_v3(row):
         return "MoE other than DeepSeek-V3: no preset of its shape"
-    if not any(key in row["hardware"] for key, _ in PROFILES):
+    if not _profile(row):
         return f"no shipped profile for {row['hardware']!r}"
     return None
 

@@ -81,7 +81,7 @@ def evaluate_stages(
         ConfigError: the stages do not use the cluster's devices, a layer is not covered
             exactly once, a share is out of range, or a batch does not divide.
     """
-    from autopar.estimate.step import Estimate, StageEstimate
+    from autopar.estimate.step import StageEstimate
 
     base = shared or ParallelConfig()
     tables = {t.name: t for t in estimator.tables.layers}
@@ -102,9 +102,12 @@ def evaluate_stages(
         for part in stage.parts:
             layer = [tables[part.layer]]
             kept = timer.stage_times(cfg, mesh, layer, times, frozenset(), (), m)
-            rerun = timer.stage_times(cfg, mesh, layer, times, frozenset([part.layer]), (), m)
             for key, value in kept.items():
-                total[key] += part.share * value + part.recompute * (rerun[key] - value)
+                total[key] += part.share * value
+            if part.recompute:
+                rerun = timer.stage_times(cfg, mesh, layer, times, frozenset([part.layer]), (), m)
+                for key, value in rerun.items():
+                    total[key] += part.recompute * (value - kept[key])
         layers = [tables[p.layer] for p in stage.parts]
         params = [memory.stage_params(cfg, [t]) for t in layers]
         held = sum(p.share * n for p, n in zip(stage.parts, params, strict=True))
@@ -139,24 +142,9 @@ def evaluate_stages(
             )
         )
     breakdown = timer.breakdown(m, per_stage[busiest], pipe_s, tails[busiest])
-    slowest = step * estimator.cluster.straggler_share
-    if slowest:
-        breakdown["stragglers"] = slowest
-        step += slowest
-    model_flops = estimator.tables.model_flops_per_sample * global_batch_size
     meshes = " ".join(f"{s.tp}x{s.dp}" for s in stages)
-    return Estimate(
-        config=pipe,
-        global_batch_size=global_batch_size,
-        num_microbatches=m,
-        step_time_s=step,
-        breakdown=breakdown,
-        stages=tuple(out_stages),
-        peak_memory_bytes=max(s.memory.total_bytes for s in out_stages),
-        model_flops=model_flops,
-        mfu=model_flops / (step * estimator.cluster.world_size * estimator.peak_flops),
-        notes=(f"stages of their own meshes (tp x dp per stage): {meshes}",),
-    )
+    notes = (f"stages of their own meshes (tp x dp per stage): {meshes}",)
+    return estimator.estimate(pipe, global_batch_size, m, step, breakdown, tuple(out_stages), notes)
 
 
 def _held_state(

@@ -225,22 +225,36 @@ class Estimator:
             for i, (ls, st) in enumerate(zip(layers, per_stage, strict=True))
         )
         breakdown = self.timer.breakdown(m, per_stage[busiest], pipe_s, tail[busiest])
-        slowest = step * self.cluster.straggler_share  # the pace of the slowest device
+        return self.estimate(config, global_batch_size, m, step, breakdown, stages)
+
+    def estimate(
+        self,
+        config: ParallelConfig,
+        global_batch_size: int,
+        microbatches: int,
+        step_s: float,
+        breakdown: dict[str, float],
+        stages: tuple[StageEstimate, ...],
+        notes: tuple[str, ...] = (),
+    ) -> Estimate:
+        """The `Estimate` of a priced step: ``step_s`` at its slowest device's pace (the
+        breakdown's stragglers term), the model's FLOPs and the MFU."""
+        slowest = step_s * self.cluster.straggler_share  # the pace of the slowest device
         if slowest:
             breakdown["stragglers"] = slowest
-            step += slowest
+            step_s += slowest
         model_flops = self.tables.model_flops_per_sample * global_batch_size
-        world = self.cluster.world_size
         return Estimate(
             config=config,
             global_batch_size=global_batch_size,
-            num_microbatches=m,
-            step_time_s=step,
+            num_microbatches=microbatches,
+            step_time_s=step_s,
             breakdown=breakdown,
             stages=stages,
             peak_memory_bytes=max(s.memory.total_bytes for s in stages),
             model_flops=model_flops,
-            mfu=model_flops / (step * world * self.peak_flops),
+            mfu=model_flops / (step_s * self.cluster.world_size * self.peak_flops),
+            notes=notes,
         )
 
     def evaluate_stages(
