@@ -82,6 +82,8 @@ PROFILES = (  # hardware text -> shipped profile (first match)
     ("V100", "dgx_v100"),
     ("DGX-GB200", "gb200_nvl72"),
     ("DGX-GB300", "gb300_nvl72"),
+    ("A10G", "aws_g5_a10g"),  # the Aceso rows' AWS nodes, as the Mist artifact measured them
+    ("L4 24GB (GCP)", "gcp_g2_l4"),  # likewise its Google Cloud nodes
 )
 # source_id prefix -> the stack that ran the row (autopar/hardware/stacks.py)
 STACKS = {
