@@ -213,10 +213,11 @@ def _aceso(row: dict[str, str], base: GridRun, notes: list[str]) -> GridRun:
     layers, hidden, heads = (int(x) for x in shape.groups())
     seq = int(row["seq_len"])
     # Aceso's Megatron: attention step by step (its score, softmax, dropout and context
-    # operators), GPT-2's vocabulary, dropout 0.1
+    # operators; the scale in the score GEMM, the mask in the softmax kernel), GPT-2's
+    # vocabulary, dropout 0.1
     dims = ModelDims(layers, hidden, 4 * hidden, heads, heads, GPT2_VOCAB, seq,
-                     attention="math", dropout=0.1)  # fmt: skip
-    notes.append(f"vocab {GPT2_VOCAB} (GPT-2's), ffn 4h, math attention, dropout 0.1")
+                     attention="megatron", dropout=0.1)  # fmt: skip
+    notes.append(f"vocab {GPT2_VOCAB} (GPT-2's), ffn 4h, Megatron's unfused attention, dropout 0.1")
     notes.append("each stage's tp, dp, operators and recompute list: data/aceso_stages.json")
     num_devices = _int(row["hardware"].split("x")[0])
     mbs, batch, pp = _int(row["mbs"]), _int(row["gbs"]), _int(row["pp"])

@@ -253,7 +253,8 @@ def _dims(row: dict[str, str], source_key: str, assumptions: list[str]) -> Model
     assumptions.append(
         "dropout 0.1; "
         + (
-            "unfused (math) attention: pre-FlashAttention Megatron"
+            "unfused attention as pre-FlashAttention Megatron ran it (scale in the score GEMM, "
+            "mask and softmax one kernel)"
             if unfused
             else "fused attention"
         )
@@ -267,7 +268,7 @@ def _dims(row: dict[str, str], source_key: str, assumptions: list[str]) -> Model
         vocab_size=vocab,
         seq_len=seq_len,
         tie_embeddings=tie,
-        attention="math" if unfused else "flash",
+        attention="megatron" if unfused else "flash",
         dropout=0.1,
     )
 

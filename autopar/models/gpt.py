@@ -24,7 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.models.causal_softmax import causal_softmax
 from autopar.models.layers import dropout, init_weights, residual_init_std
+
+ATTENTIONS = ("flash", "math", "megatron")
 
 
 @dataclass(frozen=True)
@@ -43,13 +46,18 @@ class GPTConfig:
     layer_norm_eps: float = 1e-5
     init_std: float = 0.02
     # "flash": F.scaled_dot_product_attention (fused, no s x s tensors kept); "math": scores,
-    # mask, softmax, dropout and the value product as separate ops, keeping the s x s
-    # probabilities as pre-FlashAttention Megatron (2020-2022) did.
+    # scale, mask, softmax, dropout and the value product as separate ops (eager PyTorch, as
+    # Hugging Face's GPT-2 ran them), keeping the s x s probabilities; "megatron": the same
+    # maths as pre-FlashAttention Megatron-LM (2020-2022) ran it, the scale in the score GEMM
+    # and the mask and softmax one kernel (`autopar.models.causal_softmax`).
     attention: str = "flash"
 
     def __post_init__(self) -> None:
-        if self.attention not in ("flash", "math"):
-            raise ValueError(f"GPTConfig: attention must be flash or math, got {self.attention!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(
+                f"GPTConfig: attention must be one of {', '.join(ATTENTIONS)}, "
+                f"got {self.attention!r}"
+            )
         if self.hidden % self.num_heads:
             raise ValueError(
                 f"GPTConfig: hidden={self.hidden} is not divisible by num_heads={self.num_heads}"
@@ -61,7 +69,8 @@ class GPTAttention(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.math = config.attention == "math"
+        self.math = config.attention != "flash"
+        self.megatron = config.attention == "megatron"
         self.num_heads = config.num_heads
         self.head_dim = config.hidden // config.num_heads
         self.dropout = config.dropout
@@ -80,7 +89,8 @@ class GPTAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         q_BNSD, k_BNSD, v_BNSD = (t.transpose(1, 2) for t in (q_BSND, k_BSND, v_BSND))
         if self.math:
-            y_BNSD = _math_attention(q_BNSD, k_BNSD, v_BNSD, dropout_p, self.training)
+            step_by_step = _megatron_attention if self.megatron else _math_attention
+            y_BNSD = step_by_step(q_BNSD, k_BNSD, v_BNSD, dropout_p, self.training)
         else:
             y_BNSD = self.attention_fn(q_BNSD, k_BNSD, v_BNSD, is_causal=True, dropout_p=dropout_p)
         return self.resid_dropout(self.proj(y_BNSD.transpose(1, 2).reshape(b, s, -1)))
@@ -96,6 +106,17 @@ def _math_attention(
     future_SS = pos_S[None, :] > pos_S[:, None]
     probs_BNSS = torch.softmax(scores_BNSS.masked_fill(future_SS, float("-inf")), dim=-1)
     probs_BNSS = F.dropout(probs_BNSS, p=p, training=training)
+    return torch.matmul(probs_BNSS, v_BNSD)
+
+
+def _megatron_attention(
+    q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor, p: float, training: bool
+) -> torch.Tensor:
+    """`_math_attention`'s maths as Megatron-LM ran it: the scale on the query (Megatron puts
+    it in the score GEMM's alpha; here an op of s x d per head, not s x s), then the masked
+    softmax as one op."""
+    scores_BNSS = torch.matmul(q_BNSD * q_BNSD.shape[-1] ** -0.5, k_BNSD.transpose(-2, -1))
+    probs_BNSS = F.dropout(causal_softmax(scores_BNSS), p=p, training=training)
     return torch.matmul(probs_BNSS, v_BNSD)
 
 
