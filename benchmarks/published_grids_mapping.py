@@ -213,8 +213,8 @@ def _aceso(row: dict[str, str], base: GridRun, notes: list[str]) -> GridRun:
     layers, hidden, heads = (int(x) for x in shape.groups())
     seq = int(row["seq_len"])
     # Aceso's Megatron: attention step by step (its score, softmax, dropout and context
-    # operators; the scale in the score GEMM, the mask in the softmax kernel), GPT-2's
-    # vocabulary, dropout 0.1
+    # operators; the scale in the score GEMM, the mask in the softmax kernel: its runs' logs
+    # in the artifact print masked_softmax_fusion True), GPT-2's vocabulary, dropout 0.1
     dims = ModelDims(layers, hidden, 4 * hidden, heads, heads, GPT2_VOCAB, seq,
                      attention="megatron", dropout=0.1)  # fmt: skip
     notes.append(f"vocab {GPT2_VOCAB} (GPT-2's), ffn 4h, Megatron's unfused attention, dropout 0.1")
