@@ -73,14 +73,13 @@ def time_call(
 ) -> float:
     """Seconds of one ``fn()`` call: best of ``repeats`` batches of about ``target_s`` each."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    first = max(time.perf_counter() - start, 1e-7)
-    calls = max(1, min(10_000, int(target_s / first)))
+    first = _one_call(fn, sync)
     if first >= SLOW_CALL_S:  # a call of seconds is its own long batch: one more is enough
         calls, repeats = 1, 1
+    else:  # the batch's size from the best of three calls: one stalled call (a busy machine
+        # preempting this process) would size batches of one call, each as stalled
+        first = min(first, _one_call(fn, sync), _one_call(fn, sync))
+        calls = max(1, min(10_000, int(target_s / first)))
     best = float("inf")
     for _ in range(repeats):
         sync()
@@ -90,6 +89,14 @@ def time_call(
         sync()
         best = min(best, (time.perf_counter() - start) / calls)
     return best
+
+
+def _one_call(fn: Callable[[], object], sync: Callable[[], object]) -> float:
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return max(time.perf_counter() - start, 1e-7)
 
 
 def measure_compute(
@@ -111,28 +118,35 @@ def measure_compute(
         m = _attention(device, plan, s)
         out.append(m)
         progress(f"attention {m.dtype} {m.shape}: {m.flops / m.time_s / 1e9:.1f} GFLOP/s")
-    for fn in (_copy, _add):
-        points = [fn(device, plan, numel) for numel in plan.memory_numels]
-        points = _retime_stalls(points, lambda n, f=fn: f(device, plan, n), progress)
-        out += points
-        for m in points:
-            size = int(m.shape) * 4 / 2**20
-            progress(f"{m.op} {size:g} MiB: {m.bytes_moved / m.time_s / 1e9:.2f} GB/s")
+    memory_ops = {"copy": _copy, "add": _add}
+    points = [fn(device, plan, n) for fn in memory_ops.values() for n in plan.memory_numels]
+    # both ops stream memory: the curve is fitted to them together, so one stalled at its
+    # largest size bends it whichever op it is (a copy of 256 MiB slower than an add of
+    # 384 MiB fitted a falling curve in a suite run): retimed against each other by bytes
+    points = _retime_stalls(
+        sorted(points, key=lambda m: m.bytes_moved),
+        lambda m: memory_ops[m.op](device, plan, int(m.shape)),
+        progress,
+    )
+    out += points
+    for m in points:
+        size = int(m.shape) * 4 / 2**20
+        progress(f"{m.op} {size:g} MiB: {m.bytes_moved / m.time_s / 1e9:.2f} GB/s")
     return out
 
 
 def _retime_stalls(
     points: list[ComputeMeasurement],
-    measure: Callable[[int], ComputeMeasurement],
+    measure: Callable[[ComputeMeasurement], ComputeMeasurement],
     progress: Progress,
     rounds: int = 3,
 ) -> list[ComputeMeasurement]:
-    """``points`` of one memory op, by growing size, with each point slower than a larger one
-    timed again (up to ``rounds`` times), its best kept. A copy of fewer bytes cannot take
-    longer than one of more: such a point was stalled by another process in every batch (a
-    busy machine: under the test suite's load, the quick profile fitted a falling memory curve
-    and refused to write the profile). Its time only falls when retimed, so the curve's points
-    are no slower than the op."""
+    """``points`` of memory-bound ops, by growing bytes moved, with each point slower than a
+    larger one timed again (up to ``rounds`` times), its best kept. Streaming fewer bytes
+    cannot take longer than streaming more: such a point was stalled by another process in
+    every batch (a busy machine: under the test suite's load, the quick profile fitted a
+    falling memory curve and refused to write the profile). Its time only falls when retimed,
+    so the curve's points are no slower than the ops."""
     points = list(points)
     for _ in range(rounds):
         stalled = [
@@ -143,10 +157,10 @@ def _retime_stalls(
         if not stalled:
             break
         for i in stalled:
-            again = measure(int(points[i].shape))
+            again = measure(points[i])
             if again.time_s < points[i].time_s:
                 points[i] = again
-        progress(f"{points[0].op}: retimed {len(stalled)} size(s) slower than a larger one")
+        progress(f"memory: retimed {len(stalled)} point(s) slower than a larger one")
     return points
 
 

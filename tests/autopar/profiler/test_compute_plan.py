@@ -3,10 +3,26 @@ larger size of its op is timed (a CPU without bf16 units spent minutes on them).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from autopar.profiler import compute
 from autopar.profiler.compute import ComputePlan, measure_compute, time_call
+
+
+def test_one_stalled_first_call_does_not_shrink_the_batches():
+    """A busy machine preempting the first call made every batch one call long, each as
+    stalled; the batch is sized from the best of three calls."""
+    calls = []
+
+    def fn():
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(0.05)
+
+    time_call(fn, torch.device("cpu"), target_s=0.01, repeats=2)
+    assert len(calls) > 3 + 2 * 10  # batches of many calls, not of one
 
 
 def _counting():
@@ -17,7 +33,7 @@ def _counting():
 def test_a_short_call_is_timed_in_batches_a_slow_one_once_more():
     calls, fn = _counting()
     time_call(fn, torch.device("cpu"), target_s=0.001, repeats=3)
-    assert len(calls) >= 1 + 3  # the first call, then three batches of at least one
+    assert len(calls) >= 3 + 3  # three single calls, then three batches of at least one
     calls, fn = _counting()
     # the same call counted slow: the first call and one more
     saved, compute.SLOW_CALL_S = compute.SLOW_CALL_S, 0.0

@@ -174,15 +174,35 @@ def test_a_memory_point_slower_than_a_larger_one_is_timed_again_until_it_is_not(
     retimes = {2**20: [true[2**20] * 40, true[2**20] * 1.1]}
     calls, notes = [], []
 
-    def measure(numel: int) -> ComputeMeasurement:
-        calls.append(numel)
-        return point(numel, retimes[numel].pop(0))
+    def measure(m: ComputeMeasurement) -> ComputeMeasurement:
+        calls.append(int(m.shape))
+        return point(int(m.shape), retimes[int(m.shape)].pop(0))
 
     points = _retime_stalls(measured, measure, notes.append)
     assert calls == [2**20, 2**20]  # a slower retime is not kept; the second one is
     assert [p.time_s for p in points] == [true[2**16] * 1.5, true[2**20] * 1.1, true[2**24]]
-    assert notes == ["copy: retimed 1 size(s) slower than a larger one"] * 2
+    assert notes == ["memory: retimed 1 point(s) slower than a larger one"] * 2
     # a point that stays stalled is retimed at most `rounds` times, then kept as measured
     stuck = [point(2**20, 1.0), point(2**24, true[2**24])]
-    again = _retime_stalls(stuck, lambda n: point(n, 2.0), notes.append, rounds=3)
+    again = _retime_stalls(stuck, lambda m: point(int(m.shape), 2.0), notes.append, rounds=3)
     assert [p.time_s for p in again] == [1.0, true[2**24]]
+
+
+def test_a_copy_slower_than_an_add_of_more_bytes_is_timed_again():
+    """The memory curve is fitted to copies and adds together, so they are checked against
+    each other: a stalled copy at the largest size bent it downward in a suite run."""
+    from autopar.profiler.compute import _retime_stalls
+
+    n = 2**24
+    copy = ComputeMeasurement("copy", "fp32", str(n), 0.0, 8.0 * n, 10 * 8.0 * n / BANDWIDTH)
+    add = ComputeMeasurement("add", "fp32", str(n), float(n), 12.0 * n, 12.0 * n / BANDWIDTH)
+    calls = []
+
+    def measure(m: ComputeMeasurement) -> ComputeMeasurement:
+        calls.append(m.op)
+        return ComputeMeasurement(m.op, m.dtype, m.shape, m.flops, m.bytes_moved,
+                                  m.bytes_moved / BANDWIDTH)  # fmt: skip
+
+    points = _retime_stalls([copy, add], measure, lambda _: None)
+    assert calls == ["copy"]
+    assert [p.time_s for p in points] == [8.0 * n / BANDWIDTH, 12.0 * n / BANDWIDTH]
