@@ -1,6 +1,6 @@
 """Predicted vs published step time and memory on the grids of data/published_grids.csv.
 
-Every BF16/FP16 row autopar can express is priced with `autopar.evaluate` on its shipped
+Every BF16, FP16 and FP32 row autopar can express is priced with `autopar.evaluate` on its shipped
 profile and its own software stack (`autopar.hardware.stacks`); the others are listed with the
 reason. Printed: per row the predicted and measured step time and error, predicted and
 measured peak memory where the source gives it, and whether a config that ran is predicted over
@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
 from local_validation import spearman  # noqa: E402
 from published_grids_mapping import GiB, GridRun, read_grids  # noqa: E402
 
@@ -83,6 +84,16 @@ def _model(run: GridRun):
     from autopar.models import hf, zoo
 
     d = run.dims
+    if run.family == "bert":  # transformers' BERT for sequence classification, as run_glue.py
+        import transformers
+
+        config = transformers.BertConfig(
+            vocab_size=d.vocab_size, hidden_size=d.hidden, num_hidden_layers=d.num_layers,
+            num_attention_heads=d.num_heads, intermediate_size=d.ffn_hidden,
+        )  # fmt: skip
+        with torch.device("meta"):
+            model = transformers.BertForSequenceClassification(config)
+        return model, (torch.zeros(1, d.seq_len, dtype=torch.long, device="meta"),)
     if run.family == "deepseek-v3":
         model = hf.build("deepseek-v3")
         return model, hf.example_inputs("deepseek-v3", model, seq_len=d.seq_len)
@@ -384,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     runs = [
-        r if r.skip or r.precision in ("bf16", "fp16") else
+        r if r.skip or r.precision in ("bf16", "fp16", "fp32") else
         replace(r, skip=f"precision {r.precision}: benchmarks/fp8_ratio.py prices it (issue 18)")
         for r in read_grids()
         if r.grid.startswith(args.grid)

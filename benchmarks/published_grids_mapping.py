@@ -38,6 +38,11 @@ TORCHTITAN_SEQ = 8192
 # DeepSpeedExamples' HF autotuning scripts: run_clm with block size 1024 for GPT-2 (their
 # README's command), the GPT-2 context.
 DSAT_GPT2_SEQ = 1024
+# DeepSpeedExamples training/autotuning/hf/bert-large: transformers' run_glue.py (its
+# max_seq_length default, 128) on bert-large-uncased (vocab 30522), in fp32 ("The training use
+# fp32", the README; no --fp16, no fp16 section in its DeepSpeed config)
+DSAT_BERT_SEQ = 128
+BERT_VOCAB = 30522
 # The shapes of the MPT models llm-foundry benchmarks (mosaicml/llm-foundry scripts/train/yamls
 # /pretrain/mpt-*.yaml: d_model, n_layers, n_heads; expansion_ratio 4, vocab 50368, no biases,
 # ALiBi instead of position embeddings).
@@ -111,7 +116,7 @@ class GridRun:
     source: str
     trust: str
     dims: ModelDims | None = None
-    family: str = "gpt"  # "gpt" (zoo GPT) or "llama" (zoo Llama)
+    family: str = "gpt"  # "gpt" (zoo GPT), "llama" (zoo Llama), "deepseek-v3", "bert" (HF)
     profile: str = ""
     num_devices: int = 0
     devices_per_node: int | None = None  # fewer than the profile's (an NVL72 rack's 64)
@@ -189,7 +194,7 @@ def parse_row(row: dict[str, str], run_id: str) -> GridRun:
             else "",
             "config": config,
             "global_batch": batch,
-            "precision": _precision(row["precision"]),
+            "precision": "fp32" if family == "bert" else _precision(row["precision"]),
             "stack": stack,
             "measured_step_s": step,
             "measured_from": how,
@@ -281,12 +286,6 @@ def _unsupported(row: dict[str, str]) -> str | None:
     source = row["source_id"]
     if source.startswith("maxtext"):
         return "MaxText runs JAX/XLA: autopar prices PyTorch stacks only"
-    if "BERT" in row["model"]:
-        # DeepSpeedExamples training/autotuning/hf/bert-large/README.md: "The training use
-        # fp32" (run_glue.py without --fp16, a DeepSpeed config without an fp16 section)
-        return (
-            "fp32 run (the source's README; the csv says fp16): this script prices BF16/FP16 rows"
-        )
     if ("experts" in row["model"] or "DeepSeek" in row["model"]) and not _deepseek_v3(row):
         return "MoE other than DeepSeek-V3: no preset of its shape"
     if not _profile(row):
@@ -304,6 +303,11 @@ def _dims(row: dict[str, str], notes: list[str]) -> tuple[ModelDims, str]:
         notes.append(f"{name}: {layers}L h{hidden} {heads}H (llm-foundry's yaml), ALiBi as no PE")
         dims = ModelDims(layers, hidden, 4 * hidden, heads, heads, MPT_VOCAB, seq, bias=False)
         return dims, "gpt"
+    if model.startswith("BERT"):  # DSAT_BERT_SEQ's source: GLUE fine-tuning of BERT-large
+        layers, hidden, heads = (int(x) for x in re.search(r"(\d+)L h(\d+) (\d+)H", model).groups())
+        notes.append(f"BERT: sequence classification, vocab {BERT_VOCAB}, fp32 (the source's "
+                     "README; the csv says fp16)")  # fmt: skip
+        return ModelDims(layers, hidden, 4 * hidden, heads, heads, BERT_VOCAB, seq), "bert"
     if _deepseek_v3(row):  # transformers' DeepseekV3 preset, the row's shape (hf.py)
         notes.append("DeepSeek-V3: the hf preset (MLA, 256 experts top 8, 3 dense layers)")
         return ModelDims(61, 7168, 18432, 128, 128, 129280, seq, bias=False), "deepseek-v3"
@@ -365,6 +369,9 @@ def _seq_len(row: dict[str, str], notes: list[str]) -> int:
     if row["source_id"].startswith("torchtitan"):
         notes.append(f"seq {TORCHTITAN_SEQ} (torchtitan's Llama 3 config)")
         return TORCHTITAN_SEQ
+    if "BERT" in row["model"]:
+        notes.append(f"seq {DSAT_BERT_SEQ} (run_glue.py's max_seq_length default)")
+        return DSAT_BERT_SEQ
     notes.append(f"seq {DSAT_GPT2_SEQ} (the HF example's block size)")
     return DSAT_GPT2_SEQ
 
