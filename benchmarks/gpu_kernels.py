@@ -11,6 +11,7 @@ profile's curve `max * x / (x + half_size)` predicts at the same size:
                 sum of 256 MiB then 16 MiB blocks allocated until the first OOM (the figure a
                 profile's memory_bytes stands for: hardware_profiles/README.md)
     matmul      bf16 torch.mm, square sizes and the GEMMs of a Llama layer (x = 2MNK FLOPs)
+    matmul-fp32 the same in fp32 with TF32 off (CUDA cores), over the fp32 peak
     fp8         torch._scaled_mm e4m3 x e4m3 -> bf16, per-tensor and per-row scales
     attention   scaled_dot_product_attention (causal, head dim 128, bf16) forward and
                 forward+backward per backend: flash, cuDNN, memory-efficient (x = FLOPs of
@@ -130,6 +131,27 @@ def matmul_rows(args: argparse.Namespace, peak: float) -> list[dict]:
         rows.append(_row("matmul", name, 2.0 * m * n * k, seconds, peak))
         del a, b
     return rows
+
+
+def fp32_matmul_rows(args: argparse.Namespace, peak: float) -> list[dict]:
+    """fp32 torch.mm on the CUDA cores (TF32 off, PyTorch's default for matmuls): the share of
+    the fp32 peak that GEMMs without tensor cores reach, against the bf16 share above (the
+    profiles price every dtype on one curve)."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        rows = []
+        for name, m, n, k in matmul_shapes(args.quick):
+            if name == "square 16384" or name.startswith("lm_head"):
+                continue  # a minute each at fp32's rate
+            a = torch.randn(m, k, device=DEVICE, dtype=torch.float32)
+            b = torch.randn(k, n, device=DEVICE, dtype=torch.float32)
+            seconds = timed(lambda a=a, b=b: torch.mm(a, b), args.warmup, args.repeats)
+            rows.append(_row("matmul-fp32", name, 2.0 * m * n * k, seconds, peak))
+            del a, b
+        return rows
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def fp8_rows(args: argparse.Namespace, peak: float) -> list[dict]:
@@ -305,6 +327,7 @@ def main() -> None:
         "profile": profile_name,
         "peaks": {
             "bf16": peaks["bf16"],
+            "fp32": peaks["fp32"],
             "fp8": peaks.get("fp8"),
             "hbm": profile.device.memory_bandwidth_bytes_per_s,
         },
@@ -320,6 +343,7 @@ def main() -> None:
     rows = []
     sections = [
         ("matmul", matmul_rows, peaks["bf16"], "TF/s"),
+        ("matmul-fp32", fp32_matmul_rows, peaks["fp32"], "TF/s"),
         ("fp8", fp8_rows, peaks.get("fp8") or peaks["bf16"], "TF/s"),
         ("attention", attention_rows, peaks["bf16"], "TF/s"),
         ("hbm", hbm_rows, profile.device.memory_bandwidth_bytes_per_s, "TB/s"),
