@@ -122,13 +122,17 @@ def _row(kernel: str, shape: str, x: float, seconds: float, peak: float, **extra
             "rate": rate, "efficiency": rate / peak}  # fmt: skip
 
 
-def matmul_rows(args: argparse.Namespace, peak: float) -> list[dict]:
+def matmul_rows(
+    args: argparse.Namespace, peak: float, dtype: torch.dtype = torch.bfloat16, kernel="matmul"
+) -> list[dict]:
     rows = []
     for name, m, n, k in matmul_shapes(args.quick):
-        a = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
-        b = torch.randn(k, n, device=DEVICE, dtype=torch.bfloat16)
+        if dtype == torch.float32 and (name == "square 16384" or name.startswith("lm_head")):
+            continue  # a minute each at fp32's rate
+        a = torch.randn(m, k, device=DEVICE, dtype=dtype)
+        b = torch.randn(k, n, device=DEVICE, dtype=dtype)
         seconds = timed(lambda a=a, b=b: torch.mm(a, b), args.warmup, args.repeats)
-        rows.append(_row("matmul", name, 2.0 * m * n * k, seconds, peak))
+        rows.append(_row(kernel, name, 2.0 * m * n * k, seconds, peak))
         del a, b
     return rows
 
@@ -140,16 +144,7 @@ def fp32_matmul_rows(args: argparse.Namespace, peak: float) -> list[dict]:
     saved = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        rows = []
-        for name, m, n, k in matmul_shapes(args.quick):
-            if name == "square 16384" or name.startswith("lm_head"):
-                continue  # a minute each at fp32's rate
-            a = torch.randn(m, k, device=DEVICE, dtype=torch.float32)
-            b = torch.randn(k, n, device=DEVICE, dtype=torch.float32)
-            seconds = timed(lambda a=a, b=b: torch.mm(a, b), args.warmup, args.repeats)
-            rows.append(_row("matmul-fp32", name, 2.0 * m * n * k, seconds, peak))
-            del a, b
-        return rows
+        return matmul_rows(args, peak, torch.float32, "matmul-fp32")
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
 
