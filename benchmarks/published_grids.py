@@ -153,8 +153,13 @@ FIT_GRIDS = {
     "attention": [{"attention_efficiency": k / 20} for k in range(20, 61, 2)],
     # the compute hidden communication costs, the kernels as the stack's file has them
     "interference": [{"comm_interference": k / 20} for k in range(21)],
-    # the host time of a per-tensor ZeRO hook event, 0 to 300 us
-    "param-hooks": [{"param_hook_s": k * 25e-6} for k in range(13)],
+    # the host time of DeepSpeed's per-tensor ZeRO hooks: the gradient's, 0 to 300 us, and
+    # one of ZeRO-3's four gathers and releases, 0 to 500 us
+    "param-hooks": [
+        {"param_hook_s": g * 12.5e-6, "param_fetch_hook_s": f * 25e-6}
+        for g in range(25)
+        for f in range(21)
+    ],
 }
 
 

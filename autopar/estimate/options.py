@@ -70,11 +70,14 @@ class CostOptions:
     # reshard-after-backward off until the last micro-batch. One gather and one reduce-scatter
     # per step; False: both per micro-batch, two layers gathered at a time.
     pp_keeps_unsharded: bool = False
-    # Host time of one per-parameter-tensor hook event (DeepSpeed's ZeRO runs Python hooks per
-    # tensor): ZeRO-2 has one per micro-batch (the gradient copied into its reduction bucket),
-    # ZeRO-3 five (gather and release in the forward, again in the backward, and the gradient);
-    # 0 where sharding works per layer without per-tensor hooks (FSDP, DDP buckets).
+    # Host time of the gradient hook DeepSpeed's ZeRO-2 and ZeRO-3 run per parameter tensor per
+    # micro-batch (the gradient copied into its reduction bucket); 0 where sharding works per
+    # layer without per-tensor hooks (FSDP, DDP buckets).
     param_hook_s: float = 0.0
+    # Host time of one of the four gather and release hooks ZeRO-3 runs per parameter tensor
+    # per micro-batch (gathered and released around the forward, and again around the
+    # backward): a separate value from the gradient hook's, as the two do different work.
+    param_fetch_hook_s: float = 0.0
     # ZeRO-3 gathers a low-precision recipe's linear weights already cast to FP8 (torchao's
     # enable_fsdp_float8_all_gather, per-tensor scales only), halving their traffic.
     fp8_all_gather: bool = False
@@ -201,7 +204,7 @@ class CostOptions:
         for name in ("tp_comm_overlap", "async_tp_overlap"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        for name in ("param_hook_s", "recipe_host_s"):
+        for name in ("param_hook_s", "param_fetch_hook_s", "recipe_host_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")

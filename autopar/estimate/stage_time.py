@@ -36,9 +36,10 @@ Data parallel, per stage, gradients G bytes (params on the rank x grad bytes):
     prefetched behind the previous layer's compute (exposed: what the stage's compute cannot
     cover, plus the first gather). Hidden communication still slows the compute it overlaps
     by the stack's `comm_interference` of its time.
-A stack whose ZeRO hooks run per parameter tensor (`param_hook_s`, DeepSpeed) adds that host
-time per hook event per tensor to each micro-batch: one event under ZeRO-2 (the gradient's
-bucket copy), five under ZeRO-3 (`PARAM_HOOK_EVENTS`).
+A stack whose ZeRO hooks run per parameter tensor (DeepSpeed) adds their host time per tensor
+to each micro-batch: under ZeRO-2 and ZeRO-3 the gradient's hook (its bucket copy,
+`param_hook_s`), under ZeRO-3 also four gather and release hooks (`param_fetch_hook_s`,
+`FETCH_HOOK_EVENTS`).
 Optimizer: memory bound, bytes per parameter by optimizer, precision, moment dtype and whether
 the stack's step is fused (`optimizer_step_bytes`; an unfused step's kernel launches are taken
 as hidden behind its passes' bytes), plus the runtime's per-block host time where the profile
@@ -71,9 +72,9 @@ from cost_models.compute import list_collective_time_s, op_time_s
 from cost_models.pipeline_bound import step_lower_bound
 
 StageTimes = dict[str, float]
-# per-tensor hook events per micro-batch by ZeRO stage (CostOptions.param_hook_s): stage 2 the
-# gradient's; stage 3 also a gather and a release before and after the forward and backward
-PARAM_HOOK_EVENTS = {2: 1, 3: 5}
+# ZeRO-3's gather and release hooks per parameter tensor per micro-batch
+# (CostOptions.param_fetch_hook_s): around the forward, and again around the backward
+FETCH_HOOK_EVENTS = 4
 
 
 class StageTimer:
@@ -142,10 +143,13 @@ class StageTimer:
             split *= sum(t.kind == "block" and t.name not in first for t in layers)
             for key in ("compute_backward", "weight_grad", "backward"):
                 out[key] += split
-        events = PARAM_HOOK_EVENTS.get(cfg.zero_stage, 0)
-        if events and self.options.param_hook_s:
-            # per-tensor hook events (CostOptions.param_hook_s), host time in the backward
-            hooks = events * self.options.param_hook_s * sum(t.num_param_tensors for t in layers)
+        per_tensor = 0.0  # host time of the per-tensor ZeRO hooks, counted in the backward
+        if cfg.zero_stage >= 2:
+            per_tensor += self.options.param_hook_s
+        if cfg.zero_stage == 3:
+            per_tensor += FETCH_HOOK_EVENTS * self.options.param_fetch_hook_s
+        if per_tensor:
+            hooks = per_tensor * sum(t.num_param_tensors for t in layers)
             for key in ("compute_backward", "backward"):
                 out[key] += hooks
         fsdp_f, fsdp_b = self._fsdp_exposed(cfg, mesh, layers, out, recomputed, microbatches)

@@ -9,8 +9,9 @@ prices through the mechanisms it names.
 - `logit_copies` adds whole logit tensors on the last stage, nothing else.
 - `comm_interference` adds its fraction of the FSDP traffic the compute hid, and nothing to
   a config with no hidden communication.
-- `param_hook_s` adds one hook event per parameter tensor per micro-batch under ZeRO-2, five
-  under ZeRO-3, none under ZeRO-1.
+- `param_hook_s` (the gradient's hook) adds its time per parameter tensor per micro-batch
+  under ZeRO-2 and ZeRO-3, `param_fetch_hook_s` four times its time under ZeRO-3 only
+  (gathers and releases), neither anything under ZeRO-1.
 - `fsdp_over_cp` shards the model state fsdp x cp ways and drops the separate cp gradient
   all-reduce (torchtitan's and Megatron's layout); autopar's own stack keeps both apart.
   With fsdp = 1 ZeRO shards over the cp ranks alone (torchtitan's dp_shard 1 under cp), priced
@@ -86,6 +87,10 @@ def test_a_stack_file_of_ones_own(tmp_path):
         (("grad_bytes = 2", "grad_bytes = 3"), "grad_bytes must be 2 or 4"),
         (("grad_bytes = 2", "comm_interference = 1.5"), "comm_interference must be in [0, 1]"),
         (("grad_bytes = 2", "param_hook_s = -1.0"), "param_hook_s must be a finite number >= 0"),
+        (
+            ("grad_bytes = 2", "param_fetch_hook_s = -1.0"),
+            "param_fetch_hook_s must be a finite number >= 0",
+        ),
         (('name = "mine"', 'name = "other"'), "must equal the file stem 'mine'"),
         (
             (
@@ -195,16 +200,20 @@ def test_per_tensor_hooks_cost_host_time_by_zero_stage(llama):
     tables = build_tables(graph)
     cluster = autopar.Cluster.from_profile("dgx_h100")
     tensors = sum(t.num_param_tensors for t in tables.layers)
-    for stage, events in ((1, 0), (2, 1), (3, 5)):
+    hooks = {"grad": dict(param_hook_s=1e-4), "fetch": dict(param_fetch_hook_s=1e-4)}
+    # events per tensor per micro-batch, by ZeRO stage: (gradient hooks, gathers and releases)
+    for stage, events in ((1, (0, 0)), (2, (1, 0)), (3, (1, 4))):
         cfg = autopar.ParallelConfig(fsdp=8, zero_stage=stage, micro_batch_size=2)
-        backward = []
-        for hook in (0.0, 1e-4):
-            est = Estimator(tables, cluster, options=CostOptions(param_hook_s=hook))
+        backward = {}
+        for name, options in (("none", {}), *hooks.items()):
+            est = Estimator(tables, cluster, options=CostOptions(**options))
             mesh = est.mesh(cfg)
             layers = list(tables.layers)
             st = est.timer.stage_times(cfg, mesh, layers, est.layer_times(cfg, mesh))
-            backward.append(st["compute_backward"])
-        assert backward[1] - backward[0] == pytest.approx(events * 1e-4 * tensors, abs=1e-12)
+            backward[name] = st["compute_backward"]
+        for name, count in zip(hooks, events, strict=True):
+            added = backward[name] - backward["none"]
+            assert added == pytest.approx(count * 1e-4 * tensors, abs=1e-12), (stage, name)
 
 
 def test_sharding_over_the_context_parallel_ranks(llama):
