@@ -27,7 +27,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import torch  # noqa: E402
 from local_validation import spearman  # noqa: E402
 from published_grids_mapping import GiB, GridRun, read_grids  # noqa: E402
 
@@ -85,6 +84,7 @@ def _model(run: GridRun):
 
     d = run.dims
     if run.family == "bert":  # transformers' BERT for sequence classification, as run_glue.py
+        import torch
         import transformers
 
         config = transformers.BertConfig(

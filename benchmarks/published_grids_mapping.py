@@ -304,7 +304,7 @@ def _dims(row: dict[str, str], notes: list[str]) -> tuple[ModelDims, str]:
         dims = ModelDims(layers, hidden, 4 * hidden, heads, heads, MPT_VOCAB, seq, bias=False)
         return dims, "gpt"
     if model.startswith("BERT"):  # DSAT_BERT_SEQ's source: GLUE fine-tuning of BERT-large
-        layers, hidden, heads = (int(x) for x in re.search(r"(\d+)L h(\d+) (\d+)H", model).groups())
+        layers, hidden, heads = (int(shape.group(i)) for i in (1, 2, 4))
         notes.append(f"BERT: sequence classification, vocab {BERT_VOCAB}, fp32 (the source's "
                      "README; the csv says fp16)")  # fmt: skip
         return ModelDims(layers, hidden, 4 * hidden, heads, heads, BERT_VOCAB, seq), "bert"
