@@ -252,7 +252,7 @@ def profile_efficiency(profile, kernel: str, x: float) -> float:
 
     family = kernel.split("-")[0]
     curve = {
-        "matmul": profile.device.matmul,
+        "matmul": profile.device.matmul_curve("fp32" if kernel == "matmul-fp32" else "bf16"),
         "fp8": profile.device.matmul,
         "attention": profile.device.attention,
         "hbm": profile.device.memory,

@@ -8,7 +8,10 @@ and launch overhead t0:
     eff(x) = e_max * x / (x + x_half)                                    (EfficiencyCurve.at)
 
 P_c is the dtype's tensor-core peak for matmul and attention, and the fp32 (vector) peak for
-elementwise and reduction ops, whose arithmetic does not run on tensor cores. eff rises from 0
+elementwise and reduction ops, whose arithmetic does not run on tensor cores. An fp32 matmul on
+a GPU (TF32 off) runs on the vector units too, where a device may reach another fraction of
+that peak over a shorter ramp than its tensor-core GEMMs: its own curve where the profile gives
+one (`DeviceSpec.matmul_fp32`), else the matmul curve. eff rises from 0
 towards e_max, reaching e_max/2 at x_half: so F / (P * eff(F)) = (F + x_half) / (P * e_max), a
 fixed cost plus a rate, which is how small GEMMs and short messages behave in practice.
 
@@ -67,6 +70,16 @@ class DeviceSpec:
     matmul: EfficiencyCurve
     attention: EfficiencyCurve
     memory: EfficiencyCurve
+    # fp32 GEMMs on the vector units (a GPU's CUDA cores, TF32 off), where measured: V100's
+    # SGEMM reaches 0.89 of its fp32 peak where its tensor-core HGEMM reaches 0.76, and an
+    # H200's fp32 GEMM ramps up over 1/24 of the FLOPs its BF16 GEMM needs (its rate is 1/15)
+    matmul_fp32: EfficiencyCurve | None = None
+
+    def matmul_curve(self, dtype: str) -> EfficiencyCurve:
+        """The efficiency curve of a matmul in ``dtype``: `matmul_fp32` for fp32 where given."""
+        if dtype == "fp32" and self.matmul_fp32 is not None:
+            return self.matmul_fp32
+        return self.matmul
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype``; fp16 falls back to bf16 and back, tf32 to fp32."""
@@ -108,7 +121,7 @@ def op_time_s(
     if flops < 0 or bytes_moved < 0:
         raise ValueError(f"flops and bytes_moved must be >= 0, got {flops} and {bytes_moved}")
     if op_class == "matmul":
-        compute_s = flops / (device.peak(dtype) * device.matmul.at(flops))
+        compute_s = flops / (device.peak(dtype) * device.matmul_curve(dtype).at(flops))
     elif op_class == "attention":
         compute_s = flops / (device.peak(dtype) * device.attention.at(flops))
     else:

@@ -559,15 +559,17 @@ def converted_layers(
 
 def stack_device(device: DeviceSpec, options: CostOptions, reference: CostOptions) -> DeviceSpec:
     """``device`` as ``options``' stack runs it, when its curves describe ``reference``'s: the
-    matmul and attention curves' achievable fraction of peak scaled by the ratio of the two
-    stacks' `matmul_efficiency` / `attention_efficiency` (capped at 1: no kernel beats the
-    peak)."""
+    matmul (fp32's too) and attention curves' achievable fraction of peak scaled by the ratio
+    of the two stacks' `matmul_efficiency` / `attention_efficiency` (capped at 1: no kernel
+    beats the peak)."""
     matmul = options.matmul_efficiency / reference.matmul_efficiency
     attention = options.attention_efficiency / reference.attention_efficiency
     if matmul == 1.0 and attention == 1.0:
         return device
+    fp32 = device.matmul_fp32
     return replace(
         device,
         matmul=replace(device.matmul, max=min(1.0, device.matmul.max * matmul)),
+        matmul_fp32=fp32 and replace(fp32, max=min(1.0, fp32.max * matmul)),
         attention=replace(device.attention, max=min(1.0, device.attention.max * attention)),
     )

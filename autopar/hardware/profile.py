@@ -261,6 +261,8 @@ def _parse(f: _Fields, origin: str) -> HardwareProfile:
         for table in ("device", "device.peak_flops_per_s", "node")
         + tuple(f"device.efficiency.{c}" for c in ("matmul", "attention", "memory"))
     }
+    if f.get("device.efficiency.matmul_fp32", required=False) is not None:
+        sources["device.efficiency.matmul_fp32"] = f.string("device.efficiency.matmul_fp32.source")
     levels = _parse_levels(f, sources)
     torus = _parse_torus(f, sources)
     if (torus is None) == (not levels):
@@ -372,6 +374,9 @@ def _parse_device(f: _Fields) -> DeviceSpec:
         half = f.number(f"{base}.half_size", strict=False)
         return EfficiencyCurve(f.fraction(f"{base}.max"), half)
 
+    fp32 = None  # optional: fp32 GEMMs on the vector units (`DeviceSpec.matmul_fp32`)
+    if f.get("device.efficiency.matmul_fp32", required=False) is not None:
+        fp32 = curve("matmul_fp32")
     return DeviceSpec(
         name=f.string("device.name"),
         memory_bytes=f.number("device.memory_bytes"),
@@ -381,6 +386,7 @@ def _parse_device(f: _Fields) -> DeviceSpec:
         matmul=curve("matmul"),
         attention=curve("attention"),
         memory=curve("memory"),
+        matmul_fp32=fp32,
     )
 
 

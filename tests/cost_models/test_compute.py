@@ -53,6 +53,24 @@ def test_dtype_changes_matmul_time():
     assert op_time_s(DEVICE, "matmul", flops, 0, "fp16") == bf16
 
 
+def test_fp32_matmuls_take_their_own_curve_where_the_device_gives_one():
+    """An fp32 GEMM runs on the vector units: the device's `matmul_fp32` curve prices it, the
+    tensor-core dtypes keep the matmul curve, and a device without one prices fp32 on that."""
+    from dataclasses import replace
+
+    flops = 1e10
+    fp32 = replace(DEVICE, matmul_fp32=EfficiencyCurve(0.9, 1e8))
+    assert op_time_s(fp32, "matmul", flops, 0, "fp32") == pytest.approx(
+        5e-6 + (flops + 1e8) / (60e12 * 0.9)
+    )
+    assert op_time_s(DEVICE, "matmul", flops, 0, "fp32") == pytest.approx(
+        5e-6 + (flops + 1e9) / (60e12 * 0.8)
+    )
+    assert op_time_s(fp32, "matmul", flops, 0, "bf16") == op_time_s(
+        DEVICE, "matmul", flops, 0, "bf16"
+    )
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="unknown dtype 'int4'; known dtypes: fp32"):
         op_time_s(DEVICE, "matmul", 1e9, 0, "int4")  # type: ignore[arg-type]

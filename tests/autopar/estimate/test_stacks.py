@@ -4,7 +4,8 @@ prices through the mechanisms it names.
 - Every shipped stack loads and names a source per table; bad files are refused by field.
 - Kernel factors are relative to the stack the profile's curves describe: on dgx_h100
   (fitted to Megatron-LM) the megatron-lm stack prices as one's own factor-1 options, and the
-  eager stacks' memory-bound ops take twice the traffic; on local_cpu (measured through
+  eager stacks' memory-bound ops take twice the traffic; a matmul factor scales the fp32
+  GEMMs' curve with the tensor-core one; on local_cpu (measured through
   autopar's runtime) the autopar stack prices exactly as its measured curves.
 - `logit_copies` adds whole logit tensors on the last stage, nothing else.
 - `comm_interference` adds its fraction of the FSDP traffic the compute hid, and nothing to
@@ -140,6 +141,16 @@ def test_kernel_factors_are_relative_to_the_profiles_own_stack(llama):
     cpu_own = _compute(graph, "local_cpu", CostOptions())
     assert _compute(graph, "local_cpu", load_stack("autopar").options) == cpu_own
     assert _compute(graph, "local_cpu", load_stack("megatron-lm").options) < cpu_own
+
+
+def test_a_stacks_matmul_factor_scales_the_fp32_curve_as_the_tensor_core_one():
+    from autopar.estimate.step import stack_device
+
+    device = autopar.load_profile("dgx_v100").device
+    half = stack_device(device, CostOptions(matmul_efficiency=0.5), CostOptions())
+    assert half.matmul.max == pytest.approx(device.matmul.max / 2)
+    assert half.matmul_fp32.max == pytest.approx(device.matmul_fp32.max / 2)
+    assert half.matmul_fp32.half_size == device.matmul_fp32.half_size
 
 
 def test_memory_traffic_prices_the_memory_bound_ops_with_more_bytes(llama):

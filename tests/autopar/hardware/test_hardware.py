@@ -136,6 +136,19 @@ def test_unknown_dtype_is_refused(tmp_path, h100_text):
         load_profile(_write(tmp_path, text))
 
 
+def test_an_fp32_matmul_curve_is_optional_and_checked_like_the_others(tmp_path, h100_text):
+    """Without `[device.efficiency.matmul_fp32]` fp32 matmuls take the matmul curve; with one,
+    its max must be a fraction and its source is kept."""
+    table = re.search(r"(?ms)^\[device\.efficiency\.matmul_fp32\]\n.*?(?=^\[)", h100_text)
+    assert table, "dgx_h100 ships an fp32 curve"
+    without = load_profile(_write(tmp_path, h100_text.replace(table.group(0), ""))).device
+    assert without.matmul_fp32 is None and without.matmul_curve("fp32") is without.matmul
+    assert "h200_kernels" in load_profile("dgx_h100").sources["device.efficiency.matmul_fp32"]
+    broken = table.group(0).replace("max = 0.66", "max = 1.5")
+    with pytest.raises(ProfileError, match=r"efficiency.matmul_fp32.max: must be in \(0, 1\]"):
+        load_profile(_write(tmp_path, h100_text.replace(table.group(0), broken)))
+
+
 def test_malformed_toml_is_refused(tmp_path, h100_text):
     with pytest.raises(ProfileError, match="not valid TOML"):
         load_profile(_write(tmp_path, h100_text[: len(h100_text) // 2] + "\n[[["))
