@@ -27,7 +27,7 @@ import json
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from autopar.hardware.profile import profile_from_text
@@ -179,8 +179,13 @@ def render(
 ) -> str:
     """The profile's TOML text; with ``runtime`` measurements, its [runtime] overheads, priced
     against the profile the other measurements give (`runtime_overhead.overheads`)."""
+    factor = None
     if runtime:
         bare = profile_from_text(render(info, fits, compute, comm), info.name)
+        factor = runtime_overhead.training_factor(bare, runtime, info.world_size)
+        if factor:
+            fits = _scaled(fits, factor)
+            bare = profile_from_text(render(info, fits, compute, comm), info.name)
         overheads = runtime_overhead.overheads(bare, runtime, info.world_size)
         optimizer = runtime_overhead.overheads(bare, runtime, info.world_size, "optimizer_s")
         model = runtime_overhead.model_overheads(bare, runtime, info.world_size, overheads)
@@ -193,7 +198,14 @@ def render(
     )
 
     def fit_note(fit: CurveFit, what: str) -> str:
-        return f"{run}: {what}; fit {fit.as_text()}; raw times in [measured]"
+        scaled = (
+            f", max x {factor:.3f}: the training factor, what a plain layer's micro-batch "
+            f"grew by from 1 to {runtime_overhead.TRAINING_BATCH} samples as priced over as "
+            f"measured (autopar.profiler.runtime_overhead.training_factor)"
+            if factor
+            else ""
+        )
+        return f"{run}: {what}; fit {fit.as_text()}{scaled}; raw times in [measured]"
 
     peaks = fits.peaks
     level_names = ", ".join(f.level.name for f in fits.levels)
@@ -339,7 +351,8 @@ def render(
                 "torch pipelining's input and weight passes); "
                 "per layer the 3-layer minus the 1-layer time over 2, less the same "
                 "difference of the cost model's prediction from this profile's other "
-                "numbers, at least 0; measured per layer: "
+                "numbers (its compute curves at the training factor where measured), at "
+                "least 0; measured per layer: "
                 + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in per_layer.items())
                 + "; optimizer_overhead_s the same for the step's clipping and AdamW "
                 "(foreach=False, as the trainer), per layer per step; model_overhead_s per "
@@ -350,6 +363,19 @@ def render(
         ]
     lines += _measured(info, compute, comm, runtime)
     return "\n".join(lines) + "\n"
+
+
+def _scaled(fits: Fits, factor: float) -> Fits:
+    """``fits`` with the matmul, attention and memory curves' maxima times ``factor`` (at
+    most 1): the runtime's training factor (`runtime_overhead.training_factor`)."""
+
+    def one(fit: CurveFit) -> CurveFit:
+        top = min(1.0, fit.curve.max * factor)
+        return replace(fit, curve=replace(fit.curve, max=top), rate=fit.peak * top)
+
+    return replace(
+        fits, matmul=one(fits.matmul), attention=one(fits.attention), memory=one(fits.memory)
+    )
 
 
 def compute_slots(info: RunInfo) -> int:
@@ -406,7 +432,13 @@ def refit(text: str, name: str) -> str:
         wall_s=m["wall_s"],
     )
     runtime = [
-        RuntimeMeasurement(r["style"], r["num_layers"], r["time_s"], r.get("optimizer_s", 0.0))
+        RuntimeMeasurement(
+            r["style"],
+            r["num_layers"],
+            r["time_s"],
+            r.get("optimizer_s", 0.0),
+            r.get("batch_size", 1),
+        )  # fmt: skip
         for r in m.get("runtime", [])
     ]
     return render(info, fit_measurements(compute, comm, levels), compute, comm, runtime)
@@ -469,7 +501,8 @@ def _measured(
         lines += ["runtime = ["]
         lines += [
             f"    {{ style = {_s(m.style)}, num_layers = {m.num_layers}, "
-            f"time_s = {_n(m.time_s)}, optimizer_s = {_n(m.optimizer_s)} }},"
+            f"batch_size = {m.batch_size}, time_s = {_n(m.time_s)}, "
+            f"optimizer_s = {_n(m.optimizer_s)} }},"
             for m in runtime
         ]
         lines += ["]"]

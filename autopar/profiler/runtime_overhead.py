@@ -20,6 +20,18 @@ the profile fitted from the same run's compute and collectives -- the overhead p
                           outside the repeated layers (embedding, head, loss: vocabulary-
                           parallel logits under TP, FSDP2's root hooks)
 
+Before that, plain is timed at a micro-batch of TRAINING_BATCH samples too: the time a layer's
+micro-batch grows by from 1 to TRAINING_BATCH samples is work that scales with the batch, which
+the op-level model should price. Its price over the measured growth is the profile's training
+factor (`training_factor`): the compute curves' maxima take it (`document.render`), as the GPU
+profiles' curves take an end-to-end training factor over their microbenchmarks, and the
+overheads above are then measured against the scaled curves. Without it, what the batch-1
+micro-batch's ops cost beyond their price would count as a fixed overhead per micro-batch and be
+priced the same at every micro-batch size (local validation, 2026-11-30, on a 2-core Xeon
+with a fresh profile: the configs at micro-batch 4-8 measured 10-37% slower than priced, those
+at 1 within 5%; one process's small Llama grew by 26.8 ms per sample where the profile
+priced 19.9 ms).
+
 and the same for the optimizer step that follows (global gradient norm, clipping and AdamW
 with foreach=False, as `autopar.runtime.trainer`): per layer per step against the cost
 model's optimizer and grad_clip terms (a per-parameter loop: every op of it pays dispatch).
@@ -41,6 +53,7 @@ priced per repeated layer only (its own model and optimizer overheads would repe
 
 Public functions:
     measure_runtime(world_size, quick, progress) -> list[RuntimeMeasurement]   (every rank)
+    training_factor(profile, measurements, world_size) -> float | None                    (rank 0)
     overheads(profile, measurements, world_size, part) -> {style: seconds}                (rank 0)
     model_overheads(profile, measurements, world_size) -> {style: seconds}                (rank 0)
 """
@@ -70,6 +83,9 @@ MODEL_OVERRIDES = dict(
     vocab_size=2048, seq_len=128, hidden=256, ffn_hidden=688, num_heads=8, num_kv_heads=4
 )  # fmt: skip
 LAYERS = (1, 3)
+# plain is also timed at this micro-batch: what a step's work grows by per sample, against the
+# op-level price of the same growth (`training_factor`)
+TRAINING_BATCH = 4
 LAYER_ONLY = ("split",)  # styles with a per-layer micro-batch overhead only (module docstring)
 ROUNDS = 3  # the styles take turns this many times (measure_runtime)
 
@@ -80,6 +96,7 @@ class RuntimeMeasurement:
     num_layers: int
     time_s: float  # one micro-batch's forward + backward, slowest rank's median
     optimizer_s: float = 0.0  # the step's gradient clipping and AdamW step, the same way
+    batch_size: int = 1  # samples per micro-batch (plain only: 1 and TRAINING_BATCH)
 
 
 def style_config(style: str, world_size: int) -> ParallelConfig:
@@ -110,30 +127,35 @@ def measure_runtime(
     from autopar.hardware.profile import RUNTIME_STYLES
 
     rounds, iterations = (1, 4) if quick else (ROUNDS, 5)
-    steps: dict[str, list[list[tuple[float, float]]]] = {
-        style: [[] for _ in LAYERS] for style in RUNTIME_STYLES
+    runs = [(style, 1) for style in RUNTIME_STYLES] + [("plain", TRAINING_BATCH)]
+    steps: dict[tuple[str, int], list[list[tuple[float, float]]]] = {
+        run: [[] for _ in LAYERS] for run in runs
     }
     for r in range(rounds):
-        for style in RUNTIME_STYLES:
-            timed = _time_style(style_config(style, world_size), iterations, split=style == "split")
-            for mine, got in zip(steps[style], timed, strict=True):
+        for style, batch in runs:
+            cfg = style_config(style, world_size)
+            timed = _time_style(cfg, iterations, split=style == "split", batch_size=batch)
+            for mine, got in zip(steps[(style, batch)], timed, strict=True):
                 mine.extend(got)
         progress(f"runtime: round {r + 1}/{rounds} of {len(RUNTIME_STYLES)} styles")
     out = []
-    for style in RUNTIME_STYLES:
+    for style, batch in runs:
         for layers, (seconds, optimizer_s) in zip(
-            LAYERS, _slowest_medians(steps[style]), strict=True
+            LAYERS, _slowest_medians(steps[(style, batch)]), strict=True
         ):
-            out.append(RuntimeMeasurement(style, layers, seconds, optimizer_s))
+            out.append(RuntimeMeasurement(style, layers, seconds, optimizer_s, batch))
         per_layer = (out[-1].time_s - out[-2].time_s) / (LAYERS[1] - LAYERS[0])
-        progress(f"runtime {style}: {per_layer * 1e3:.2f} ms per layer per micro-batch")
+        at = f" at micro-batch {batch}" if batch > 1 else ""
+        progress(f"runtime {style}: {per_layer * 1e3:.2f} ms per layer per micro-batch{at}")
     return out
 
 
 class _Runner:
     """One depth of the style's model on the plan's mesh, with its timed step parts."""
 
-    def __init__(self, cfg: ParallelConfig, num_layers: int, *, split: bool = False) -> None:
+    def __init__(
+        self, cfg: ParallelConfig, num_layers: int, *, split: bool = False, batch_size: int = 1
+    ) -> None:
         from autopar.models import zoo
         from autopar.runtime.mesh import build_mesh
         from autopar.runtime.parallelize import parallelize_model
@@ -145,7 +167,7 @@ class _Runner:
         model = zoo.build(MODEL, num_layers=num_layers, **MODEL_OVERRIDES)
         self.pm = parallelize_model(model.to(self.device or "cpu"), mesh, cfg)
         self.loss_fn = zoo.loss_fn(MODEL)
-        inputs, targets = zoo.example_batch(MODEL, model, batch_size=1)
+        inputs, targets = zoo.example_batch(MODEL, model, batch_size=batch_size)
         self.inputs = tuple(t.to(self.device or "cpu") for t in inputs)
         self.targets = targets.to(self.device or "cpu")
         self.optimizer = _make_optimizer(self.pm.model, TrainOptions())
@@ -215,12 +237,12 @@ class _Runner:
 
 
 def _time_style(
-    cfg: ParallelConfig, iterations: int, *, split: bool = False
+    cfg: ParallelConfig, iterations: int, *, split: bool = False, batch_size: int = 1
 ) -> list[list[tuple[float, float]]]:
     """Per depth of LAYERS: this rank's (micro-batch, optimizer step) times after two warm-up
-    steps (``split``: the backward in two passes). The depths alternate step by step, so a
-    change in the machine's load falls on both alike."""
-    runners = [_Runner(cfg, layers, split=split) for layers in LAYERS]
+    steps (``split``: the backward in two passes) of ``batch_size`` samples per micro-batch.
+    The depths alternate step by step, so a change in the machine's load falls on both alike."""
+    runners = [_Runner(cfg, layers, split=split, batch_size=batch_size) for layers in LAYERS]
     times: list[list[tuple[float, float]]] = [[] for _ in runners]
     for i in range(iterations + 2):  # two warm-up steps each
         for runner, mine in zip(runners, times, strict=True):
@@ -247,10 +269,11 @@ def model_text() -> str:
 
 
 def measured_per_layer(
-    measurements: Sequence[RuntimeMeasurement], part: str = "time_s"
+    measurements: Sequence[RuntimeMeasurement], part: str = "time_s", batch_size: int = 1
 ) -> dict[str, float]:
-    """Per style, the measured time per layer per micro-batch (module docstring); ``part``
-    "optimizer_s": the optimizer step's per layer."""
+    """Per style, the measured time per layer per micro-batch of ``batch_size`` (module
+    docstring; the styles measured at it); ``part`` "optimizer_s": the optimizer step's."""
+    measurements = [m for m in measurements if m.batch_size == batch_size]
     by_key = {(m.style, m.num_layers): getattr(m, part) for m in measurements}
     span = LAYERS[1] - LAYERS[0]
     return {
@@ -280,6 +303,30 @@ def overheads(
     return out
 
 
+def training_factor(
+    profile, measurements: Sequence[RuntimeMeasurement], world_size: int
+) -> float | None:
+    """The op-level price of what one plain layer's micro-batch grows by from 1 to
+    TRAINING_BATCH samples over its measured growth: the factor the profile's compute curves
+    take so that work per sample is priced as training runs it (module docstring). None
+    without a measurement at TRAINING_BATCH or where either growth is not positive.
+    ``profile`` as for `overheads`."""
+    one = measured_per_layer(measurements).get("plain")
+    big = measured_per_layer(measurements, batch_size=TRAINING_BATCH).get("plain")
+    if one is None or big is None or big <= one:
+        return None
+    span = LAYERS[1] - LAYERS[0]
+
+    def priced(batch: int) -> float:
+        return (
+            predicted_s(profile, "plain", LAYERS[1], world_size, batch_size=batch)
+            - predicted_s(profile, "plain", LAYERS[0], world_size, batch_size=batch)
+        ) / span
+
+    grown = priced(TRAINING_BATCH) - priced(1)
+    return grown / (big - one) if grown > 0 else None
+
+
 def model_overheads(
     profile,
     measurements: Sequence[RuntimeMeasurement],
@@ -292,7 +339,9 @@ def model_overheads(
     ``per_layer``: `overheads`' result where the caller has it (else computed again)."""
     if per_layer is None:
         per_layer = overheads(profile, measurements, world_size)
-    one = {m.style: m.time_s for m in measurements if m.num_layers == LAYERS[0]}
+    one = {
+        m.style: m.time_s for m in measurements if m.num_layers == LAYERS[0] and m.batch_size == 1
+    }
     return {
         style: max(
             0.0,
@@ -306,19 +355,25 @@ def model_overheads(
 
 
 def predicted_s(
-    profile, style: str, num_layers: int, world_size: int, part: str = "time_s"
+    profile,
+    style: str,
+    num_layers: int,
+    world_size: int,
+    part: str = "time_s",
+    batch_size: int = 1,
 ) -> float:
-    """The cost model's forward + backward of the measured micro-batch (module docstring),
-    or with ``part`` "optimizer_s" its gradient clipping and optimizer step."""
+    """The cost model's forward + backward of the measured micro-batch (module docstring) of
+    ``batch_size``, or with ``part`` "optimizer_s" its gradient clipping and optimizer step."""
+    from dataclasses import replace
+
     from autopar.api import evaluate
     from autopar.hardware import Cluster
 
-    cfg = style_config(style, world_size)
+    cfg = replace(style_config(style, world_size), micro_batch_size=batch_size)
     model, graph = _traced(num_layers)
     cluster = Cluster(profile, 1, world_size)
-    plan = evaluate(
-        model, cluster, cfg, graph=graph, global_batch_size=cfg.dp * cfg.fsdp, precision="fp32"
-    )
+    batch = batch_size * cfg.dp * cfg.fsdp
+    plan = evaluate(model, cluster, cfg, graph=graph, global_batch_size=batch, precision="fp32")
     b = plan.breakdown
     if part == "optimizer_s":
         return b["optimizer"] + b["grad_clip"]

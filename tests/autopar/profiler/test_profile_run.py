@@ -12,6 +12,7 @@ import pytest
 import tomllib
 
 import autopar
+from autopar.profiler import runtime_overhead
 from cost_models.comm import HierarchicalGroup, collective_time
 from cost_models.compute import op_time_s
 
@@ -58,10 +59,23 @@ def test_quick_two_rank_profile_loads_and_matches_its_measurements(tmp_path):
     assert "split" not in profile.model_overhead_s and "split" not in profile.optimizer_overhead_s
 
     raw = tomllib.loads(out.read_text())["measured"]
-    assert sorted((r["style"], r["num_layers"]) for r in raw["runtime"]) == sorted(
-        (s, n) for s in profile.runtime_overhead_s for n in (1, 3)
+    batch = runtime_overhead.TRAINING_BATCH
+    assert sorted((r["style"], r["num_layers"], r["batch_size"]) for r in raw["runtime"]) == sorted(
+        [(s, n, 1) for s in profile.runtime_overhead_s for n in (1, 3)]
+        + [("plain", n, batch) for n in (1, 3)]
     )
     assert all(r["time_s"] > 0 for r in raw["runtime"])
+    # the compute curves take the training factor (what a micro-batch grows by per sample, as
+    # priced over as measured), so the profile prices plain's micro-batch of 4 samples near its
+    # measurement, and not only the batch of 1 its overheads come from
+    assert "the training factor" in profile.sources["device.efficiency.matmul"]
+    big = next(
+        r["time_s"]
+        for r in raw["runtime"]
+        if (r["style"], r["num_layers"], r["batch_size"]) == ("plain", 3, batch)
+    )
+    priced = runtime_overhead.predicted_s(profile, "plain", 3, 2, batch_size=batch)
+    assert 0.75 < priced / big < 1.25, (priced, big)
     assert raw["world_size"] == 2 and raw["backend"] == "gloo"
     assert raw["torch"] and raw["machine"] and raw["date"][:2] == "20"
     assert "--quick" in raw["command"]
