@@ -16,6 +16,9 @@ so a reader (or a test) can check each fitted number against what produced it.
                         capped by every measured size (`_memory_fit`)
     topology.levels[l]  `cost_models.fit.fit_level` on level l's collectives: latency and the
                         achieved bandwidth, efficiency 1
+    training factor     with runtime measurements, the three curves' maxima times what a
+                        layer's micro-batch grew by from 1 to 4 samples as priced over as
+                        measured (`runtime_overhead.training_factor`, `_scaled`)
     runtime             per parallel style, the host time per layer that training through
                         autopar.runtime adds to what the numbers above predict
                         (`autopar.profiler.runtime_overhead`)
@@ -438,7 +441,7 @@ def refit(text: str, name: str) -> str:
             r["time_s"],
             r.get("optimizer_s", 0.0),
             r.get("batch_size", 1),
-        )  # fmt: skip
+        )
         for r in m.get("runtime", [])
     ]
     return render(info, fit_measurements(compute, comm, levels), compute, comm, runtime)

@@ -206,3 +206,51 @@ def test_a_copy_slower_than_an_add_of_more_bytes_is_timed_again():
     points = _retime_stalls([copy, add], measure, lambda _: None)
     assert calls == ["copy"]
     assert [p.time_s for p in points] == [8.0 * n / BANDWIDTH, 12.0 * n / BANDWIDTH]
+
+
+def test_the_training_factor_scales_the_curves_to_what_a_bigger_micro_batch_measured(tmp_path):
+    """Synthetic runtime measurements of a machine whose ops run at half the curves' rates,
+    plus a host time per layer: the written curves' maxima are halved, and the profile (with
+    the overheads measured against them) prices the micro-batch of 4 as measured, where an
+    overhead measured at batch 1 alone would price it short."""
+    from autopar.profiler import runtime_overhead as ro
+    from autopar.profiler.runtime_overhead import RuntimeMeasurement
+
+    compute, comm = _compute(), _comm()
+    fits = fit_measurements(compute, comm, (LevelPlan("loopback", 0, (0, 1)),))
+    bare_path = tmp_path / "bare.toml"
+    bare_path.write_text(render(_info(), fits, compute, comm))
+    bare = autopar.load_profile(bare_path)
+    batch, host = ro.TRAINING_BATCH, 1e-3
+
+    def priced(layers: int, b: int) -> float:
+        return ro.predicted_s(bare, "plain", layers, 2, batch_size=b)
+
+    runtime = [
+        RuntimeMeasurement("plain", layers, 2 * priced(layers, b) + layers * host, 0.0, b)
+        for layers in ro.LAYERS
+        for b in (1, batch)
+    ]
+    assert ro.training_factor(bare, runtime, 2) == pytest.approx(0.5, rel=1e-6)
+
+    path = tmp_path / "scaled.toml"
+    path.write_text(render(_info(), fits, compute, comm, runtime))
+    profile = autopar.load_profile(path)
+    for curve in ("matmul", "attention", "memory"):
+        assert getattr(profile.device, curve).max == pytest.approx(
+            getattr(bare.device, curve).max / 2, rel=1e-3
+        )
+        assert "max x 0.500: the training factor" in profile.sources[f"device.efficiency.{curve}"]
+    measured = runtime[-1].time_s  # plain, 3 layers, batch 4
+    assert ro.predicted_s(profile, "plain", 3, 2, batch_size=batch) == pytest.approx(
+        measured, rel=0.02
+    )
+    unscaled = runtime[2].time_s - priced(3, 1) + priced(3, batch)  # batch 1's overhead only
+    assert unscaled < 0.9 * measured, (unscaled, measured)
+    raw = tomllib.loads(path.read_text())["measured"]["runtime"]
+    assert sorted(r["batch_size"] for r in raw) == [1, 1, batch, batch]
+    again = tmp_path / "again.toml"  # a refit reads the batch sizes back and scales alike
+    again.write_text(refit(path.read_text(), "again"))
+    assert autopar.load_profile(again).device.matmul.max == pytest.approx(
+        profile.device.matmul.max, rel=1e-3
+    )
