@@ -3,6 +3,7 @@ and the profile it writes loads and predicts back the raw times it recorded."""
 
 from __future__ import annotations
 
+import re
 import statistics
 import subprocess
 import sys
@@ -65,17 +66,17 @@ def test_quick_two_rank_profile_loads_and_matches_its_measurements(tmp_path):
         + [("plain", n, batch) for n in (1, 3)]
     )
     assert all(r["time_s"] > 0 for r in raw["runtime"])
-    # the compute curves take the training factor (what a micro-batch grows by per sample, as
-    # priced over as measured), so the profile prices plain's micro-batch of 4 samples near its
-    # measurement, and not only the batch of 1 its overheads come from
-    assert "the training factor" in profile.sources["device.efficiency.matmul"]
-    big = next(
-        r["time_s"]
+    # the compute curves take the training factor wherever the measured plain layer grew from
+    # a micro-batch of 1 to one of 4 (how well it then prices them is a timing: benchmarks/
+    # local_validation.py; tests/autopar/profiler/test_document.py checks the mechanism)
+    plain = {
+        (r["num_layers"], r["batch_size"]): r["time_s"]
         for r in raw["runtime"]
-        if (r["style"], r["num_layers"], r["batch_size"]) == ("plain", 3, batch)
-    )
-    priced = runtime_overhead.predicted_s(profile, "plain", 3, 2, batch_size=batch)
-    assert 0.75 < priced / big < 1.25, (priced, big)
+        if r["style"] == "plain"
+    }
+    grew = plain[(3, batch)] - plain[(1, batch)] > plain[(3, 1)] - plain[(1, 1)]
+    scaled = "the training factor" in profile.sources["device.efficiency.matmul"]
+    assert scaled == grew, (plain, profile.sources["device.efficiency.matmul"])
     assert raw["world_size"] == 2 and raw["backend"] == "gloo"
     assert raw["torch"] and raw["machine"] and raw["date"][:2] == "20"
     assert "--quick" in raw["command"]
@@ -84,9 +85,15 @@ def test_quick_two_rank_profile_loads_and_matches_its_measurements(tmp_path):
     # The fitted profile reproduces what it measured, in the median: a single point may sit far
     # off on a loaded machine (the suite once failed under load on one bf16 matmul's ratio),
     # so per-point bounds are timing claims, which belong in benchmarks; the fits themselves
-    # are checked exactly on synthetic measurements (tests/cost_models/test_fit.py).
+    # are checked exactly on synthetic measurements (tests/cost_models/test_fit.py). The
+    # curve's max carries the training factor on top of its fit: divided out here.
+    factor = re.search(
+        r"max x ([0-9.]+): the training factor", profile.sources["device.efficiency.matmul"]
+    )
     matmuls = [
-        op_time_s(d, "matmul", m["flops"], 0.0, m["dtype"]) / m["time_s"]
+        op_time_s(d, "matmul", m["flops"], 0.0, m["dtype"])
+        / m["time_s"]
+        * (float(factor.group(1)) if factor else 1.0)
         for m in raw["compute"]
         if m["op"] == "matmul" and m["flops"] >= 3e7
     ]
