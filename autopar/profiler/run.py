@@ -182,7 +182,7 @@ def _run_info(options: ProfileOptions, device: torch.device, wall_s: float) -> R
     node_devices = options.node_devices or per_node
     cores = os.cpu_count() or 1
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    cpu = _cpu_model()
+    cpu = cpu_model()
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         machine = f"{props.name} x {per_node}, host {cpu} ({cores} cores)"
@@ -217,7 +217,9 @@ def _command(options: ProfileOptions, num_procs: int) -> str:
     return "autopar " + " ".join([*args[:3], "--nproc", str(num_procs), *args[3:]])
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """This machine's CPU model name (/proc/cpuinfo's, else the platform's): what a CPU
+    profile's device name starts with."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -36,6 +36,19 @@ def test_spearman_and_labels():
     assert lv.short_label(text) == "fsdp2 z3 mbs4"
 
 
+def test_a_cpu_profile_from_another_cpu_is_named_with_this_one(monkeypatch):
+    """The shipped local_cpu was measured on an AMD EPYC: on another CPU the benchmark says so
+    and names --profile fresh; on that CPU, or for a GPU profile, it says nothing."""
+    import autopar.profiler.run as run
+
+    monkeypatch.setattr(run, "cpu_model", lambda: "Test CPU 9000")
+    note = lv.other_cpu_note("local_cpu")
+    assert note and "AMD EPYC" in note and "Test CPU 9000" in note and "--profile fresh" in note
+    assert lv.other_cpu_note("dgx_h100") is None
+    monkeypatch.setattr(run, "cpu_model", lambda: "AMD EPYC")
+    assert lv.other_cpu_note("local_cpu") is None
+
+
 @pytest.mark.multiprocess
 def test_one_config_runs_and_measures_near_its_prediction(tmp_path):
     import autopar
