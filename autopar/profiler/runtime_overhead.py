@@ -65,7 +65,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -291,15 +291,10 @@ def overheads(
     ``profile``: a `HardwareProfile` fitted from the same run, without [runtime] overheads
     (its predictions are what the overheads add to)."""
     out = {}
-    span = LAYERS[1] - LAYERS[0]
     for style, measured in measured_per_layer(measurements, part).items():
         if part != "time_s" and style in LAYER_ONLY:
             continue
-        predicted = (
-            predicted_s(profile, style, LAYERS[1], world_size, part)
-            - predicted_s(profile, style, LAYERS[0], world_size, part)
-        ) / span
-        out[style] = max(0.0, measured - predicted)
+        out[style] = max(0.0, measured - predicted_per_layer(profile, style, world_size, part))
     return out
 
 
@@ -315,15 +310,9 @@ def training_factor(
     big = measured_per_layer(measurements, batch_size=TRAINING_BATCH).get("plain")
     if one is None or big is None or big <= one:
         return None
-    span = LAYERS[1] - LAYERS[0]
-
-    def priced(batch: int) -> float:
-        return (
-            predicted_s(profile, "plain", LAYERS[1], world_size, batch_size=batch)
-            - predicted_s(profile, "plain", LAYERS[0], world_size, batch_size=batch)
-        ) / span
-
-    grown = priced(TRAINING_BATCH) - priced(1)
+    grown = predicted_per_layer(
+        profile, "plain", world_size, batch_size=TRAINING_BATCH
+    ) - predicted_per_layer(profile, "plain", world_size)
     return grown / (big - one) if grown > 0 else None
 
 
@@ -354,6 +343,17 @@ def model_overheads(
     }
 
 
+def predicted_per_layer(
+    profile, style: str, world_size: int, part: str = "time_s", batch_size: int = 1
+) -> float:
+    """`predicted_s` per repeated layer: its LAYERS[1]-layer less its LAYERS[0]-layer figure
+    over the difference (embedding, head and loss cancel), as `measured_per_layer` measures."""
+    deep, shallow = (
+        predicted_s(profile, style, n, world_size, part, batch_size) for n in reversed(LAYERS)
+    )
+    return (deep - shallow) / (LAYERS[1] - LAYERS[0])
+
+
 def predicted_s(
     profile,
     style: str,
@@ -364,8 +364,6 @@ def predicted_s(
 ) -> float:
     """The cost model's forward + backward of the measured micro-batch (module docstring) of
     ``batch_size``, or with ``part`` "optimizer_s" its gradient clipping and optimizer step."""
-    from dataclasses import replace
-
     from autopar.api import evaluate
     from autopar.hardware import Cluster
 
