@@ -82,7 +82,7 @@ PROFILES = (  # hardware text -> shipped profile (first match)
     ("H100", "dgx_h100"),
     ("A100 80GB", "dgx_a100_80g"),
     ("A100 40GB", "dgx_a100_40g"),
-    ("A100-SXM4-40GB", "dgx_a100_40g"),
+    ("A100-SXM4-40GB", "a100_40g_100gbe"),  # the Aceso rows: the Mist artifact's A100 nodes
     ("16x V100 (1 node)", "dgx2_v100"),  # 16 V100 in one node: a DGX-2 (NVSwitch)
     ("V100", "dgx_v100"),
     ("DGX-GB200", "gb200_nvl72"),

@@ -1,8 +1,9 @@
-"""Write data/aceso_profiles.json: what Aceso's profiler measured on the A10G and L4 testbeds.
+"""Write data/aceso_profiles.json: what Aceso's and Mist's profilers measured on the testbeds.
 
 The Mist artifact (github.com/Dazz993/Mist) keeps the output of Aceso's profilers for each GPU
-its rows ran on (benchmark/superscaler/results-ref/profiled-time-mist-all-{a10g,l4}). The
-shipped profiles aws_g5_a10g and gcp_g2_l4 take their curves and links from these, and
+its rows ran on (benchmark/superscaler/results-ref/profiled-time-mist-all-{a10g,l4,...}). The
+shipped profiles aws_g5_a10g and gcp_g2_l4 take their curves and links from these,
+a100_40g_100gbe its inter-node link, and
 tests/autopar/hardware/test_measured_aceso.py holds them against what is copied here:
 
 - per GPT model, micro-batch and operator, the forward and backward times of the four GEMMs
@@ -11,7 +12,12 @@ tests/autopar/hardware/test_measured_aceso.py holds them against what is copied 
 - the GELU's forward time and the bytes it moves (its input and output);
 - all-reduce times by group size and bytes, the 13B model's file (comm_profiler.py: the
   tensor's bytes, timed between two device synchronizations);
-- send/recv rates within and between nodes, as the files give them (GB/s by MB sent).
+- send/recv rates within and between nodes, as the files give them (GB/s by MB sent);
+- Mist's own network profile of each testbed, where its experiment template has one (its
+  gpu_gpu_comm_params: per number of nodes and GPUs per node, an all-gather rate per rank in
+  GiB/s and a latency in s, Mist's tools/optimize.py model), which a100_40g_100gbe's
+  inter-node link takes (Aceso's send/recv file disagrees with it: hardware_profiles/); of
+  the A100 nodes only the send/recv rates and this are copied.
 
 Run against a checkout:
 
@@ -30,6 +36,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES = {"a10g": "aws_g5_a10g", "l4": "gcp_g2_l4"}
+# the A100 nodes: their network only (their operator files time sequences of 4096, not SEQ)
+NETWORK_ONLY = {"a100-sxm4-40gb": "a100_40g_100gbe"}
+TEMPLATE = "benchmark/mist/configs/experiment/template-{}.yaml"  # Mist's network profile
 HIDDEN = {"1_3B": 2048, "2_6B": 2560, "6_7B": 4096, "13B": 5120, "20B": 6144, "22B": 6144,
           "40B": 8192}  # fmt: skip
 SEQ = 2048  # the profiles' sequence length (Aceso's GPT configs)
@@ -81,19 +90,46 @@ def _device(repo: str, sha: str, files: list[str], folder: str) -> dict:
     return {"gemms_tp1": gemms, "gelu_tp1": gelu, "all_reduce": all_reduce, "p2p": p2p}
 
 
+def _mist_network(repo: str, sha: str, gpu: str) -> dict:
+    """Mist's gpu_gpu_comm_params for ``gpu``'s nodes, where its template has them: 32
+    numbers, (rate GiB/s, latency s) for nodes 1, 2, 4, 8 (outer) x GPUs per node 1, 2, 4, 8
+    (inner); the ones the profiler left at their placeholder (4.5, 0) are dropped."""
+    text = _git(repo, "show", f"{sha}:{TEMPLATE.format(gpu)}")
+    found = re.search(r"^\s*gpu_gpu_comm_params:\s*\[([^\]]*)\]", text, re.M)
+    if not found:
+        return {}
+    values = [float(x) for x in found.group(1).split(",")]
+    rows = []
+    for i in range(16):
+        rate, latency = values[2 * i], values[2 * i + 1]
+        if (rate, latency) != (4.5, 0.0):
+            rows.append({"nodes": 2 ** (i // 4), "gpus_per_node": 2 ** (i % 4),
+                         "gib_per_s": rate, "latency_s": latency})  # fmt: skip
+    return {"source": TEMPLATE.format(gpu), "all_gather_rate_per_rank": rows}
+
+
 def main(repo: str, commit: str = "HEAD") -> None:
     sha = _git(repo, "rev-parse", commit).strip()
     files = _git(repo, "ls-tree", "-r", "--name-only", sha).split()
     base = "benchmark/superscaler/results-ref/profiled-time-mist-all-"
+    folders = ",".join([*DEVICES, *NETWORK_ONLY])
     out = {
-        "source": f"github.com/Dazz993/Mist at {sha}, {base}{{a10g,l4}} "
+        "source": f"github.com/Dazz993/Mist at {sha}, {base}{{{folders}}} "
         "(scripts/extract_aceso_profiles.py)",
         "seq_len": SEQ,
         "devices": {
-            gpu: {"profile": DEVICES[gpu], **_device(repo, sha, files, f"{base}{gpu}/")}
+            gpu: {
+                "profile": DEVICES[gpu],
+                **_device(repo, sha, files, f"{base}{gpu}/"),
+                "mist_network": _mist_network(repo, sha, gpu),
+            }
             for gpu in DEVICES
         },  # fmt: skip
     }
+    for gpu, profile in NETWORK_ONLY.items():
+        measured = _device(repo, sha, files, f"{base}{gpu}/")
+        out["devices"][gpu] = {"profile": profile, "p2p": measured["p2p"],
+                               "mist_network": _mist_network(repo, sha, gpu)}  # fmt: skip
     (ROOT / "data" / "aceso_profiles.json").write_text(json.dumps(out, indent=1) + "\n")
 
 

@@ -71,14 +71,20 @@ def expert_ranks(cfg: ParallelConfig) -> tuple[int, ...]:
 
 
 class MeshGroups:
-    def __init__(self, cluster: Cluster, cfg: ParallelConfig) -> None:
+    def __init__(
+        self, cluster: Cluster, cfg: ParallelConfig, stage_ranks: tuple[int, ...] | None = None
+    ) -> None:
+        """``stage_ranks``: each pipeline stage's first rank where the stages are not laid out
+        as ``cfg``'s pp axis (stages of meshes of their own, `autopar.estimate.staged`)."""
         self.cluster = cluster
         self.ranks = axis_ranks(cfg)
         self.ranks["world"] = tuple(range(cluster.world_size))
         # point-to-point partners: a pipeline neighbour, a context-parallel ring neighbour;
-        # the pipeline's slowest hop (stages on different sites: the timer takes one hop
-        # time for all, so an upper bound there), the first where all are alike
-        self.ranks["pp"] = _slowest_hop(cluster, self.ranks["pp"], cfg.virtual_stages > 1)
+        # the pipeline's slowest hop (stages on different nodes or sites: the timer takes one
+        # hop time for all, so an upper bound there), the first where all are alike
+        pp = stage_ranks if stage_ranks is not None else self.ranks["pp"]
+        self.ranks["pp"] = _slowest_hop(cluster, pp, cfg.virtual_stages > 1)
+        self.ranks["pp_ends"] = (pp[0], pp[-1])  # tied weights: the first and last stages
         self.ranks["cp"] = self.ranks["cp"] if cfg.cp > 1 else (0,)
         self._groups = {axis: cluster.comm_group(r) for axis, r in self.ranks.items()}
         self._cp_pair = cluster.comm_group(self.ranks["cp"][:2])
@@ -100,21 +106,23 @@ class MeshGroups:
 
 
 def _slowest_hop(cluster: Cluster, stages: tuple[int, ...], wraps: bool) -> tuple[int, ...]:
-    """The pair of neighbouring pipeline ranks whose link is the outermost level (a V or
-    interleaved schedule also hands the last stage's output to the first)."""
-    if cluster.sites == 1 or len(stages) < 2:
+    """The pair of neighbouring pipeline ranks whose link is the outermost level (a site's
+    uplink, else a node's network; a V or interleaved schedule also hands the last stage's
+    output to the first), the first such pair."""
+    if cluster.slice_shape is not None or len(stages) < 2:
         return stages[:2]
     pairs = list(zip(stages, stages[1:], strict=False))
     if wraps:
         pairs.append((stages[-1], stages[0]))
-    crossing = [p for p in pairs if cluster.site_of(p[0]) != cluster.site_of(p[1])]
-    return crossing[0] if crossing else stages[:2]
+    depth = [len(cluster.comm_group(p).levels) for p in pairs]  # type: ignore[union-attr]
+    return pairs[depth.index(max(depth))]
 
 
 def layout_signature(cluster: Cluster, cfg: ParallelConfig) -> tuple:
     """How every priced group of ``cfg`` lies on ``cluster``'s levels (the world group is the
     same for every layout and left out): equal signatures, equal collective times."""
     ranks = axis_ranks(cfg)
+    ranks["pp_ends"] = (ranks["pp"][0], ranks["pp"][-1])
     ranks["pp"] = _slowest_hop(cluster, ranks["pp"], cfg.virtual_stages > 1)
     ranks["cp_pair"] = ranks["cp"][:2]
     return tuple(cluster.comm_group(ranks[a]) for a in sorted(ranks))

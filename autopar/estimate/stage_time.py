@@ -378,7 +378,7 @@ class StageTimer:
                 * self.options.grad_bytes
                 / (self.memory.shard_ways(cfg) if cfg.zero_stage else 1)
             )
-            sync += mesh.time("all_reduce", g, "pp")
+            sync += mesh.time("all_reduce", g, "pp_ends")
         summed = token_summed_params(cfg, layers) * self.options.grad_bytes
         if summed:  # SP: routers and experts saw the rank's sequence shard; after the
             # backward their gradients are summed over tp (autopar.runtime.tp_apply)

@@ -13,9 +13,12 @@ holds one mesh for every stage, so these are priced here, from the same parts:
                  terms scaled by the part's share of the layer; a part recomputing r of its
                  layer's forward pays r of the layer's recompute time
     pipeline     the schedule's simulation over those stage times, gbs / mbs micro-batches,
-                 each send a rank's share of one (mbs over the fewest dp ranks of any stage)
-    tail         each stage's gradient sync over its dp ranks, optimizer step and clipping, for
-                 its share of the parameters it touches
+                 each send a rank's share of one (mbs over the fewest dp ranks of any stage),
+                 the stages laid out in order on the devices and every hop priced as the
+                 slowest between two stages' first ranks (one crossing nodes: the network's)
+    tail         each stage's gradient sync over its dp ranks (the last stage's tied weights
+                 summed with the first stage's), optimizer step and clipping, for its share of
+                 the parameters it touches
     memory       per stage, its shares of its layers' model state and, per part, the
                  activations it keeps (`StagePart.keeps`) for the micro-batches in flight; a
                  recomputing part rebuilds the rest of its activations in the backward, the
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from autopar.config import ParallelConfig
 from autopar.errors import ConfigError
+from autopar.estimate.mesh import MeshGroups
 from cost_models.memory import ModelStateBytes
 
 if TYPE_CHECKING:
@@ -89,6 +93,9 @@ def evaluate_stages(
     m = global_batch_size // micro_batch_size
     timer, memory = estimator.timer, estimator.memory
     per_stage, tails, touched, cfgs = [], [], [], []
+    # the stages lie in order on the devices: the pipeline's hops and the tied weights' sum
+    # (the first and last stages) run between their first ranks
+    starts = tuple(sum(s.devices for s in stages[:i]) for i in range(len(stages)))
     for stage in stages:
         cfg = replace(
             base, pp=1, tp=stage.tp, dp=stage.dp, fsdp=1, cp=1, ep=1, virtual_stages=1,
@@ -112,7 +119,7 @@ def evaluate_stages(
         params = [memory.stage_params(cfg, [t]) for t in layers]
         held = sum(p.share * n for p, n in zip(stage.parts, params, strict=True))
         weight = held / sum(params) if sum(params) else 0.0
-        tail = timer.step_tail(cfg, mesh, layers, total)
+        tail = timer.step_tail(cfg, MeshGroups(estimator.cluster, cfg, starts), layers, total)
         per_stage.append(dict(total))
         tails.append({k: v * weight for k, v in tail.items()})
         touched.append(layers)
@@ -124,7 +131,8 @@ def evaluate_stages(
         base, pp=len(stages), tp=1, dp=1, fsdp=1, cp=1, ep=1, virtual_stages=1, schedule="1f1b",
         micro_batch_size=sent, sequence_parallel=False, pipeline_slots=(),
     )  # fmt: skip
-    pipe_s, inflight, busiest = timer.pipeline(pipe, m, per_stage, estimator.mesh(pipe))
+    hops = MeshGroups(estimator.cluster, pipe, stage_ranks=starts)
+    pipe_s, inflight, busiest = timer.pipeline(pipe, m, per_stage, hops)
     step = pipe_s + max(sum(t.values()) for t in tails)
     out_stages = []
     for i, (stage, cfg, layers) in enumerate(zip(stages, cfgs, touched, strict=True)):

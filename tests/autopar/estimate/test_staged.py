@@ -220,3 +220,22 @@ def test_a_stages_data_parallel_ranks_split_its_micro_batch_and_sync_its_gradien
     assert want.breakdown["dp_comm"] > 0
     assert got.breakdown["dp_comm"] == pytest.approx(want.breakdown["dp_comm"])
     assert got.peak_memory_bytes == pytest.approx(want.peak_memory_bytes, rel=1e-12)
+
+
+def test_a_hop_between_nodes_is_priced_on_the_network(tables):
+    """Four stages of tp 4 on two nodes of 8: only the hop from stage 1 to stage 2 crosses the
+    nodes, and the pipeline's sends take its time (the timer takes one hop time for all),
+    in the uniform config and in the same stages priced one by one."""
+    estimator = _estimator(tables, 16)
+    cfg = autopar.ParallelConfig(pp=4, tp=4, micro_batch_size=MICRO)
+    mesh = estimator.mesh(cfg)
+    cluster = estimator.cluster
+    assert mesh.ranks["pp"] == (4, 8)
+    assert cluster.level_of([4, 8]) == "infiniband" and cluster.level_of([0, 4]) == "nvlink"
+    sent = 1e7
+    hop = cluster.collective_time("send_recv", sent, [4, 8]).time_s
+    assert mesh.time("send_recv", sent, "pp") == pytest.approx(hop)
+    assert hop > 2 * cluster.collective_time("send_recv", sent, [0, 4]).time_s
+    want = estimator.evaluate(cfg, BATCH)
+    got = estimator.evaluate_stages(_meshes(want, 4, 0.0), BATCH, MICRO)
+    assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-12)

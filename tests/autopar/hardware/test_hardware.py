@@ -51,6 +51,10 @@ def _first_number(cell: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
+# profiles of a spec row's device on another system's network than the row's
+OTHER_NETWORK = {"a100_40g_100gbe": "100 Gb/s Ethernet: the Mist artifact's cloud testbed"}
+
+
 def test_profiles_match_published_hardware_specs():
     rows = _spec_rows()
     checked = 0
@@ -91,7 +95,7 @@ def test_profiles_match_published_hardware_specs():
             assert profile.levels[0].bandwidth_bytes_per_s == pytest.approx(intra * 1e9, rel=0.01)
             checked += 1
         inter = _first_number(row["inter_node_gbps_per_gpu"])
-        if inter is not None and len(profile.levels) > 1:
+        if inter is not None and len(profile.levels) > 1 and name not in OTHER_NETWORK:
             outer = profile.levels[-1].bandwidth_bytes_per_s
             assert outer == pytest.approx(inter * 1e9 / 8, rel=0.01), name
             checked += 1
