@@ -2,9 +2,9 @@
 those machines (data/aceso_profiles.json, copied from the Mist artifact by
 scripts/extract_aceso_profiles.py).
 
-Both profiles were written from these measurements; each test holds one shipped number against
-the measured figures it stands for, with the bound its source states, so that an edit to the
-profile that leaves its source behind fails here.
+The profiles were written from these measurements (the A100 testbed's, its network only); each
+test holds one shipped number against the measured figures it stands for, with the bound its
+source states, so that an edit to the profile that leaves its source behind fails here.
 """
 
 from __future__ import annotations
