@@ -7,7 +7,9 @@ priced by `Estimator.evaluate_stages` (`aceso_plans.price_plan`) and compared pe
 compute, the stage's forward + backward over the step (its tensor-parallel collectives
 included, as Megatron's compute timers include them), and memory, the stage's peak against the
 allocator's peak reserved. Printed: one line per stage, then the median and worst |error| of
-each.
+each. Per multi-node run also its wait per micro-batch: the step less the busiest measured
+stage's compute, over the micro-batches, against the priced step less the busiest stage's
+(the bubble, the sends between stages, the optimizer), where the hops between nodes show.
 
     python3 benchmarks/aceso_stages.py
 """
@@ -32,6 +34,7 @@ def main() -> int:
     runs = [r for r in read_grids() if r.stage_plan and r.profile and not r.skip]
     plans = load_plans()
     compute, memory, graphs = [], [], {}
+    waits: dict[str, list[float]] = {}  # testbed -> priced over measured wait
     for run in runs:
         if run.dims not in graphs:
             graphs[run.dims] = autopar.trace(*_model(run))
@@ -53,6 +56,21 @@ def main() -> int:
             print(f"  stage {i:2d} tp{stage['tp']} dp{stage['dp']}: compute {busy:6.1f} s "
                   f"measured {busy_meas:6.1f} s {compute[-1]:+6.1%}; memory {peak / GiB:5.1f} "
                   f"GiB measured {peak_meas / GiB:5.1f} GiB {memory[-1]:+6.1%}")  # fmt: skip
+        busiest_meas = max(
+            s["measured"]["forward_compute_s"] + s["measured"]["backward_compute_s"]
+            for s in plans[run.stage_plan]["stages"]
+            if "measured" in s
+        )
+        if run.num_devices > cluster.devices_per_node and run.measured_step_s:
+            busiest = max(m * (s.forward_s + s.backward_s) for s in estimate.stages)
+            wait_meas = (run.measured_step_s - busiest_meas) / m
+            wait = (estimate.step_time_s - busiest) / m
+            waits.setdefault(run.profile, []).append(wait / wait_meas)
+            print(f"  wait per micro-batch {wait * 1e3:5.1f} ms, measured {wait_meas * 1e3:5.1f} "
+                  f"ms (the step less the busiest first-node stage)")  # fmt: skip
+    for testbed, ratios in waits.items():
+        print(f"wait per micro-batch, {testbed}: priced over measured, median "
+              f"{statistics.median(ratios):.2f} over {len(ratios)} multi-node runs")  # fmt: skip
     for name, errors in (("compute", compute), ("memory", memory)):
         worst = max(errors, key=abs)
         print(f"{name}: {len(errors)} stages, median |error| "
