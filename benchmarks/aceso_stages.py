@@ -56,12 +56,12 @@ def main() -> int:
             print(f"  stage {i:2d} tp{stage['tp']} dp{stage['dp']}: compute {busy:6.1f} s "
                   f"measured {busy_meas:6.1f} s {compute[-1]:+6.1%}; memory {peak / GiB:5.1f} "
                   f"GiB measured {peak_meas / GiB:5.1f} GiB {memory[-1]:+6.1%}")  # fmt: skip
-        busiest_meas = max(
-            s["measured"]["forward_compute_s"] + s["measured"]["backward_compute_s"]
-            for s in plans[run.stage_plan]["stages"]
-            if "measured" in s
-        )
         if run.num_devices > cluster.devices_per_node and run.measured_step_s:
+            busiest_meas = max(
+                s["measured"]["forward_compute_s"] + s["measured"]["backward_compute_s"]
+                for s in plans[run.stage_plan]["stages"]
+                if "measured" in s
+            )
             busiest = max(m * (s.forward_s + s.backward_s) for s in estimate.stages)
             wait_meas = (run.measured_step_s - busiest_meas) / m
             wait = (estimate.step_time_s - busiest) / m

@@ -77,17 +77,9 @@ class MeshGroups:
         """``stage_ranks``: each pipeline stage's first rank where the stages are not laid out
         as ``cfg``'s pp axis (stages of meshes of their own, `autopar.estimate.staged`)."""
         self.cluster = cluster
-        self.ranks = axis_ranks(cfg)
+        self.ranks = _priced_ranks(cluster, cfg, stage_ranks)
         self.ranks["world"] = tuple(range(cluster.world_size))
-        # point-to-point partners: a pipeline neighbour, a context-parallel ring neighbour;
-        # the pipeline's slowest hop (stages on different nodes or sites: the timer takes one
-        # hop time for all, so an upper bound there), the first where all are alike
-        pp = stage_ranks if stage_ranks is not None else self.ranks["pp"]
-        self.ranks["pp"] = _slowest_hop(cluster, pp, cfg.virtual_stages > 1)
-        self.ranks["pp_ends"] = (pp[0], pp[-1])  # tied weights: the first and last stages
-        self.ranks["cp"] = self.ranks["cp"] if cfg.cp > 1 else (0,)
         self._groups = {axis: cluster.comm_group(r) for axis, r in self.ranks.items()}
-        self._cp_pair = cluster.comm_group(self.ranks["cp"][:2])
         self._cache: dict[tuple[str, float, str], float] = {}
 
     def time(self, collective: str, nbytes: float, axis: str) -> float:
@@ -95,11 +87,8 @@ class MeshGroups:
         key = (collective, nbytes, axis)
         cached = self._cache.get(key)
         if cached is None:
-            group = (
-                self._cp_pair
-                if (axis == "cp" and collective == "send_recv")
-                else self._groups[axis]
-            )
+            ring_step = axis == "cp" and collective == "send_recv"
+            group = self._groups["cp_pair" if ring_step else axis]
             cached = collective_time(collective, nbytes, group).time_s  # type: ignore[arg-type]
             self._cache[key] = cached
         return cached
@@ -121,8 +110,20 @@ def _slowest_hop(cluster: Cluster, stages: tuple[int, ...], wraps: bool) -> tupl
 def layout_signature(cluster: Cluster, cfg: ParallelConfig) -> tuple:
     """How every priced group of ``cfg`` lies on ``cluster``'s levels (the world group is the
     same for every layout and left out): equal signatures, equal collective times."""
-    ranks = axis_ranks(cfg)
-    ranks["pp_ends"] = (ranks["pp"][0], ranks["pp"][-1])
-    ranks["pp"] = _slowest_hop(cluster, ranks["pp"], cfg.virtual_stages > 1)
-    ranks["cp_pair"] = ranks["cp"][:2]
+    ranks = _priced_ranks(cluster, cfg)
     return tuple(cluster.comm_group(ranks[a]) for a in sorted(ranks))
+
+
+def _priced_ranks(
+    cluster: Cluster, cfg: ParallelConfig, stage_ranks: tuple[int, ...] | None = None
+) -> dict[str, tuple[int, ...]]:
+    """`axis_ranks` with the point-to-point partners the cost model prices: the pipeline's
+    slowest hop (stages on different nodes or sites: the timer takes one hop time for all, so
+    an upper bound there; the first where all are alike), the first and last stages (tied
+    weights), and a context-parallel ring step. ``stage_ranks`` as for `MeshGroups`."""
+    ranks = axis_ranks(cfg)
+    pp = stage_ranks if stage_ranks is not None else ranks["pp"]
+    ranks["pp"] = _slowest_hop(cluster, pp, cfg.virtual_stages > 1)
+    ranks["pp_ends"] = (pp[0], pp[-1])
+    ranks["cp_pair"] = ranks["cp"][:2]
+    return ranks

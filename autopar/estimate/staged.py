@@ -103,7 +103,7 @@ def evaluate_stages(
             recompute_layers=None, pipeline_slots=(),
             sequence_parallel=base.sequence_parallel and stage.tp > 1,
         )  # fmt: skip
-        mesh = estimator.mesh(cfg)
+        mesh = MeshGroups(estimator.cluster, cfg, starts)  # its tied-weight sum: pp_ends
         times = estimator.layer_times(cfg, mesh)
         total: dict[str, float] = defaultdict(float)
         for part in stage.parts:
@@ -119,7 +119,7 @@ def evaluate_stages(
         params = [memory.stage_params(cfg, [t]) for t in layers]
         held = sum(p.share * n for p, n in zip(stage.parts, params, strict=True))
         weight = held / sum(params) if sum(params) else 0.0
-        tail = timer.step_tail(cfg, MeshGroups(estimator.cluster, cfg, starts), layers, total)
+        tail = timer.step_tail(cfg, mesh, layers, total)
         per_stage.append(dict(total))
         tails.append({k: v * weight for k, v in tail.items()})
         touched.append(layers)
