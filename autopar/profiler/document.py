@@ -183,6 +183,7 @@ def render(
     """The profile's TOML text; with ``runtime`` measurements, its [runtime] overheads, priced
     against the profile the other measurements give (`runtime_overhead.overheads`)."""
     factor = None
+    unscaled = fits
     if runtime:
         bare = profile_from_text(render(info, fits, compute, comm), info.name)
         factor = runtime_overhead.training_factor(bare, runtime, info.world_size)
@@ -200,14 +201,18 @@ def render(
         f"{info.threads_per_rank} thread(s) each, all measuring at once)"
     )
 
-    def fit_note(fit: CurveFit, what: str) -> str:
-        scaled = (
-            f", max x {factor:.3f}: the training factor, what a plain layer's micro-batch "
-            f"grew by from 1 to {runtime_overhead.TRAINING_BATCH} samples as priced over as "
-            f"measured (autopar.profiler.runtime_overhead.training_factor)"
-            if factor
-            else ""
-        )
+    def fit_note(fit: CurveFit, bare_fit: CurveFit, what: str) -> str:
+        scaled = ""
+        if factor:
+            # the curve's max is capped at 1 (`_scaled`), so the scale it took is stated: a
+            # reader dividing it out gets the fit back
+            took = fit.curve.max / bare_fit.curve.max
+            capped = f" of {factor:.3f}, capped so that max <= 1" if took < factor else ""
+            scaled = (
+                f", max x {took:.3f}: the training factor{capped}, what a plain layer's "
+                f"micro-batch grew by from 1 to {runtime_overhead.TRAINING_BATCH} samples as "
+                f"priced over as measured (autopar.profiler.runtime_overhead.training_factor)"
+            )
         return f"{run}: {what}; fit {fit.as_text()}{scaled}; raw times in [measured]"
 
     peaks = fits.peaks
@@ -260,13 +265,16 @@ def render(
         *_curve(
             "matmul",
             fits.matmul,
-            fit_note(fits.matmul, "fp32 and bf16 matmul rates over their dtype's peak"),
+            fit_note(
+                fits.matmul, unscaled.matmul, "fp32 and bf16 matmul rates over their dtype's peak"
+            ),
         ),
         *_curve(
             "attention",
             fits.attention,
             fit_note(
                 fits.attention,
+                unscaled.attention,
                 f"{fits.attention_dtype} scaled_dot_product_attention forward "
                 f"(b=1, h=8, d=64) over the {fits.attention_dtype} peak",
             ),
@@ -276,6 +284,7 @@ def render(
             fits.memory,
             fit_note(
                 fits.memory,
+                unscaled.memory,
                 "copy_ and add over bytes moved, less cache-resident sizes (faster "
                 "than the largest op by over 10%); half size capped so that no measured "
                 "size takes less than the curve's fixed cost",

@@ -254,3 +254,38 @@ def test_the_training_factor_scales_the_curves_to_what_a_bigger_micro_batch_meas
     assert autopar.load_profile(again).device.matmul.max == pytest.approx(
         profile.device.matmul.max, rel=1e-3
     )
+
+
+def test_a_training_factor_that_would_lift_a_curve_over_1_states_the_scale_it_took(tmp_path):
+    """A machine whose plain layer grows ten times slower than priced (a batch of 1 and of 4
+    measured alike, as under load): each curve's max stops at 1, and its source states the
+    scale it took, not the factor, so dividing that scale out gives the fit back."""
+    import re
+
+    from autopar.profiler import runtime_overhead as ro
+    from autopar.profiler.runtime_overhead import RuntimeMeasurement
+
+    compute, comm = _compute(), _comm()
+    fits = fit_measurements(compute, comm, (LevelPlan("loopback", 0, (0, 1)),))
+    bare_path = tmp_path / "bare.toml"
+    bare_path.write_text(render(_info(), fits, compute, comm))
+    bare = autopar.load_profile(bare_path)
+    runtime = [
+        RuntimeMeasurement(
+            "plain", layers, ro.predicted_s(bare, "plain", layers, 2, batch_size=b) / 10, 0.0, b
+        )  # fmt: skip
+        for layers in ro.LAYERS
+        for b in (1, ro.TRAINING_BATCH)
+    ]
+    factor = ro.training_factor(bare, runtime, 2)
+    assert factor == pytest.approx(10.0, rel=1e-6)
+    path = tmp_path / "capped.toml"
+    path.write_text(render(_info(), fits, compute, comm, runtime))
+    profile = autopar.load_profile(path)
+    for curve in ("matmul", "attention", "memory"):
+        bare_max = getattr(bare.device, curve).max
+        assert bare_max * factor > 1.0  # the cap binds on every curve
+        source = profile.sources[f"device.efficiency.{curve}"]
+        took = float(re.search(r"max x ([0-9.]+): the training factor of 10\.000", source)[1])
+        assert getattr(profile.device, curve).max == pytest.approx(1.0)
+        assert took == pytest.approx(1.0 / bare_max, rel=1e-3) and took < factor
