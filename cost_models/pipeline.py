@@ -2,7 +2,8 @@
 
 In: a schedule name, ``p`` pipeline ranks ("stages"), ``m`` micro-batches, ``v`` chunks per rank,
 per-rank times ``f_s`` (forward), ``b_s`` (input-gradient backward) and ``w_s`` (weight-gradient
-backward) for one micro-batch through all of rank ``s``'s layers, and a p2p latency ``c``.
+backward) for one micro-batch through all of rank ``s``'s layers, and a p2p latency ``c`` (one
+for every hop, or one per hop: ``c_s`` between rank ``s`` and rank ``s + 1 mod p``).
 Out: a ``PipelineResult`` holding every task's start and end, the step time, the bubble and the
 peak number of micro-batch activations each rank holds. Invariant: every rank runs exactly one
 F, one B (and one W where backward is split) per micro-batch and chunk, so its busy time is
@@ -17,8 +18,8 @@ Virtual stage ``j`` in ``0 .. p v - 1`` is chunk ``k`` of rank ``s`` by the sche
     F = f_s / v,   B = b_s / v,   W = w_s / v        schedules that split backward
     F = f_s / v,   B = (b_s + w_s) / v,   no W       the others
 
-Dependencies (``_simulate``), with ``c(j, j') = c`` when ``j`` and ``j'`` sit on different
-ranks and 0 otherwise::
+Dependencies (``_simulate``), with ``c(j, j')`` the latency of the hop between the ranks of
+``j`` and ``j'`` (neighbours, or the last and the first rank) and 0 when they are one rank::
 
     F(i, j) >= end F(i, j - 1) + c(j - 1, j)                          j > 0
     B(i, j) >= end F(i, j),  and >= end B(i, j + 1) + c(j + 1, j)     j < p v - 1
@@ -304,7 +305,7 @@ def _checked(
     forward_s: Sequence[float],
     backward_input_s: Sequence[float],
     backward_weight_s: Sequence[float],
-    p2p_s: float,
+    p2p_s: float | Sequence[float],
 ) -> tuple[_ScheduleSpec, int, list[dict[str, float]]]:
     """(schedule spec, chunks per rank v, per rank the duration of one F, B and W task), the
     inputs validated; raises what `simulate_pipeline` says."""
@@ -326,15 +327,28 @@ def _checked(
 
 
 def _links(
-    prepared: tuple, spec: _ScheduleSpec, v: int, c: float
+    prepared: tuple, spec: _ScheduleSpec, v: int, c: float | Sequence[float]
 ) -> tuple[int, list[float], list[float], dict[str, list[list[float | None]]]]:
     """(last virtual stage, p2p latency into each virtual stage from the one before and from
-    the one after: c across ranks, 0 within one, empty end-time tables end[kind][i][j])."""
+    the one after: the hop's c across ranks, 0 within one, empty end-time tables
+    end[kind][i][j])."""
     p = len(prepared)
     rank_of = {spec.layout(s, k, p): s for s in range(p) for k in range(v)}
     last = p * v - 1
-    hop_prev = [c if j > 0 and rank_of[j - 1] != rank_of[j] else 0.0 for j in range(last + 1)]
-    hop_next = [c if j < last and rank_of[j + 1] != rank_of[j] else 0.0 for j in range(last + 1)]
+    per_hop = [float(c)] if isinstance(c, numbers.Real) else [float(x) for x in c]
+    per_hop *= p // len(per_hop)  # one for every hop
+
+    def hop(j: int) -> float:  # the link between virtual stages j and j + 1, either way
+        a, b = rank_of[j], rank_of[j + 1]
+        if a == b:
+            return 0.0
+        if abs(a - b) == 1:
+            return per_hop[min(a, b)]  # down the pipeline, or a V's way back up
+        return per_hop[p - 1]  # the last rank's chunk hands on to the first rank's next
+
+    between = [hop(j) for j in range(last)]
+    hop_prev = [0.0, *between]
+    hop_next = [*between, 0.0]
     m = 1 + max((op[1] for ops in prepared for op in ops), default=0)
     # end[kind][micro-batch][virtual stage]; lists index faster than dicts of tuples
     end = {kind: [[None] * (last + 1) for _ in range(m)] for kind in ("F", "B", "W")}
@@ -346,7 +360,7 @@ def _simulate(
     durations: list[dict[str, float]],
     spec: _ScheduleSpec,
     v: int,
-    c: float,
+    c: float | Sequence[float],
 ) -> list[list[float]]:
     """Start time of every rank's tasks, advancing each rank as far as its dependencies allow.
 
@@ -423,7 +437,12 @@ def _peak_held(schedule: str, p: int, m: int, v: int) -> tuple[float, ...]:
 
 
 def _validate(
-    schedule: str, p: int, m: int, v: int, times: dict[str, Sequence[float]], p2p_s: float
+    schedule: str,
+    p: int,
+    m: int,
+    v: int,
+    times: dict[str, Sequence[float]],
+    p2p_s: float | Sequence[float],
 ) -> _ScheduleSpec:
     if schedule not in _SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not one of {sorted(_SCHEDULES)}")
@@ -436,7 +455,10 @@ def _validate(
         for stage, value in enumerate(values):
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name}[{stage}]={value!r} must be finite and >= 0")
-    if not (math.isfinite(p2p_s) and p2p_s >= 0):
+    hops = [p2p_s] if isinstance(p2p_s, numbers.Real) else list(p2p_s)
+    if len(hops) not in (1, p):
+        raise ValueError(f"p2p_s has {len(hops)} entries, need one or num_stages={p}")
+    if not all(math.isfinite(c) and c >= 0 for c in hops):
         raise ValueError(f"p2p_s={p2p_s!r} must be finite and >= 0")
     spec = _SCHEDULES[schedule]
     why_not = spec.rule(int(p), int(m), int(v))
@@ -453,7 +475,7 @@ def simulate_pipeline(
     forward_s: Sequence[float],
     backward_input_s: Sequence[float],
     backward_weight_s: Sequence[float],
-    p2p_s: float = 0.0,
+    p2p_s: float | Sequence[float] = 0.0,
     virtual_stages: int | None = None,
     record_tasks: bool = True,
 ) -> PipelineResult:
@@ -467,7 +489,9 @@ def simulate_pipeline(
         forward_s, backward_input_s, backward_weight_s: per rank, seconds for one micro-batch
             through all of the rank's layers; schedules that do not split backward run input and
             weight gradient as one B task.
-        p2p_s: latency of one activation or gradient send between ranks.
+        p2p_s: latency of one activation or gradient send between ranks: one for every hop,
+            or per rank s the hop between s and s + 1 (the last: back to rank 0, which
+            interleaved and V schedules cross) where the links differ.
         virtual_stages: chunks per rank v; None takes the schedule's default (2 for
             interleaved_1f1b and dualpipe_v, else 1).
         record_tasks: keep every task in the result (for Gantt charts); the search turns it

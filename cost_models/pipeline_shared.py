@@ -47,7 +47,7 @@ def simulate_pipeline_shared(
     node_of: Sequence[int],
     weight: Sequence[float],
     slots: float,
-    p2p_s: float = 0.0,
+    p2p_s: float | Sequence[float] = 0.0,
     virtual_stages: int | None = None,
     idle_load: float = 0.0,
 ) -> float:
@@ -75,9 +75,7 @@ def simulate_pipeline_shared(
         raise ValueError(f"slots ({slots}) and every weight ({list(weight)}) must be > 0")
     if not 0.0 <= idle_load <= 1.0:
         raise ValueError(f"idle_load must be between 0 and 1, got {idle_load!r}")
-    return _run(
-        prepared, work, spec, v, float(p2p_s), list(node_of), list(weight), slots, idle_load
-    )
+    return _run(prepared, work, spec, v, p2p_s, list(node_of), list(weight), slots, idle_load)
 
 
 def _run(prepared, work, spec, v, c, node_of, weight, slots, idle_load=0.0) -> float:

@@ -82,6 +82,10 @@ class MeshGroups:
         self._groups = {axis: cluster.comm_group(r) for axis, r in self.ranks.items()}
         self._cache: dict[tuple[str, float, str], float] = {}
 
+    def hop_times(self, collective: str, nbytes: float, num_stages: int) -> tuple[float, ...]:
+        """Seconds for ``collective`` of ``nbytes`` over each pipeline hop (`_hops`)."""
+        return tuple(self.time(collective, nbytes, f"pp_hop{s}") for s in range(num_stages))
+
     def time(self, collective: str, nbytes: float, axis: str) -> float:
         """Seconds for ``collective`` of ``nbytes`` over the group of ``axis``."""
         key = (collective, nbytes, axis)
@@ -94,17 +98,17 @@ class MeshGroups:
         return cached
 
 
-def _slowest_hop(cluster: Cluster, stages: tuple[int, ...], wraps: bool) -> tuple[int, ...]:
-    """The pair of neighbouring pipeline ranks whose link is the outermost level (a site's
-    uplink, else a node's network; a V or interleaved schedule also hands the last stage's
-    output to the first), the first such pair."""
-    if cluster.slice_shape is not None or len(stages) < 2:
-        return stages[:2]
-    pairs = list(zip(stages, stages[1:], strict=False))
-    if wraps:
-        pairs.append((stages[-1], stages[0]))
-    depth = [len(cluster.comm_group(p).levels) for p in pairs]  # type: ignore[union-attr]
-    return pairs[depth.index(max(depth))]
+def _hops(cluster: Cluster, stages: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Per pipeline rank s, its stage's first rank and the next one's: the hop a send between
+    ranks s and s + 1 takes (the last: back to the first stage, which interleaved and V
+    schedules cross). On a TPU slice every hop is priced as the first (neighbours on the
+    torus)."""
+    n = len(stages)
+    if n < 2:
+        return []
+    if cluster.slice_shape is not None:
+        return [(stages[0], stages[1])] * n
+    return [(stages[s], stages[(s + 1) % n]) for s in range(n)]
 
 
 def layout_signature(cluster: Cluster, cfg: ParallelConfig) -> tuple:
@@ -117,13 +121,13 @@ def layout_signature(cluster: Cluster, cfg: ParallelConfig) -> tuple:
 def _priced_ranks(
     cluster: Cluster, cfg: ParallelConfig, stage_ranks: tuple[int, ...] | None = None
 ) -> dict[str, tuple[int, ...]]:
-    """`axis_ranks` with the point-to-point partners the cost model prices: the pipeline's
-    slowest hop (stages on different nodes or sites: the timer takes one hop time for all, so
-    an upper bound there; the first where all are alike), the first and last stages (tied
-    weights), and a context-parallel ring step. ``stage_ranks`` as for `MeshGroups`."""
+    """`axis_ranks` with the point-to-point partners the cost model prices: each pipeline
+    hop (``pp_hop{s}``, `_hops`: the timer prices each on its own link), the first and last
+    stages (tied weights), and a context-parallel ring step. ``stage_ranks`` as for
+    `MeshGroups`."""
     ranks = axis_ranks(cfg)
     pp = stage_ranks if stage_ranks is not None else ranks["pp"]
-    ranks["pp"] = _slowest_hop(cluster, pp, cfg.virtual_stages > 1)
+    ranks.update({f"pp_hop{s}": pair for s, pair in enumerate(_hops(cluster, pp))})
     ranks["pp_ends"] = (pp[0], pp[-1])
     ranks["cp_pair"] = ranks["cp"][:2]
     return ranks

@@ -28,7 +28,7 @@ class PipelineTimer:
         forward_s: tuple[float, ...],
         backward_input_s: tuple[float, ...],
         backward_weight_s: tuple[float, ...],
-        p2p_s: float,
+        p2p_s: tuple[float, ...],
         virtual_stages: int,
     ) -> tuple[float, tuple[float, ...]]:
         scale, norm = _normalised(forward_s, backward_input_s, backward_weight_s, p2p_s)
@@ -40,7 +40,7 @@ class PipelineTimer:
     ) -> tuple[float, tuple[float, ...]]:
         key = (schedule, pp, m, virtual_stages, norm)
         if key not in self._cache:
-            fwd, b_in, b_w, (p2p,) = norm
+            fwd, b_in, b_w, p2p = norm
             result = simulate_pipeline(
                 schedule,  # type: ignore[arg-type]
                 pp,
@@ -63,7 +63,7 @@ class PipelineTimer:
         forward_s: tuple[float, ...],
         backward_input_s: tuple[float, ...],
         backward_weight_s: tuple[float, ...],
-        p2p_s: float,
+        p2p_s: tuple[float, ...],
         virtual_stages: int,
         node_of: tuple[int, ...],
         weight: tuple[float, ...],
@@ -74,7 +74,7 @@ class PipelineTimer:
         scale, norm = _normalised(forward_s, backward_input_s, backward_weight_s, p2p_s)
         key = (schedule, pp, m, virtual_stages, norm, node_of, weight, slots)
         if key not in self._shared_cache:
-            fwd, b_in, b_w, (p2p,) = norm
+            fwd, b_in, b_w, p2p = norm
             self._shared_cache[key] = simulate_pipeline_shared(
                 schedule,
                 pp,
@@ -93,8 +93,7 @@ class PipelineTimer:
 
 def _normalised(*times) -> tuple[float, tuple[tuple[float, ...], ...]]:
     """(the largest time, every time sequence over it to 4 significant digits); the p2p
-    latency comes last, as a single number."""
-    *seqs, p2p = times
-    scale = max(*(x for seq in seqs for x in seq), p2p, 1e-30)
-    norm = tuple(tuple(float(f"{x / scale:.4g}") for x in seq) for seq in (*seqs, (p2p,)))
+    latencies, one per hop, come last."""
+    scale = max(*(x for seq in times for x in seq), 1e-30)
+    norm = tuple(tuple(float(f"{x / scale:.4g}") for x in seq) for seq in times)
     return scale, norm

@@ -14,8 +14,8 @@ holds one mesh for every stage, so these are priced here, from the same parts:
                  layer's forward pays r of the layer's recompute time
     pipeline     the schedule's simulation over those stage times, gbs / mbs micro-batches,
                  each send a rank's share of one (mbs over the fewest dp ranks of any stage),
-                 the stages laid out in order on the devices and every hop priced as the
-                 slowest between two stages' first ranks (one crossing nodes: the network's)
+                 the stages laid out in order on the devices and each hop priced on the
+                 link between its two stages' first ranks (one crossing nodes: the network)
     tail         each stage's gradient sync over its dp ranks (the last stage's tied weights
                  summed with the first stage's), optimizer step and clipping, for its share of
                  the parameters it touches
@@ -125,7 +125,7 @@ def evaluate_stages(
         touched.append(layers)
         cfgs.append(cfg)
     # the pipeline's sends: each stage's ranks send their share of a micro-batch, a stage of
-    # the fewest dp ranks the largest (the timer takes one hop time for all)
+    # the fewest dp ranks the largest (one size for every hop)
     sent = micro_batch_size // min(s.dp for s in stages)
     pipe = replace(
         base, pp=len(stages), tp=1, dp=1, fsdp=1, cp=1, ep=1, virtual_stages=1, schedule="1f1b",

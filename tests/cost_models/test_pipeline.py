@@ -157,6 +157,49 @@ def test_p2p_latency_on_1f1b(p: int, c: float) -> None:
         assert extra == pytest.approx(2 * (p - 1) * c * (q + 1))
 
 
+def _hops(schedule: str, p: int, m: int, hops: list[float], v: int | None = None) -> float:
+    return simulate_pipeline(
+        schedule, p, m, forward_s=[1.0] * p, backward_input_s=[2.0] * p,
+        backward_weight_s=[0.5] * p, p2p_s=hops, virtual_stages=v,
+    ).step_time_s  # fmt: skip
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_each_hop_adds_its_own_latency(p: int) -> None:
+    # A micro-batch's round trip crosses each hop twice. GPipe runs every forward, then every
+    # backward: its step grows by exactly 2 sum(c) at any m. 1F1B's fill and drain (m <= 2)
+    # grow alike; with more micro-batches rank 0's round trip recurs every p of them (as in
+    # test_p2p_latency_on_1f1b), so m = 1 + q p costs at least 2 sum(c) (q + 1), and no more
+    # than every hop at the slowest one's latency. The wrap hop (last entry) is never crossed.
+    hops = [0.4 / (k + 1) for k in range(p - 1)]
+    total, zero = sum(hops), [0.0] * p
+    for wrap in (0.0, 9.0):
+        for m in (1, 2, 5, 9):
+            extra = _hops("gpipe", p, m, [*hops, wrap]) - _hops("gpipe", p, m, zero)
+            assert extra == pytest.approx(2 * total)
+        for m in (1, 2):
+            extra = _hops("1f1b", p, m, [*hops, wrap]) - _hops("1f1b", p, m, zero)
+            assert extra == pytest.approx(2 * total)
+        for q in (1, 2):
+            m = 1 + q * p
+            extra = _hops("1f1b", p, m, [*hops, wrap]) - _hops("1f1b", p, m, zero)
+            slowest = _hops("1f1b", p, m, [max(hops)] * p) - _hops("1f1b", p, m, zero)
+            assert 2 * total * (q + 1) - 1e-9 <= extra <= slowest + 1e-9
+    same = _uniform("1f1b", 4, 9, bw=0.5, c=0.3).step_time_s
+    assert _hops("1f1b", 4, 9, [0.3] * 4) == pytest.approx(same)
+
+
+def test_interleaved_crosses_the_wrap_hop_and_a_v_does_not() -> None:
+    # Interleaved chunks go from the last rank back to the first; a V turns on the last rank
+    # and climbs back over the same links, so only its first p - 1 hops count.
+    p, m = 4, 8
+    zero = [0.0] * p
+    wrap = [0.0, 0.0, 0.0, 0.5]
+    assert _hops("interleaved_1f1b", p, m, wrap, 2) > _hops("interleaved_1f1b", p, m, zero, 2)
+    assert _hops("dualpipe_v", p, m, wrap, 2) == _hops("dualpipe_v", p, m, zero, 2)
+    assert _hops("dualpipe_v", p, m, [0.0, 0.5, 0.0, 0.0], 2) > _hops("dualpipe_v", p, m, zero, 2)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_no_p2p_between_chunks_on_one_rank(schedule: str) -> None:
     # One rank holds every chunk: nothing is sent, so the latency cannot show.
@@ -326,6 +369,8 @@ def test_orders_match_torch_schedules(schedule: str, class_name: str, v: int) ->
         ({"backward_weight_s": [0.0, -1.0, 0.0, 0.0]}, "backward_weight_s[1]"),
         ({"backward_input_s": [float("nan")] * 4}, "backward_input_s[0]"),
         ({"p2p_s": -0.1}, "p2p_s"),
+        ({"p2p_s": [0.1, 0.1, 0.1]}, "p2p_s has 3 entries, need one or num_stages=4"),
+        ({"p2p_s": [0.1, 0.1, -0.1, 0.1]}, "p2p_s"),
         ({"virtual_stages": 2}, "virtual_stages == 1, got 2"),
         ({"schedule": "interleaved_1f1b", "num_microbatches": 6}, "num_microbatches (6)"),
         ({"schedule": "interleaved_1f1b", "virtual_stages": 1}, "virtual_stages >= 2, got 1"),

@@ -55,14 +55,18 @@ def test_groups_crossing_sites_run_over_the_link():
     )
 
 
-def test_the_pipeline_is_priced_at_its_slowest_hop():
-    """pp=4 over 2 sites: stages 1 and 2 meet across the link; the hop priced is that one
-    (stage 0 to 1, inside a site, before)."""
+def test_each_pipeline_hop_is_priced_on_its_own_link():
+    """pp=4 over 2 sites of 2 nodes: stage 1's hop to stage 2 crosses the sites, stage 0's and
+    stage 2's stay in a site, and the wrap from stage 3 to stage 0 crosses back; each hop is
+    priced on its own link."""
     c = two_sites(100.0, nodes=2)
     mesh = MeshGroups(c, C(pp=4, tp=4))
-    assert mesh.ranks["pp"] == (4, 8)
-    assert mesh.time("send_recv", 1e8, "pp") == c.collective_time("send_recv", 1e8, [4, 8]).time_s
-    assert MeshGroups(c.one_site(), C(pp=2, tp=4)).ranks["pp"] == (0, 4)
+    pairs = [mesh.ranks[f"pp_hop{s}"] for s in range(4)]
+    assert pairs == [(0, 4), (4, 8), (8, 12), (12, 0)]
+    times = mesh.hop_times("send_recv", 1e8, 4)
+    assert times == tuple(c.collective_time("send_recv", 1e8, p).time_s for p in pairs)
+    assert times[1] == times[3] > 2 * times[0] and times[0] == times[2]
+    assert MeshGroups(c.one_site(), C(pp=2, tp=4)).ranks["pp_hop0"] == (0, 4)
 
 
 def test_diloco_moves_one_h_th_of_the_synchronous_gradient_sum(model_and_ids):

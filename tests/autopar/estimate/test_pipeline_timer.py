@@ -28,7 +28,7 @@ def test_timer_matches_simulation_on_uneven_stages(schedule, v):
             fwd = tuple(rng.uniform(0.5, 2.0) for _ in range(p))
             b_in = tuple(rng.uniform(0.5, 2.0) for _ in range(p))
             b_w = tuple(rng.uniform(0.0, 1.0) for _ in range(p))
-            p2p = rng.uniform(0.0, 0.3)
+            p2p = tuple(rng.uniform(0.0, 0.3) for _ in range(p))  # one per hop
             full = simulate_pipeline(
                 schedule, p, m, forward_s=fwd, backward_input_s=b_in,
                 backward_weight_s=b_w, p2p_s=p2p, virtual_stages=v,
@@ -40,8 +40,8 @@ def test_timer_matches_simulation_on_uneven_stages(schedule, v):
 
 def test_results_are_scale_free_and_cached():
     timer = PipelineTimer()
-    a, _ = timer("1f1b", 4, 32, (1.0,) * 4, (2.0,) * 4, (0.0,) * 4, 0.0, 1)
-    b, _ = timer("1f1b", 4, 32, (3.0,) * 4, (6.0,) * 4, (0.0,) * 4, 0.0, 1)
+    a, _ = timer("1f1b", 4, 32, (1.0,) * 4, (2.0,) * 4, (0.0,) * 4, (0.0,) * 4, 1)
+    b, _ = timer("1f1b", 4, 32, (3.0,) * 4, (6.0,) * 4, (0.0,) * 4, (0.0,) * 4, 1)
     assert a == pytest.approx((32 + 3) * 3.0)
     assert b == pytest.approx(3 * a)
     assert len(timer._cache) == 1  # one simulation serves both: same proportions

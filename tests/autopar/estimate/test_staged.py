@@ -224,18 +224,21 @@ def test_a_stages_data_parallel_ranks_split_its_micro_batch_and_sync_its_gradien
 
 def test_a_hop_between_nodes_is_priced_on_the_network(tables):
     """Four stages of tp 4 on two nodes of 8: only the hop from stage 1 to stage 2 crosses the
-    nodes, and the pipeline's sends take its time (the timer takes one hop time for all),
-    in the uniform config and in the same stages priced one by one."""
+    nodes, and only its sends take the network's time; the same stages priced one by one
+    price the step as the uniform config does."""
     estimator = _estimator(tables, 16)
     cfg = autopar.ParallelConfig(pp=4, tp=4, micro_batch_size=MICRO)
     mesh = estimator.mesh(cfg)
     cluster = estimator.cluster
-    assert mesh.ranks["pp"] == (4, 8)
+    assert [mesh.ranks[f"pp_hop{s}"] for s in range(3)] == [(0, 4), (4, 8), (8, 12)]
     assert cluster.level_of([4, 8]) == "infiniband" and cluster.level_of([0, 4]) == "nvlink"
     sent = 1e7
-    hop = cluster.collective_time("send_recv", sent, [4, 8]).time_s
-    assert mesh.time("send_recv", sent, "pp") == pytest.approx(hop)
-    assert hop > 2 * cluster.collective_time("send_recv", sent, [0, 4]).time_s
+    hops = mesh.hop_times("send_recv", sent, 4)
+    near = cluster.collective_time("send_recv", sent, [0, 4]).time_s
+    assert hops[:3] == pytest.approx(
+        (near, cluster.collective_time("send_recv", sent, [4, 8]).time_s, near)
+    )
+    assert hops[1] > 2 * near
     want = estimator.evaluate(cfg, BATCH)
     got = estimator.evaluate_stages(_meshes(want, 4, 0.0), BATCH, MICRO)
     assert got.step_time_s == pytest.approx(want.step_time_s, rel=1e-12)
