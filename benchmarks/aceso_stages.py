@@ -9,13 +9,15 @@ included, as Megatron's compute timers include them), and memory, the stage's pe
 allocator's peak reserved. Printed: one line per stage, then the median and worst |error| of
 each. Per multi-node run also its wait per micro-batch: the step less the busiest measured
 stage's compute, over the micro-batches, against the priced step less the busiest stage's
-(the bubble, the sends between stages, the optimizer), where the hops between nodes show.
+(the bubble, the sends between stages, the optimizer), where the hops between nodes show,
+with how many of the stage boundaries lie between nodes.
 
     python3 benchmarks/aceso_stages.py
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 from pathlib import Path
@@ -66,8 +68,13 @@ def main() -> int:
             wait_meas = (run.measured_step_s - busiest_meas) / m
             wait = (estimate.step_time_s - busiest) / m
             waits.setdefault(run.profile, []).append(wait / wait_meas)
+            sizes = [s["tp"] * s["dp"] for s in plans[run.stage_plan]["stages"]]
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            node = cluster.devices_per_node
+            crossings = sum(a // node != b // node for a, b in itertools.pairwise(starts))
             print(f"  wait per micro-batch {wait * 1e3:5.1f} ms, measured {wait_meas * 1e3:5.1f} "
-                  f"ms (the step less the busiest first-node stage)")  # fmt: skip
+                  f"ms (the step less the busiest first-node stage); {crossings} of "
+                  f"{len(sizes) - 1} stage boundaries between nodes")  # fmt: skip
     for testbed, ratios in waits.items():
         print(f"wait per micro-batch, {testbed}: priced over measured, median "
               f"{statistics.median(ratios):.2f} over {len(ratios)} multi-node runs")  # fmt: skip
