@@ -207,7 +207,7 @@ def render(
             # the curve's max is capped at 1 (`_scaled`), so the scale it took is stated: a
             # reader dividing it out gets the fit back
             took = fit.curve.max / bare_fit.curve.max
-            capped = f" of {factor:.3f}, capped so that max <= 1" if took < factor else ""
+            capped = f" of {factor:.3f}, {_CAPPED}" if took < factor else ""
             scaled = (
                 f", max x {took:.3f}: the training factor{capped}, what a plain layer's "
                 f"micro-batch grew by from 1 to {runtime_overhead.TRAINING_BATCH} samples as "
@@ -397,6 +397,19 @@ def compute_slots(info: RunInfo) -> int:
         return 0
     slots = max(1, info.num_cores // max(1, info.threads_per_rank))
     return slots if info.node_devices > slots else 0
+
+
+def capped_curves(text: str) -> list[str]:
+    """The compute curves of a profile written by `render` whose max the training factor
+    would have lifted over 1 (`_scaled`): its batch-4 layer grew far less than the ops it
+    runs, as when a loaded machine slowed the batch-1 timings."""
+    import tomllib
+
+    curves = tomllib.loads(text)["device"]["efficiency"]
+    return [op for op in ("matmul", "attention", "memory") if _CAPPED in curves[op]["source"]]
+
+
+_CAPPED = "capped so that max <= 1"
 
 
 def refit(text: str, name: str) -> str:

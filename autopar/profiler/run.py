@@ -29,7 +29,7 @@ from autopar.errors import AutoparError, ProfileError
 from autopar.hardware.profile import load_profile
 from autopar.profiler.comm import CommPlan, discover_levels, measure_comm
 from autopar.profiler.compute import ComputeMeasurement, ComputePlan, measure_compute
-from autopar.profiler.document import RunInfo, fit_measurements, render
+from autopar.profiler.document import RunInfo, capped_curves, fit_measurements, render
 from autopar.profiler.runtime_overhead import measure_runtime
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
@@ -141,6 +141,13 @@ def measure_and_write(options: ProfileOptions) -> str:
         text = render(info, fits, compute, comm, runtime)
         summary = _write(Path(options.out), text)
         progress(f"wrote {options.out}")
+        capped = capped_curves(text)
+        if capped:
+            progress(
+                f"warning: the training factor would lift the {', '.join(capped)} curve(s) over "
+                "1 and was capped there: a micro-batch of 4 grew far less than its ops, as when "
+                "other work slows the timings (check `uptime`); profile again at low load"
+            )
         return summary
     finally:
         dist.destroy_process_group()

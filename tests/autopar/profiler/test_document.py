@@ -11,7 +11,7 @@ from autopar.errors import ProfileError
 from autopar.profiler import ProfileOptions
 from autopar.profiler.comm import LevelMeasurement, LevelPlan, group_sizes
 from autopar.profiler.compute import ComputeMeasurement
-from autopar.profiler.document import RunInfo, fit_measurements, refit, render
+from autopar.profiler.document import RunInfo, capped_curves, fit_measurements, refit, render
 from cost_models.comm import HierarchicalGroup, Level, collective_time
 from cost_models.compute import EfficiencyCurve
 
@@ -241,6 +241,7 @@ def test_the_training_factor_scales_the_curves_to_what_a_bigger_micro_batch_meas
             getattr(bare.device, curve).max / 2, rel=1e-3
         )
         assert "max x 0.500: the training factor" in profile.sources[f"device.efficiency.{curve}"]
+    assert capped_curves(path.read_text()) == []  # scaled, nothing capped
     measured = runtime[-1].time_s  # plain, 3 layers, batch 4
     assert ro.predicted_s(profile, "plain", 3, 2, batch_size=batch) == pytest.approx(
         measured, rel=0.02
@@ -289,3 +290,5 @@ def test_a_training_factor_that_would_lift_a_curve_over_1_states_the_scale_it_to
         took = float(re.search(r"max x ([0-9.]+): the training factor of 10\.000", source)[1])
         assert getattr(profile.device, curve).max == pytest.approx(1.0)
         assert took == pytest.approx(1.0 / bare_max, rel=1e-3) and took < factor
+    # what `autopar profile` warns about
+    assert capped_curves(path.read_text()) == ["matmul", "attention", "memory"]
