@@ -41,6 +41,9 @@ from autopar.profiler.runtime_overhead import RuntimeMeasurement
 from cost_models.compute import EfficiencyCurve
 from cost_models.fit import CommMeasurement, CurveFit, LevelFit, fit_efficiency_curve, fit_level
 
+# what a curve's source says where the training factor would lift its max over 1
+_CAPPED = "capped so that max <= 1"
+
 
 @dataclass(frozen=True)
 class RunInfo:
@@ -407,9 +410,6 @@ def capped_curves(text: str) -> list[str]:
 
     curves = tomllib.loads(text)["device"]["efficiency"]
     return [op for op in ("matmul", "attention", "memory") if _CAPPED in curves[op]["source"]]
-
-
-_CAPPED = "capped so that max <= 1"
 
 
 def refit(text: str, name: str) -> str:
