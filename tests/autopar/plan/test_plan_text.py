@@ -49,6 +49,19 @@ def test_pipeline_axis_says_neighbouring_stages() -> None:
     assert "pp=2     neighbouring stages across 2 nodes over infiniband" in plan.summary()
 
 
+def test_the_pipeline_axis_names_its_outermost_hop_not_the_whole_pipeline() -> None:
+    """pp 4 x tp 8 on 4 nodes: each hop crosses two nodes, not the four the stages span; pp 4
+    x tp 4 on 2 nodes: the hop between the nodes, not the first one inside a node."""
+    from autopar.estimate.layout import mesh_axes
+
+    wide = autopar.Cluster.from_profile("dgx_h100", num_nodes=4)
+    (pp,) = [a for a in mesh_axes(wide, autopar.ParallelConfig(tp=8, pp=4)) if a["axis"] == "pp"]
+    assert (pp["ranks"], pp["num_nodes"], pp["level"]) == ([0, 8], 2, "infiniband")
+    two = autopar.Cluster.from_profile("dgx_h100", num_nodes=2)
+    (pp,) = [a for a in mesh_axes(two, autopar.ParallelConfig(tp=4, pp=4)) if a["axis"] == "pp"]
+    assert (pp["ranks"], pp["num_nodes"], pp["level"]) == ([4, 8], 2, "infiniband")
+
+
 def test_summary_and_explain_are_deterministic(plans: list[autopar.Plan]) -> None:
     for plan in plans:
         loaded = autopar.Plan.from_json(plan.to_json())
