@@ -69,9 +69,8 @@ def main() -> int:
             wait = (estimate.step_time_s - busiest) / m
             waits.setdefault(run.profile, []).append(wait / wait_meas)
             sizes = [s["tp"] * s["dp"] for s in plans[run.stage_plan]["stages"]]
-            starts = [sum(sizes[:i]) for i in range(len(sizes))]
-            node = cluster.devices_per_node
-            crossings = sum(a // node != b // node for a, b in itertools.pairwise(starts))
+            nodes = [cluster.node_of(r) for r in itertools.accumulate(sizes[:-1], initial=0)]
+            crossings = sum(a != b for a, b in itertools.pairwise(nodes))
             print(f"  wait per micro-batch {wait * 1e3:5.1f} ms, measured {wait_meas * 1e3:5.1f} "
                   f"ms (the step less the busiest first-node stage); {crossings} of "
                   f"{len(sizes) - 1} stage boundaries between nodes")  # fmt: skip

@@ -8,7 +8,7 @@ and how many nodes the group spans.
 The groups are the cost model's own (`autopar.estimate.mesh.MeshGroups`: the config's axis
 order, by default tp innermost, then cp, fsdp, dp, pp outermost), so the text says where the
 priced collectives run; for pp the group is two neighbouring stages, the hop whose link is
-the outermost level (each hop is priced on its own link: `MeshGroups.hop_times`).
+the outermost level (`MeshGroups.outermost_hop`; each hop is priced on its own link).
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ def mesh_axes(cluster: Cluster, config: ParallelConfig) -> tuple[dict[str, Any],
         size = getattr(config, axis)
         if size <= 1:
             continue
-        ranks = _outermost_hop(cluster, config, groups) if axis == "pp" else groups.ranks[axis]
+        ranks = (
+            groups.outermost_hop(config.virtual_stages > 1) if axis == "pp" else groups.ranks[axis]
+        )
         entry: dict[str, Any] = {
             "axis": axis,
             "size": size,
@@ -41,16 +43,6 @@ def mesh_axes(cluster: Cluster, config: ParallelConfig) -> tuple[dict[str, Any],
         entry.update(_level_facts(cluster, entry["level"]))
         out.append(entry)
     return tuple(out)
-
-
-def _outermost_hop(cluster: Cluster, config: ParallelConfig, groups: MeshGroups) -> tuple:
-    """The pipeline hop whose link is the outermost level (the first such; the hop back from
-    the last stage to the first only where chunks wrap around), the pair the text names."""
-    hops = [groups.ranks[f"pp_hop{s}"] for s in range(config.pp)]
-    hops = hops if config.virtual_stages > 1 else hops[:-1]
-    if cluster.slice_shape is not None:
-        return hops[0]
-    return max(hops, key=lambda pair: len(cluster.comm_group(pair).levels))  # type: ignore[union-attr]
 
 
 def _level_facts(cluster: Cluster, level_name: str) -> dict[str, Any]:

@@ -81,10 +81,19 @@ class MeshGroups:
         self.ranks["world"] = tuple(range(cluster.world_size))
         self._groups = {axis: cluster.comm_group(r) for axis, r in self.ranks.items()}
         self._cache: dict[tuple[str, float, str], float] = {}
+        self._hop_axes = [axis for axis in self.ranks if axis.startswith("pp_hop")]
 
-    def hop_times(self, collective: str, nbytes: float, num_stages: int) -> tuple[float, ...]:
+    def hop_times(self, collective: str, nbytes: float) -> tuple[float, ...]:
         """Seconds for ``collective`` of ``nbytes`` over each pipeline hop (`_hops`)."""
-        return tuple(self.time(collective, nbytes, f"pp_hop{s}") for s in range(num_stages))
+        return tuple(self.time(collective, nbytes, axis) for axis in self._hop_axes)
+
+    def outermost_hop(self, wraps: bool) -> tuple[int, ...]:
+        """The pipeline hop whose link is the outermost level, the first such (the hop back
+        from the last stage to the first only where chunks ``wraps`` around); on a TPU slice,
+        whose hops are priced alike, the first."""
+        axes = self._hop_axes if wraps else self._hop_axes[:-1]
+        deepest = max(axes, key=lambda a: len(getattr(self._groups[a], "levels", ())))
+        return self.ranks[deepest]
 
     def time(self, collective: str, nbytes: float, axis: str) -> float:
         """Seconds for ``collective`` of ``nbytes`` over the group of ``axis``."""

@@ -305,7 +305,7 @@ class StageTimer:
         gathered = sequence_ends_gathered(cfg, self.tables, self.options)
         div = cfg.cp if gathered else token_ways(cfg)
         sent = boundary * cfg.micro_batch_size * self.act_scale / div
-        p2p = mesh.hop_times("send_recv", sent, cfg.pp)  # each hop on its own link
+        p2p = mesh.hop_times("send_recv", sent)  # each hop on its own link
         if gathered:  # the chunk's ends gather the sequence (one each way)
             p2p = tuple(t + mesh.time("all_gather", sent, "tp") for t in p2p)
         fwd, bin_, wgrad = _task_times(cfg, per_stage)

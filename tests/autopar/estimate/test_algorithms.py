@@ -63,7 +63,7 @@ def test_each_pipeline_hop_is_priced_on_its_own_link():
     mesh = MeshGroups(c, C(pp=4, tp=4))
     pairs = [mesh.ranks[f"pp_hop{s}"] for s in range(4)]
     assert pairs == [(0, 4), (4, 8), (8, 12), (12, 0)]
-    times = mesh.hop_times("send_recv", 1e8, 4)
+    times = mesh.hop_times("send_recv", 1e8)
     assert times == tuple(c.collective_time("send_recv", 1e8, p).time_s for p in pairs)
     assert times[1] == times[3] > 2 * times[0] and times[0] == times[2]
     assert MeshGroups(c.one_site(), C(pp=2, tp=4)).ranks["pp_hop0"] == (0, 4)

@@ -233,7 +233,7 @@ def test_a_hop_between_nodes_is_priced_on_the_network(tables):
     assert [mesh.ranks[f"pp_hop{s}"] for s in range(3)] == [(0, 4), (4, 8), (8, 12)]
     assert cluster.level_of([4, 8]) == "infiniband" and cluster.level_of([0, 4]) == "nvlink"
     sent = 1e7
-    hops = mesh.hop_times("send_recv", sent, 4)
+    hops = mesh.hop_times("send_recv", sent)
     near = cluster.collective_time("send_recv", sent, [0, 4]).time_s
     assert hops[:3] == pytest.approx(
         (near, cluster.collective_time("send_recv", sent, [4, 8]).time_s, near)
