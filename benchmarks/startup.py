@@ -4,6 +4,7 @@
     python3 benchmarks/startup.py --size small --nproc 4 --config "fsdp=4 | zero=3"  # quick
     python3 benchmarks/startup.py --config "tp=2 pp=2 | mbs=1" --nproc 4 --size small
     python3 benchmarks/startup.py --steps 0      # the 1B model's startup alone
+    python3 benchmarks/startup.py --imports 7    # a rank's imports alone, CPU s (7 runs)
 
 In: a Llama-shaped zoo model (`llama-tiny` with the overrides of ``--size``: "1b" is hidden
 2048, 16 blocks, FFN 5632, GQA 16/8 heads, vocabulary 32000, 0.89 B parameters, 3.3 GiB of
@@ -65,6 +66,35 @@ def _load() -> str:
     return Path("/proc/loadavg").read_text().split()[0]
 
 
+def import_seconds(repeats: int) -> None:
+    """Print the median and spread of the CPU and wall seconds a fresh interpreter takes to
+    import what every generated program imports (`autopar.codegen.program.PROGRAM_IMPORTS`):
+    a fixed cost of each rank's start, paid again by every rank torchrun restarts."""
+    from autopar.codegen.program import PROGRAM_IMPORTS
+
+    code = (
+        "import resource, time\nt = time.perf_counter()\n"
+        + PROGRAM_IMPORTS
+        + (
+            "r = resource.getrusage(resource.RUSAGE_SELF)\n"
+            "print(r.ru_utime + r.ru_stime, time.perf_counter() - t)"
+        )
+    )
+    cpu, wall = [], []
+    print(f"load {_load()}")
+    for _ in range(repeats):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(done.stderr[-2000:])
+        c, w = map(float, done.stdout.split()[-2:])
+        cpu.append(c)
+        wall.append(w)
+    for name, xs in (("CPU", sorted(cpu)), ("wall (imports alone)", sorted(wall))):
+        print(f"a program's imports, {name}: median {statistics.median(xs):.2f} s "
+              f"({xs[0]:.2f}-{xs[-1]:.2f}, {repeats} runs)")  # fmt: skip
+    print(f"load {_load()}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="1b")
@@ -80,7 +110,13 @@ def main() -> None:
         help="pass it to train.py: the ranks' allocator returns freed memory",
     )
     parser.add_argument("--out", help="keep the plan and program here (default: a temp dir)")
+    parser.add_argument(
+        "--imports", type=int, metavar="N", help="time a rank's imports alone, N times, and stop"
+    )
     args = parser.parse_args()
+    if args.imports:
+        import_seconds(args.imports)
+        return
 
     import autopar
     from autopar.config.text import parse_config

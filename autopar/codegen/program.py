@@ -143,11 +143,9 @@ def _indent(text: str, prefix: str) -> str:
     return "\n".join(prefix + line if line else line for line in text.splitlines())
 
 
-def _imports(plan: Plan) -> str:
-    digest = hashlib.sha256(plan.to_json().encode()).hexdigest()
-    return f"""from __future__ import annotations
-
-import argparse
+# what every generated program imports: the runtime, and no more (a rank pays for each import;
+# tests/autopar/runtime/test_pipeline_layout.py checks that torch's pipelining stays out)
+PROGRAM_IMPORTS = """import argparse
 import dataclasses
 import hashlib
 import os
@@ -168,7 +166,14 @@ from autopar.runtime.hf_data import node_token_file
 from autopar.runtime.mesh import build_mesh, init_distributed, shutdown_distributed
 from autopar.runtime.task import task_from_source
 from autopar.runtime.trainer import Prediction, TrainOptions, train
+"""
 
+
+def _imports(plan: Plan) -> str:
+    digest = hashlib.sha256(plan.to_json().encode()).hexdigest()
+    return f"""from __future__ import annotations
+
+{PROGRAM_IMPORTS}
 HERE = Path(__file__).resolve().parent
 PLAN_TEXT = (HERE / "plan.json").read_text()
 # the plan this program was generated from (plan.save writes the two together): a plan.json
@@ -338,7 +343,7 @@ def _pipeline(plan: Plan, model: nn.Module) -> str:
     layout = layout_for(c, model, _stage_layers(plan))
     lines = [
         f"# ---- pipeline: {c.pp} stages x {c.virtual_stages} virtual, schedule {c.schedule}",
-        f"# (torch {spec.cls.__name__}), {plan.num_microbatches} micro-batches per step;",
+        f"# (torch {spec.name}), {plan.num_microbatches} micro-batches per step;",
         "# the model cut at the plan's stage boundaries (autopar.runtime.pipeline) into "
         f"{layout.num_chunks} chunks",
         f"# placed {'in a V' if layout.style == 'v' else 'round-robin'}; embedding on chunk 0, "

@@ -48,16 +48,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
-from torch.distributed.pipelining.microbatch import _Replicate
 from torch.distributed.tensor import DTensor
 
 from autopar.config import ParallelConfig
@@ -76,14 +66,22 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class ScheduleSpec:
-    """A torch schedule class and what it requires (checked by `check_schedule`)."""
+    """A torch schedule class, by name, and what it requires (checked by `check_schedule`)."""
 
-    cls: type
+    name: str  # in torch.distributed.pipelining: `torch_class`
     style: str  # "loop" or "v": where chunk k runs (stages.ChunkLayout)
     min_chunks: int  # per rank
     max_chunks: int | None
     multi: bool  # takes a list of stages (PipelineScheduleMulti) rather than one
     microbatches: Callable[[int, int, int], str | None]  # (m, pp, v) -> a problem or None
+
+    def torch_class(self) -> type:
+        # imported here, not with this module: torch.distributed.pipelining imports
+        # torch._dynamo (about 0.6 s of CPU), which a run without a pipeline never needs,
+        # and every rank and CLI call imports this module
+        import torch.distributed.pipelining as pipelining
+
+        return getattr(pipelining, self.name)
 
 
 def _any(m: int, pp: int, v: int) -> str | None:
@@ -110,12 +108,12 @@ def _at_least_stages(m: int, pp: int, v: int) -> str | None:
 
 
 SCHEDULES = {
-    "gpipe": ScheduleSpec(ScheduleGPipe, "loop", 1, 1, False, _any),
-    "1f1b": ScheduleSpec(Schedule1F1B, "loop", 1, 1, False, _at_least_pp),
-    "interleaved_1f1b": ScheduleSpec(ScheduleInterleaved1F1B, "loop", 2, None, True, _rounds),
-    "zero_bubble": ScheduleSpec(ScheduleInterleavedZeroBubble, "loop", 1, None, True, _rounds),
-    "zbv": ScheduleSpec(ScheduleZBVZeroBubble, "v", 2, 2, True, _any),
-    "dualpipe_v": ScheduleSpec(ScheduleDualPipeV, "v", 2, 2, True, _at_least_stages),
+    "gpipe": ScheduleSpec("ScheduleGPipe", "loop", 1, 1, False, _any),
+    "1f1b": ScheduleSpec("Schedule1F1B", "loop", 1, 1, False, _at_least_pp),
+    "interleaved_1f1b": ScheduleSpec("ScheduleInterleaved1F1B", "loop", 2, None, True, _rounds),
+    "zero_bubble": ScheduleSpec("ScheduleInterleavedZeroBubble", "loop", 1, None, True, _rounds),
+    "zbv": ScheduleSpec("ScheduleZBVZeroBubble", "v", 2, 2, True, _any),
+    "dualpipe_v": ScheduleSpec("ScheduleDualPipeV", "v", 2, 2, True, _at_least_stages),
 }
 
 
@@ -128,12 +126,12 @@ def check_schedule(schedule: str, pp: int, virtual_stages: int, num_microbatches
     if v < spec.min_chunks or (hi is not None and v > hi):
         want = f"exactly {hi}" if hi == spec.min_chunks else f"at least {spec.min_chunks}"
         raise ValueError(
-            f"schedule {schedule} ({spec.cls.__name__}) needs {want} virtual stages (model "
+            f"schedule {schedule} ({spec.name}) needs {want} virtual stages (model "
             f"chunks) per pipeline rank, got virtual_stages={v}"
         )
     problem = spec.microbatches(num_microbatches, pp, v)
     if problem:
-        raise ValueError(f"schedule {schedule} ({spec.cls.__name__}) {problem}")
+        raise ValueError(f"schedule {schedule} ({spec.name}) {problem}")
 
 
 def layout_for(
@@ -201,6 +199,9 @@ class Pipeline:
         self.chunks, self.layout, self.schedule_name = chunks, layout, schedule
         self.num_microbatches, self.group, self.tie_group = num_microbatches, group, tie_group
         self.tied = tied  # (head parameter path, embed parameter path)
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.microbatch import _Replicate
+
         self.stages = [
             PipelineStage(c, c.chunk, layout.num_chunks, device, group=group) for c in chunks
         ]
@@ -218,7 +219,7 @@ class Pipeline:
             kwargs_chunk_spec={"positions": _Replicate()},
         )
         stages = self.stages if spec.multi else self.stages[0]
-        self.schedule = spec.cls(stages, **kwargs)
+        self.schedule = spec.torch_class()(stages, **kwargs)
         self._loss_rank = layout.stage_of(layout.num_chunks - 1)  # pp rank of the last chunk
 
     @property

@@ -9,7 +9,7 @@ import autopar
 from autopar.config import ParallelConfig
 from autopar.models import hf, zoo
 from autopar.runtime import parts
-from autopar.runtime.pipeline import check_schedule, layout_for
+from autopar.runtime.pipeline import SCHEDULES, check_schedule, layout_for
 from autopar.runtime.stages import (
     ChunkLayout,
     build_stage_modules,
@@ -100,6 +100,33 @@ def test_check_schedule_errors_name_the_numbers():
     with pytest.raises(ValueError, match="unknown pipeline schedule 'x'"):
         check_schedule("x", 2, 1, 4)
     check_schedule("zero_bubble", 2, 1, 4)
+
+
+def test_each_schedule_names_a_torch_class_of_its_kind():
+    """`SCHEDULES` names torch's classes (imported when a pipeline is built, not with the
+    runtime): each resolves, and takes a list of stages exactly where `multi` says."""
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule
+
+    for name, spec in SCHEDULES.items():
+        cls = spec.torch_class()
+        assert cls.__name__ == spec.name and issubclass(cls, _PipelineSchedule), name
+        assert issubclass(cls, PipelineScheduleMulti) == spec.multi, name
+
+
+def test_a_program_without_a_pipeline_does_not_import_torchs_pipelining():
+    """What every generated train.py imports (`PROGRAM_IMPORTS`) leaves torch's pipelining and
+    torch._dynamo (about 0.6 s of CPU per rank) to the runs that build a pipeline."""
+    import subprocess
+    import sys
+
+    from autopar.codegen.program import PROGRAM_IMPORTS
+
+    code = PROGRAM_IMPORTS + (
+        "print([m for m in ('torch._dynamo', 'torch.distributed.pipelining') if m in sys.modules])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
 @pytest.mark.parametrize(
