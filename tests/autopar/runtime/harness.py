@@ -125,8 +125,16 @@ def _entry(rank: int, world_size: int, port: int, fn: Any, args: tuple, out_dir:
 # Ranks fork from a server process (one per pytest worker) that imported torch and the
 # runtime once: a spawned rank spends about 3.5 s of CPU importing them, and the suite starts
 # a few hundred ranks on 2 cores. The server runs no torch op, so no thread pool is forked.
-# AUTOPAR_TEST_START_METHOD=spawn starts every rank afresh instead.
-_PRELOAD = ["torch", "torch.distributed", "autopar.runtime.trainer", "harness"]
+# torch's pipelining (and torch._dynamo with it, which torch.export needs too) is preloaded
+# as well: the runtime imports it only when a pipeline is built, and many ranks here build
+# one or trace. AUTOPAR_TEST_START_METHOD=spawn starts every rank afresh instead.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.pipelining",
+    "autopar.runtime.trainer",
+    "harness",
+]
 _START_METHOD = os.environ.get("AUTOPAR_TEST_START_METHOD", "forkserver")
 if _START_METHOD == "forkserver":  # read when the server starts, by the first run_ranks
     multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
