@@ -30,9 +30,7 @@ def mesh_axes(cluster: Cluster, config: ParallelConfig) -> tuple[dict[str, Any],
         size = getattr(config, axis)
         if size <= 1:
             continue
-        ranks = (
-            groups.outermost_hop(config.virtual_stages > 1) if axis == "pp" else groups.ranks[axis]
-        )
+        ranks = groups.outermost_hop() if axis == "pp" else groups.ranks[axis]
         entry: dict[str, Any] = {
             "axis": axis,
             "size": size,

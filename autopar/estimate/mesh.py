@@ -87,12 +87,14 @@ class MeshGroups:
         """Seconds for ``collective`` of ``nbytes`` over each pipeline hop (`_hops`)."""
         return tuple(self.time(collective, nbytes, axis) for axis in self._hop_axes)
 
-    def outermost_hop(self, wraps: bool) -> tuple[int, ...]:
-        """The pipeline hop whose link is the outermost level, the first such (the hop back
-        from the last stage to the first only where chunks ``wraps`` around); on a TPU slice,
-        whose hops are priced alike, the first."""
-        axes = self._hop_axes if wraps else self._hop_axes[:-1]
-        deepest = max(axes, key=lambda a: len(getattr(self._groups[a], "levels", ())))
+    def outermost_hop(self) -> tuple[int, ...]:
+        """The pipeline hop whose link is the outermost level, the first such; on a TPU slice,
+        whose hops are priced alike, the first. The hop back from the last stage to the first
+        is left out: its ranks are at most as far apart as the farthest forward hop (the
+        levels nest), so it is never the only one that deep."""
+        deepest = max(
+            self._hop_axes[:-1], key=lambda a: len(getattr(self._groups[a], "levels", ()))
+        )
         return self.ranks[deepest]
 
     def time(self, collective: str, nbytes: float, axis: str) -> float:

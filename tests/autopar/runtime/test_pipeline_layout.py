@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -116,9 +119,6 @@ def test_each_schedule_names_a_torch_class_of_its_kind():
 def test_a_program_without_a_pipeline_does_not_import_torchs_pipelining():
     """What every generated train.py imports (`PROGRAM_IMPORTS`) leaves torch's pipelining and
     torch._dynamo (about 0.6 s of CPU per rank) to the runs that build a pipeline."""
-    import subprocess
-    import sys
-
     from autopar.codegen.program import PROGRAM_IMPORTS
 
     code = PROGRAM_IMPORTS + (
