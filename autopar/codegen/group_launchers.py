@@ -18,11 +18,12 @@ Timeouts, ordered as torchft needs them (`runtime.replica_groups.ft_timeouts`): 
 with a dead group fails after --ft-timeout (at least 3 planned steps, 30 s at least), before the
 quorum gives up and long before a group's first connection does.
 
-Checkpoints: fault-tolerant groups pass --checkpoint-dir and --checkpoint-every auto, as the
-one-job launchers do; each group saves under its own group<g>/ there and a job started again
-resumes from the newest any group holds (`runtime.replicas`). A group that dies alone heals from
-a live one, so the checkpoints only matter when every group is down at once. DiLoCo runs pass
-none: they do not checkpoint (a group heals from the other sites).
+Checkpoints: every group passes --checkpoint-dir and --checkpoint-every auto, as the one-job
+launchers do; each group saves under its own group<g>/ there (`runtime.replicas`).
+Fault-tolerant groups: a job started again resumes from the newest any group holds; a group
+that dies alone heals from a live one, so the checkpoints only matter when every group is down
+at once. DiLoCo: each site's group saves its outer state beside its weights, on outer steps,
+so the sites started again resume together.
 """
 
 from __future__ import annotations
@@ -89,13 +90,13 @@ def _lighthouse_command(groups: Groups, port: str, quote: str = '"') -> str:
 
 
 def _group_flags(groups: Groups, index: str, lighthouse: str, checkpoints: str) -> str:
+    saves = f'--lighthouse "{lighthouse}" --checkpoint-dir "{checkpoints}" --checkpoint-every auto'
     if groups.kind == "ft":
         return (
             f'--ft-group "{index}" --ft-groups {groups.count} --ft-timeout '
-            f'{groups.timeout_s:g} --lighthouse "{lighthouse}" --checkpoint-dir '
-            f'"{checkpoints}" --checkpoint-every auto'
+            f"{groups.timeout_s:g} {saves}"
         )
-    return f'--diloco-group "{index}" --diloco-groups {groups.count} --lighthouse "{lighthouse}"'
+    return f'--diloco-group "{index}" --diloco-groups {groups.count} {saves}'
 
 
 def slurm_lines(groups: Groups, uses_gpus: bool) -> list[str]:

@@ -124,6 +124,8 @@ trains its 1/{groups} of the global batch and all-reduces the pseudo-gradient wi
 every H steps (autopar.runtime.diloco):
     torchft_lighthouse --min_replicas {groups} --quorum_tick_ms 100 --join_timeout_ms 10000
     torchrun ... train.py --diloco-group G --lighthouse http://LIGHTHOUSE:29510
+With --checkpoint-dir DIR each group saves under DIR/groupG, its outer state beside its weights,
+on outer steps only (the interval rounded up to a multiple of H).
 
 """
 

@@ -8,6 +8,8 @@ the step just finished, `CheckpointOptions`. Out: a directory per saved step
         meta.json                   step, samples seen, global batch, model fingerprint, plan,
                                     and every other file of the checkpoint with its size
         rng-rank<r>.pt              rank r's RNG states (torch CPU, and CUDA when present)
+        extra-rank<r>.pt            rank r's state beyond model and optimizer, where the run
+                                    has some (`Checkpointer.extra`: DiLoCo's outer step)
     <directory>/.partial-step-*/    being written (or left by a killed run): never resumed
     <directory>/log.jsonl           one line per finished step: loss and grad norm, exact (hex),
                                     the restart attempt and the wall-clock time
@@ -67,7 +69,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,6 +272,11 @@ class Checkpointer:
         self.fingerprint = fingerprint or model_fingerprint(model)
         self.rank = _rank()
         self._pending: tuple[int, Future, int] | None = None  # step, future, bytes written
+        # this rank's state beyond the model and optimizer: a function of no arguments the run
+        # sets (`replicas.ReplicaRun`: DiLoCo's outer state), saved as extra-rank<r>.pt; and
+        # what `resume` read of it (None: the checkpoint has none for this rank)
+        self.extra: Callable[[], dict[str, Any]] | None = None
+        self.resumed_extra: dict[str, Any] | None = None
         # async: DCP's collectives run in a thread, so they get a group of their own
         self._group = dist.new_group(backend="gloo") if options.async_save else None
 
@@ -318,6 +325,8 @@ class Checkpointer:
             torch.set_rng_state(saved["cpu"])
             if "cuda" in saved and torch.cuda.is_available():
                 torch.cuda.set_rng_state(saved["cuda"])
+        extra = path / f"extra-rank{self.rank}.pt"
+        self.resumed_extra = torch.load(extra, weights_only=True) if extra.is_file() else None
         if self.rank == 0:
             print(
                 f"[autopar] resumed from {path} (step {meta['step']}, "
@@ -407,8 +416,10 @@ class Checkpointer:
         try:
             partial.mkdir(parents=True, exist_ok=True)
             torch.save(_rng_state(), rng)
+            if self.extra is not None:
+                torch.save(self.extra(), partial / f"extra-rank{self.rank}.pt")
         except (OSError, RuntimeError) as e:  # torch's zip writer reports a short write so
-            error = OSError(f"writing {rng.name}: {_cause(e)}")
+            error = OSError(f"writing {rng.name} or extra-rank{self.rank}.pt: {_cause(e)}")
         # every rank enters DCP's collectives, or none does: a rank that could not write its
         # own file must not leave the others waiting in them
         errors = [error]

@@ -2,7 +2,7 @@
 
 In: a checkpoint being written (its `.partial-step-N` directory) on every rank, or a complete
 one at resume. Out: at save, each rank's digests of the files it wrote -- its DCP shards
-(`__<rank>_<i>.distcp`, DCP's FileSystemWriter's names) and its RNG file -- in
+(`__<rank>_<i>.distcp`, DCP's FileSystemWriter's names), its RNG file and its extra state -- in
 `digest-rank<r>.json`, which rank 0 merges with the digest of `.metadata` into meta.json's
 `sha256` (`collect`); at resume, the first file whose bytes no longer hash to what was recorded
 (`problem`): a shard with 4 KiB flipped and its size unchanged is named, and the resume falls
@@ -41,7 +41,10 @@ def sha256_of(path: Path) -> str:
 def write_rank_digests(directory: str | Path, rank: int) -> None:
     """Rank ``rank``'s digests of the files it wrote into ``directory``."""
     root = Path(directory)
-    mine = [*root.glob(f"__{rank}_*.distcp"), root / f"rng-rank{rank}.pt"]
+    mine = [
+        *root.glob(f"__{rank}_*.distcp"),
+        *(root / f"{k}-rank{rank}.pt" for k in ("rng", "extra")),
+    ]
     digests = {p.name: sha256_of(p) for p in mine if p.is_file()}
     tmp = root / f".digest-rank{rank}.json.tmp"
     tmp.write_text(json.dumps(digests))

@@ -7,7 +7,8 @@ the lighthouse's address, H, fragments, the outer optimizer's settings). Out: a 
 entered around the training loop, runs torchft's DiLoCo on the inner optimizer's steps (its
 post-step hook counts them and, every H, all-reduces each fragment's pseudo-gradient over the
 groups and takes the outer Nesterov step), and an `OuterTraffic` record of the bytes each
-all-reduce between groups moved from this rank.
+all-reduce between groups moved from this rank; `outer_state` / `load_outer_state`: this rank's
+DiLoCo state beyond the model and the inner optimizer, for its checkpoint.
 
 The groups are separate torch.distributed jobs (each its own torchrun, or its own spawned
 world in the tests): a group's rank r all-reduces with rank r of every other group through a
@@ -134,3 +135,47 @@ def attach_diloco(
         pin_memory=False, fragment_sync_delay=delay,
     )  # fmt: skip
     return context, traffic
+
+
+# torchft has no public call for DiLoCo's state: its Manager's `_manager_state_dict` (what its
+# checkpoint transport sends a healing peer), `_load_state_dict_fns` (how that peer takes it in)
+# and DiLoCo's `_local_step` are read here as torchft itself uses them
+def outer_state(context: Any) -> dict[str, Any]:
+    """This rank's DiLoCo state that the model and the inner optimizer do not hold: torchft's
+    own checkpoint of it (what its Manager hands a healing peer: each fragment's parameters at
+    its last outer step -- this rank's local shards -- and its outer optimizer's momentum; the
+    Manager's step, which picks the next fragment to sync) and the inner steps since the last
+    sync. Read after an optimizer step (torchft's hooks allow it then)."""
+    return {
+        "torchft": context._manager._manager_state_dict(),
+        "local_step": context._local_step,
+    }
+
+
+def load_outer_state(context: Any, state: dict[str, Any]) -> None:
+    """Put `outer_state`'s ``state`` back into a freshly attached DiLoCo ``context``.
+
+    Raises:
+        ValueError: the state was saved under another layout (other fragments, or other
+            local shards of their parameters): it is this rank's own and cannot be resharded.
+    """
+    manager, saved = context._manager, state["torchft"]["user"]
+    if len(saved) != len(context._fragments):
+        raise ValueError(
+            f"the checkpoint's DiLoCo outer state has {len(saved)} fragment(s), this run "
+            f"{len(context._fragments)}: resume under the plan and ranks it was saved with"
+        )
+    for i, fragment in enumerate(context._fragments):
+        theirs = saved[f"StreamingDiLoCoFragment_{i}"]["original_parameters"]
+        for name, mine in fragment.original_parameters.items():
+            there = tuple(theirs[name].shape) if name in theirs else None
+            if there != tuple(mine.shape):
+                raise ValueError(
+                    f"the checkpoint's DiLoCo outer state holds {name} of fragment {i} as "
+                    f"{there}, this rank as {tuple(mine.shape)}: resume under the plan and "
+                    "ranks it was saved with (the state is this rank's own shards)"
+                )
+    for key, load in manager._load_state_dict_fns.items():
+        load(saved[key])
+    manager.load_state_dict(state["torchft"]["torchft"])
+    context._local_step = int(state["local_step"])

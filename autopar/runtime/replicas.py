@@ -2,20 +2,26 @@
 
 In: the `TrainOptions` (`diloco` or `ft`), the global batch, and once the model is made, this
 rank's model, blocks, optimizer, rank and world in its group. Out: `replica_share` (this group's
-share of each step's global batch and where it starts) and `ReplicaRun`: where this group
-checkpoints (`ReplicaRun.checkpoint`) and the hooks `trainer.train` calls each step -- which
-steps to run, the gradient average over the groups, whether to commit, the bytes sent to other
-groups -- all no-ops without replica groups.
+share of each step's global batch and where it starts) and `ReplicaRun`: where and how often
+this group checkpoints (`ReplicaRun.checkpoint`), the state its checkpoints hold beside the
+model and optimizer (DiLoCo's, handed to the run's `Checkpointer`), and the hooks
+`trainer.train` calls each step -- which steps to run, the gradient average over the groups,
+whether to commit, the bytes sent to other groups -- all no-ops without replica groups.
 
-Checkpoints with fault-tolerant groups: each group saves and resumes its own, under
+Checkpoints with replica groups: each group saves and resumes its own, under
 ``<directory>/group<g>`` (a group is one torchrun job, so DCP's collectives are its own; a
-group that is down saves nothing, and the others' checkpoints do not wait for it). A group that
-resumes hands its step to torchft's Manager, and the first quorum heals any group behind the
-newest -- one restarted from an older checkpoint, or from none -- from a peer at that step. So
-a whole job stopped and started again goes on from the newest checkpoint any group holds, and
-a single group restarted while the others run heals from them as before (its own checkpoint
-read first, then overwritten). DiLoCo runs refuse checkpoints: its outer optimizer's momentum
-and the parameters of the last outer step are state that the checkpoint does not hold.
+group that is down saves nothing, and the others' checkpoints do not wait for it).
+- Fault-tolerant groups: a group that resumes hands its step to torchft's Manager, and the
+  first quorum heals any group behind the newest -- one restarted from an older checkpoint, or
+  from none -- from a peer at that step. So a whole job stopped and started again goes on from
+  the newest checkpoint any group holds, and a single group restarted while the others run
+  heals from them as before (its own checkpoint read first, then overwritten).
+- DiLoCo: each rank's checkpoint also holds its outer state (`diloco.outer_state`: the
+  parameters of each fragment's last outer step, the outer momentum, torchft's step), read
+  back after the model, so a run stopped and started again takes the same outer steps as one
+  never stopped. Saves land on outer-step boundaries only (the interval rounded up to a
+  multiple of H), where no fragment's all-reduce is in flight; every group saves at the same
+  steps, so a job started again resumes them together.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 
 from torch import nn
 
-from autopar.runtime.diloco import DiLoCoGroup, attach_diloco
+from autopar.runtime.diloco import DiLoCoGroup, attach_diloco, load_outer_state, outer_state
 from autopar.runtime.fault_tolerance import FaultTolerantGroups, FTGroup
 
 __all__ = ["DiLoCoGroup", "FTGroup", "ReplicaRun", "replica_share"]
@@ -47,12 +53,6 @@ def replica_share(options: Any, global_batch_size: int) -> tuple[int, int]:
             f"global batch {global_batch_size} does not split over {group.num_replicas} "
             "replica groups"
         )
-    if options.diloco and options.checkpoint is not None:
-        raise ValueError(
-            "DiLoCo runs do not checkpoint: the outer optimizer's momentum and the last outer "
-            "step's parameters are not in a checkpoint; drop --checkpoint-dir (a group that "
-            "fails heals from the other sites)"
-        )
     share = global_batch_size // group.num_replicas
     return share, group.replica_id * share
 
@@ -61,19 +61,38 @@ class ReplicaRun:
     """This rank's replica-group hooks for one run (module docstring)."""
 
     @staticmethod
-    def checkpoint(options: Any) -> Any:
-        """The `CheckpointOptions` this rank saves and resumes under: a fault-tolerant group's
-        own subdirectory (module docstring), else ``options.checkpoint`` as given."""
-        if options.ft is None or options.checkpoint is None:
-            return options.checkpoint
-        where = Path(options.checkpoint.directory) / f"group{options.ft.replica_id}"
-        return replace(options.checkpoint, directory=str(where))
+    def checkpoint(options: Any, log: bool = False) -> Any:
+        """The `CheckpointOptions` this rank saves and resumes under: a replica group's own
+        subdirectory, DiLoCo's interval a multiple of H (module docstring; said when ``log``),
+        else ``options.checkpoint`` as given."""
+        group, checkpoint = options.ft or options.diloco, options.checkpoint
+        if group is None or checkpoint is None:
+            return checkpoint
+        where = str(Path(checkpoint.directory) / f"group{group.replica_id}")
+        every, h = checkpoint.every, options.diloco.inner_steps if options.diloco else 1
+        rounded = -(-every // h) * h
+        if rounded != every and log:
+            print(
+                f"[autopar] checkpoints every {rounded} steps, not {every}: DiLoCo saves on "
+                f"its outer steps (every {h})",
+                flush=True,
+            )
+        return replace(checkpoint, directory=where, every=rounded)
 
     def __init__(
-        self, options: Any, pm: Any, optimizer: Any, rank: int, world: int, resumed: int = 0
+        self,
+        options: Any,
+        pm: Any,
+        optimizer: Any,
+        rank: int,
+        world: int,
+        resumed: int = 0,
+        checkpointer: Any = None,
     ) -> None:
         """``pm``: the `parallelize.ParallelModel` (its model and its blocks' paths);
-        ``resumed``: the steps this group's checkpoint had done (torchft's step starts there)."""
+        ``resumed``: the steps this group's checkpoint had done (torchft's step starts there);
+        ``checkpointer``: the run's `checkpoint.Checkpointer` (None: no checkpoints), which
+        gives back DiLoCo's outer state it resumed and saves it from now on."""
         model: nn.Module = pm.model
         named = set(pm.blocks)
         blocks = [m for path, m in model.named_modules() if path in named]
@@ -84,7 +103,18 @@ class ReplicaRun:
             diloco, self.traffic = attach_diloco(
                 model, blocks, optimizer, options.diloco, rank, world
             )
+            outer = checkpointer.resumed_extra if checkpointer else None
+            if outer is not None:  # after the model's weights: their outer step's, and momentum
+                load_outer_state(diloco, outer)
+            elif resumed and options.log and rank == 0:
+                print(
+                    f"[autopar] DiLoCo: the checkpoint of step {resumed} holds no outer state "
+                    "(saved by another kind of run): the outer steps start from its weights",
+                    flush=True,
+                )
             self.context.enter_context(diloco)
+            if checkpointer is not None:  # saved beside the model at each checkpoint
+                checkpointer.extra = lambda: outer_state(diloco)
         if options.ft is not None:
             self.groups = FaultTolerantGroups(model, optimizer, options.ft, rank, world)
             self.groups.resume_at(resumed)

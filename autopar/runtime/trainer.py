@@ -317,7 +317,7 @@ def train(
     model = pm.model  # pp > 1: this rank's chunks (the rest of the model was never made)
     optimizer = _make_optimizer(model, options)
     # CHECKPOINT (autopar.runtime.checkpoint): resume from the newest complete checkpoint
-    checkpoint = ReplicaRun.checkpoint(options)  # ft groups: each its own
+    checkpoint = ReplicaRun.checkpoint(options, options.log and mesh.rank == 0)  # a group's own
     ckpt = open_checkpointer(
         checkpoint,
         model,
@@ -338,7 +338,7 @@ def train(
         )
     fewer = _held_fewer(pm, config)  # the gradient norm's weights: the parameters stay put
     world, start = dist.get_world_size(), offset + mesh.data_rank * per_rank
-    replicas = ReplicaRun(options, pm, optimizer, mesh.rank, world, first_step)
+    replicas = ReplicaRun(options, pm, optimizer, mesh.rank, world, first_step, ckpt)
     check_batch(task, start, start + per_rank, _reads_token_ids(model))
     if options.log and mesh.rank == 0:
         print(f"[autopar] {started.report.as_text()}", flush=True)

@@ -232,7 +232,7 @@ def test_diloco_launcher_is_one_sites_and_asks_for_the_lighthouse(tmp_path):
     assert plan.training["chosen"]["name"] == "diloco"
     text = slurm_script(plan)
     assert "torchft_lighthouse --min_replicas 2" in text and '--diloco-group "$g"' in text
-    assert "--checkpoint-dir" not in text  # DiLoCo runs do not checkpoint
+    assert '--checkpoint-dir "$SLURM_SUBMIT_DIR/checkpoints"' in text  # each group its own
     script = tmp_path / "launch.sbatch"
     script.write_text(text)
     env = {**os.environ, "PATH": f"{_shims(tmp_path)}{os.pathsep}{os.environ['PATH']}",

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from autopar.config import ParallelConfig
 from autopar.models.source import ZOO_FACTORY
+from autopar.runtime.checkpoint import CheckpointOptions
 from autopar.runtime.data import TokenFile
 from autopar.runtime.diloco import DiLoCoGroup
 from autopar.runtime.task import task_from_source
@@ -23,11 +24,15 @@ def task():
     )  # fmt: skip
 
 
-def diloco_rank(group: int, config: ParallelConfig, steps: int, lighthouse: str, h: int):
-    """One rank of replica group ``group``: (loss, outer bytes) per step."""
-    diloco = DiLoCoGroup(group, 2, lighthouse, inner_steps=h, timeout_s=120.0)
-    options = TrainOptions(steps=steps, lr=3e-3, log=False, diloco=diloco)
-    return [(r.loss, r.outer_bytes) for r in train(task(), config, BATCH, options=options)]
+def diloco_rank(
+    group: int, config: ParallelConfig, steps: int, lighthouse: str, h: int, fragments: int = 1,
+    checkpoint: CheckpointOptions | None = None,
+):  # fmt: skip
+    """One rank of replica group ``group``: (step, loss, outer bytes) per step it ran."""
+    diloco = DiLoCoGroup(group, 2, lighthouse, inner_steps=h, fragments=fragments, timeout_s=120)
+    options = TrainOptions(steps=steps, lr=3e-3, log=False, diloco=diloco, checkpoint=checkpoint)
+    results = train(task(), config, BATCH, options=options)
+    return [(r.step, r.loss, r.outer_bytes) for r in results]
 
 
 def sync_rank(config: ParallelConfig, steps: int):
