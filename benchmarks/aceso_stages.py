@@ -6,11 +6,12 @@ backward compute timers, PyTorch's peak reserved bytes). Every plan on a shipped
 priced by `Estimator.evaluate_stages` (`aceso_plans.price_plan`) and compared per stage:
 compute, the stage's forward + backward over the step (its tensor-parallel collectives
 included, as Megatron's compute timers include them), and memory, the stage's peak against the
-allocator's peak reserved. Printed: one line per stage, then the median and worst |error| of
-each. Per multi-node run also its wait per micro-batch: the step less the busiest measured
-stage's compute, over the micro-batches, against the priced step less the busiest stage's
-(the bubble, the sends between stages, the optimizer), where the hops between nodes show,
-with how many of the stage boundaries lie between nodes.
+allocator's peak reserved. Printed: one line per stage (with the same stage's compute in the
+source's other runs of the plan, where more than 2% apart: data/aceso_stages.json `runs`), then
+the median and worst |error| of each. Per multi-node run also its wait per micro-batch: the
+step less the busiest measured stage's compute, over the micro-batches, against the priced step
+less the busiest stage's (the bubble, the sends between stages, the optimizer), where the hops
+between nodes show, with how many of the stage boundaries lie between nodes.
 
     python3 benchmarks/aceso_stages.py
 """
@@ -55,9 +56,15 @@ def main() -> int:
             peak, peak_meas = priced.memory.total_bytes, measured["max_reserved_bytes"]
             compute.append(busy / busy_meas - 1)
             memory.append(peak / peak_meas - 1)
+            others = [  # the same stage in the source's other runs of the plan, where apart
+                run_s["compute_s"][str(i)]
+                for run_s in plans[run.stage_plan].get("runs", ())
+                if abs(run_s["compute_s"].get(str(i), busy_meas) / busy_meas - 1) > 0.02
+            ]
+            again = "".join(f"; another run {s:.1f} s {busy / s - 1:+.1%}" for s in others)
             print(f"  stage {i:2d} tp{stage['tp']} dp{stage['dp']}: compute {busy:6.1f} s "
                   f"measured {busy_meas:6.1f} s {compute[-1]:+6.1%}; memory {peak / GiB:5.1f} "
-                  f"GiB measured {peak_meas / GiB:5.1f} GiB {memory[-1]:+6.1%}")  # fmt: skip
+                  f"GiB measured {peak_meas / GiB:5.1f} GiB {memory[-1]:+6.1%}{again}")  # fmt: skip
         if run.num_devices > cluster.devices_per_node and run.measured_step_s:
             busiest_meas = max(
                 s["measured"]["forward_compute_s"] + s["measured"]["backward_compute_s"]

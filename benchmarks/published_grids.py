@@ -9,7 +9,10 @@ and measured device-seconds per token (rows of a grid may differ in devices and 
 far the row autopar predicts fastest measures from the grid's best; then three summary lines
 against issue 17's targets. Measured rows within 2% of each other count as ties
 (`noise_ties`); a grid of ties only has no order to rank and is left out of Spearman (its pick
-still counts).
+still counts). Last, the rows whose source ran the same config more than once (the Aceso plans'
+logged runs, data/aceso_stages.json): how far apart its runs are, and each such row's error
+against the run nearest its price, beside the row's own (`repeated`: a second view, not the
+acceptance figures).
 
     python3 benchmarks/published_grids.py [--grid PREFIX] [--json FILE]
     python3 benchmarks/published_grids.py --fit STACK [--fit-what WHAT]   # WHAT: FIT_GRIDS' keys
@@ -27,6 +30,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from aceso_plans import load_plans  # noqa: E402
 from local_validation import spearman  # noqa: E402
 from published_grids_mapping import GiB, GridRun, read_grids  # noqa: E402
 
@@ -61,6 +65,9 @@ class Priced:
     # what the row's stated config leaves out that lowers its peak (priced over capacity,
     # the row's peak is not checked)
     memory_unstated: str = ""
+    # the step times of the source's runs of the same config, where it ran it more than once
+    # (the Aceso plans: data/aceso_stages.json `runs`); the row's own figure is one of them
+    repeats: tuple[float, ...] = ()
 
     @property
     def error(self) -> float | None:
@@ -377,6 +384,38 @@ def summary(rows: list[Priced]) -> list[str]:
     return lines
 
 
+def repeated(rows: list[Priced]) -> list[str]:
+    """What the rows whose source ran the same config more than once say: how far apart its
+    runs are, and each such row's error against the run nearest its price beside the one the
+    row reports (a second view; the acceptance figures above take the row's own run)."""
+    rows = [r for r in rows if r.error is not None and len(r.repeats) > 1]
+    if not rows:
+        return []
+    lines = ["", f"rows the source ran more than once ({len(rows)}), its runs of one config:"]
+    spreads, nearest = [], []
+    for r in sorted(rows, key=lambda r: -max(r.repeats) / min(r.repeats)):
+        spreads.append(max(r.repeats) / min(r.repeats) - 1)
+        near = min((r.predicted_s / m - 1 for m in (*r.repeats, r.measured_s)), key=abs)
+        nearest.append(abs(near))
+        runs = " / ".join(f"{m:.2f}" for m in r.repeats)
+        lines.append(
+            f"  {r.id}: runs {runs} s (apart {spreads[-1]:.1%}); priced {r.predicted_s:.2f} s, "
+            f"{r.error:+.1%} against the row's run, {near:+.1%} against the nearest"
+        )
+    lines.append(
+        f"  runs of one config apart: median {statistics.median(spreads):.1%}, most "
+        f"{max(spreads):.1%}; against the nearest run, worst |error| {max(nearest):.1%}"
+    )
+    return lines
+
+
+def _repeats(run: GridRun, plans: dict[str, dict]) -> tuple[float, ...]:
+    """The step times of the source's logged runs of ``run``'s plan (empty: one or none)."""
+    plan = plans.get(run.stage_plan, {}) if run.stage_plan else {}
+    steps = tuple(r["step_s"] for r in plan.get("runs", ()) if r["step_s"])
+    return steps if len(steps) > 1 else ()
+
+
 def _unchecked(rows: list[Priced]) -> list[Priced]:
     """The rows that ran, priced over capacity, whose stated config leaves out something that
     lowers the peak (`Priced.memory_unstated`): their priced peak is only an upper bound."""
@@ -408,8 +447,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.fit:
         print("\n".join(fit(runs, args.fit, args.fit_what)))
         return 0
-    rows = price(runs)
-    print("\n".join(report(rows) + summary(rows)))
+    plans = load_plans()
+    rows = [
+        replace(r, repeats=_repeats(run, plans)) for r, run in zip(price(runs), runs, strict=True)
+    ]
+    print("\n".join(report(rows) + summary(rows) + repeated(rows)))
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
     return 0

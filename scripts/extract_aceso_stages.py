@@ -8,7 +8,10 @@ degrees (the same for every operator of a stage in all these plans: checked here
 its operators it recomputes, as a string of 0/1, and, where the artifact holds the runtime csv
 of one of its ranks (the first node's), what that rank measured in the step the row reports:
 its forward and backward compute (Megatron's timers, seconds over the step) and its peak
-allocated and reserved bytes (PyTorch's caching allocator). Run against a checkout:
+allocated and reserved bytes (PyTorch's caching allocator). The artifact ran most plans twice
+(a full log per run beside the csvs, which hold one run's figures); per plan, `runs` keeps what
+each run's log says: its step (the last "elapsed time per iteration") and, per stage of the
+first node, one rank's forward + backward compute. Run against a checkout:
 
     python3 scripts/extract_aceso_stages.py /path/to/Mist [COMMIT]
 """
@@ -51,6 +54,7 @@ def main(repo: str, commit: str = "HEAD") -> None:
                            "recompute": "".join(str(int(f)) for f in flags)})  # fmt: skip
         for stage, measured in _measured(repo, sha, files, path).items():
             stages[stage]["measured"] = measured
+        runs = _runs(repo, sha, files, path)
         plans[path] = {
             "num_layers": config["num_layers"],
             "hidden_size": config["hidden_size"],
@@ -58,6 +62,7 @@ def main(repo: str, commit: str = "HEAD") -> None:
             "micro_batch_size": config["micro_batch_size"],
             "global_batch_size": config["global_batch_size"],
             "stages": stages,
+            "runs": runs,
         }
     out = {
         "source": f"github.com/Dazz993/Mist at {sha}: the config JSON each row's source names "
@@ -95,6 +100,40 @@ def _measured(repo: str, sha: str, files: list[str], path: str) -> dict[int, dic
             "max_allocated_bytes": float(row["max_allocated"]) * 2**20,
             "max_reserved_bytes": float(row["max_reserved"]) * 2**20,
         }
+    return out
+
+
+_STEP = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+_TIMES = re.compile(r"Time \(ms\) \| \[stage (\d+), virtual 0, rank (\d+)\] \| (.*)")
+
+
+def _runs(repo: str, sha: str, files: list[str], path: str) -> list[dict]:
+    """Per full log of the plan's runs, in the order they ran: the last step time it logged
+    (None: it logged none) and per stage one rank's (the lowest logged) forward + backward
+    compute over the step, from Megatron's timers in the log."""
+    stem = path.rsplit("/", 1)[1].removesuffix(".json")
+    where = path.split("/configs/")[0] + "/runtime/"
+    out = []
+    for name in sorted(files):
+        if not (name.startswith(where) and f"/full_log_{stem}_rank" in name):
+            continue
+        text = subprocess.run(["git", "-C", repo, "show", f"{sha}:{name}"], capture_output=True,
+                              text=True, check=True).stdout  # fmt: skip
+        steps = _STEP.findall(text)
+        busy: dict[tuple[int, int], float] = {}  # (stage, rank) -> its last step's
+        for stage, rank, rest in _TIMES.findall(text):
+            timers = dict(t.split(": ") for t in rest.split(" | "))
+            if "forward-compute" in timers:  # not the setup timers
+                work = float(timers["forward-compute"]) + float(timers["backward-compute"])
+                busy[int(stage), int(rank)] = work / 1e3
+        compute = {}
+        for (stage, _), seconds in sorted(busy.items()):
+            compute.setdefault(str(stage), round(seconds, 3))  # the stage's lowest rank
+        out.append({
+            "log": name.rsplit("/", 1)[1],
+            "step_s": float(steps[-1]) / 1e3 if steps else None,
+            "compute_s": compute,
+        })  # fmt: skip
     return out
 
 

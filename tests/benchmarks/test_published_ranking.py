@@ -54,3 +54,37 @@ def test_a_tie_is_ordered_as_predicted_and_never_costs_spearman():
     # the prediction's order of the row beyond the noise still counts
     wrong = [3.0, 2.0, 1.0]
     assert pg.spearman(wrong, pg.ranks_within_noise(tied, wrong)) == pytest.approx(-0.5)
+
+
+def test_each_aceso_csv_is_one_of_its_plans_logged_runs():
+    """data/aceso_stages.json `runs` (the artifact's full logs): the step the row's csv holds
+    is one of the steps its plan's logs report, and where a stage's compute is in both, the
+    same run's."""
+    plans = pg.load_plans()
+    repeated = 0
+    for path, plan in plans.items():
+        steps = [r["step_s"] for r in plan["runs"] if r["step_s"]]
+        if not steps:
+            continue
+        csv_step = plan["stages"][0]["measured"]["step_s"]
+        same = [
+            i for i, s in enumerate(steps) if abs(s / csv_step - 1) < 0.02
+        ]  # csv and log: 0-1.6%
+        assert same, f"{path}: csv step {csv_step} is none of its runs' {steps}"
+        repeated += len(steps) > 1
+        run = [r for r in plan["runs"] if r["step_s"]][same[-1]]
+        for stage, seconds in run["compute_s"].items():
+            measured = plan["stages"][int(stage)].get("measured")
+            if measured:
+                busy = measured["forward_compute_s"] + measured["backward_compute_s"]
+                assert seconds == pytest.approx(busy, rel=0.02), (path, stage)
+    assert repeated == 6  # the six A10G plans the artifact ran twice
+
+
+def test_a_row_the_source_ran_twice_is_also_priced_against_its_nearest_run():
+    row = pg.Priced("G#1", "G", "s", "c", 28.24, 44.18, repeats=(43.55, 28.24))
+    lines = pg.repeated([row])
+    assert "runs 43.55 / 28.24 s (apart 54.2%)" in lines[2]
+    assert "+56.4% against the row's run, +1.4% against the nearest" in lines[2]
+    assert lines[-1].endswith("worst |error| 1.4%")
+    assert pg.repeated([pg.Priced("H#1", "H", "s", "c", 1.0, 1.1)]) == []  # one run: nothing
