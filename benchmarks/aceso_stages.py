@@ -8,7 +8,10 @@ compute, the stage's forward + backward over the step (its tensor-parallel colle
 included, as Megatron's compute timers include them), and memory, the stage's peak against the
 allocator's peak reserved. Printed: one line per stage (with the same stage's compute in the
 source's other runs of the plan, where more than 2% apart: data/aceso_stages.json `runs`), then
-the median and worst |error| of each. Per multi-node run also its wait per micro-batch: the
+the median and worst |error| of each; per run also its step against what Aceso's own cost model
+predicted when its search chose the plan (the info csv beside its config: the slowest stage's
+time), with both models' median and worst error and how far the plan each prices fastest in a
+grid measures from the grid's best. Per multi-node run also its wait per micro-batch: the
 step less the busiest measured stage's compute, over the micro-batches, against the priced step
 less the busiest stage's (the bubble, the sends between stages, the optimizer), where the hops
 between nodes show, with how many of the stage boundaries lie between nodes.
@@ -38,6 +41,8 @@ def main() -> int:
     plans = load_plans()
     compute, memory, graphs = [], [], {}
     waits: dict[str, list[float]] = {}  # testbed -> priced over measured wait
+    steps: dict[str, list[float]] = {"aceso": [], "autopar": []}  # each model's step error
+    grids: dict[str, list[tuple[float, float, float]]] = {}  # one batch and cluster a grid
     for run in runs:
         if run.dims not in graphs:
             graphs[run.dims] = autopar.trace(*_model(run))
@@ -46,6 +51,16 @@ def main() -> int:
         estimate, _ = price_plan(run, graphs[run.dims], cluster, options)
         m = estimate.num_microbatches
         print(f"{run.id} ({estimate.notes[0].split(': ')[1]}), m = {m}")
+        theirs = [s["aceso_predicted"]["step_s"] for s in plans[run.stage_plan]["stages"]
+                  if "aceso_predicted" in s]  # fmt: skip
+        if theirs and run.measured_step_s:  # the step as its slowest stage sees it
+            steps["aceso"].append(max(theirs) / run.measured_step_s - 1)
+            steps["autopar"].append(estimate.step_time_s / run.measured_step_s - 1)
+            rows = grids.setdefault(run.grid, [])  # (measured, Aceso's, autopar's)
+            rows.append((run.measured_step_s, max(theirs), estimate.step_time_s))
+            print(f"  step measured {run.measured_step_s:7.2f} s; Aceso's own prediction "
+                  f"{max(theirs):7.2f} s {steps['aceso'][-1]:+6.1%}, autopar's "
+                  f"{estimate.step_time_s:7.2f} s {steps['autopar'][-1]:+6.1%}")  # fmt: skip
         for i, stage in enumerate(plans[run.stage_plan]["stages"]):
             measured = stage.get("measured")
             if measured is None:
@@ -84,6 +99,15 @@ def main() -> int:
     for testbed, ratios in waits.items():
         print(f"wait per micro-batch, {testbed}: priced over measured, median "
               f"{statistics.median(ratios):.2f} over {len(ratios)} multi-node runs")  # fmt: skip
+    for k, (who, errors) in enumerate(steps.items(), 1):
+        # each grid's pick: the plan the model prices fastest, measured against the grid's best
+        picks = [min(rows, key=lambda r: r[k])[0] / min(r[0] for r in rows) - 1
+                 for rows in grids.values() if len(rows) > 1]  # fmt: skip
+        print(f"step, {who}'s cost model: {len(errors)} plans, median |error| "
+              f"{statistics.median(abs(e) for e in errors):.1%}, worst "
+              f"{max(errors, key=abs):+.1%}; its pick in each of {len(picks)} grids: "
+              f"median {statistics.median(picks):+.1%}, worst {max(picks):+.1%} from the "
+              "best")  # fmt: skip
     for name, errors in (("compute", compute), ("memory", memory)):
         worst = max(errors, key=abs)
         print(f"{name}: {len(errors)} stages, median |error| "

@@ -11,7 +11,9 @@ its forward and backward compute (Megatron's timers, seconds over the step) and 
 allocated and reserved bytes (PyTorch's caching allocator). The artifact ran most plans twice
 (a full log per run beside the csvs, which hold one run's figures); per plan, `runs` keeps what
 each run's log says: its step (the last "elapsed time per iteration") and, per stage of the
-first node, one rank's forward + backward compute. Run against a checkout:
+first node, one rank's forward + backward compute. And per stage what Aceso's own cost model
+predicted when it chose the plan (the info csv beside the config: `aceso_predicted`, its time
+for the step and its memory). Run against a checkout:
 
     python3 scripts/extract_aceso_stages.py /path/to/Mist [COMMIT]
 """
@@ -55,6 +57,8 @@ def main(repo: str, commit: str = "HEAD") -> None:
         for stage, measured in _measured(repo, sha, files, path).items():
             stages[stage]["measured"] = measured
         runs = _runs(repo, sha, files, path)
+        for stage, predicted in _predicted(repo, sha, files, path).items():
+            stages[stage]["aceso_predicted"] = predicted
         plans[path] = {
             "num_layers": config["num_layers"],
             "hidden_size": config["hidden_size"],
@@ -100,6 +104,23 @@ def _measured(repo: str, sha: str, files: list[str], path: str) -> dict[int, dic
             "max_allocated_bytes": float(row["max_allocated"]) * 2**20,
             "max_reserved_bytes": float(row["max_reserved"]) * 2**20,
         }
+    return out
+
+
+def _predicted(repo: str, sha: str, files: list[str], path: str) -> dict[int, dict]:
+    """Per stage, Aceso's prediction for the plan (its search's info csv), where there is one:
+    the step's time as that stage sees it and its memory (total, the allocator's reserve in)."""
+    folder, name = path.rsplit("/", 1)
+    info = f"{folder}/csv/info_{name.removesuffix('.json')}.csv"
+    if info not in files:
+        return {}
+    text = subprocess.run(["git", "-C", repo, "show", f"{sha}:{info}"], capture_output=True,
+                          text=True, check=True).stdout  # fmt: skip
+    out = {}
+    for row in csv.DictReader(text.splitlines()):
+        stage = int(row["stage-index"].removeprefix("stage-"))
+        out[stage] = {"step_s": float(row["time"]) / 1e3,
+                      "memory_bytes": float(row["memory(total)"]) * 2**20}  # fmt: skip
     return out
 
 

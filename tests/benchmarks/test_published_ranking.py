@@ -63,6 +63,8 @@ def test_each_aceso_csv_is_one_of_its_plans_logged_runs():
     plans = pg.load_plans()
     repeated = 0
     for path, plan in plans.items():
+        # Aceso's own prediction, every stage's (its search's info csv)
+        assert all(s["aceso_predicted"]["step_s"] > 0 for s in plan["stages"]), path
         steps = [r["step_s"] for r in plan["runs"] if r["step_s"]]
         if not steps:
             continue
