@@ -13,9 +13,16 @@ dropout, context), whose s x s x heads probabilities make the softmax and the dr
 share of the layer that GEMM FLOPs alone would miss. What a part keeps of the layer's
 activations is the share of the layer's saved bytes (Korthikanti et al. 2022's 34 s h + 5 a s^2
 per layer, operator by operator) in the operators it holds and does not recompute, and in the
-first operator of each run it recomputes (the run re-runs from that one's inputs). The
-embedding's operator takes the layers before the first block, the post-process the layers
-after the last.
+first operator of each run it recomputes (the run re-runs from that one's inputs). A run
+starts afresh at each point of the residual stream -- a layer's input and the post-attention
+sum, which the 2nd layernorm and the MLP's residual add both read (`RESIDUAL_OPS`) -- so a
+recomputed stretch keeps the residual there, as Megatron's per-layer checkpoints keep each
+layer's input (runs that crossed them priced the 164 measured stages' peaks a median 11.2% off,
+worst -37.2%, the kept activations falling further short the more a stage recomputes: 0.91 of
+the measured at under a fifth of its operators recomputed, 1.67 at over four fifths; with the
+runs cut there, 8.8% and -21.3%, and 0.91-1.16 across those fifths:
+`benchmarks/aceso_stages.py`). The embedding's operator takes the layers before the first
+block, the post-process the layers after the last.
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ def load_plans(path: Path = PLANS) -> dict[str, dict]:
 # attention and after the MLP, and the inputs of the qkv and MLP-up GEMMs (a column-parallel
 # layer keeps its whole input); tp splits the rest
 SAVED_WHOLE = (0, 1, 7, 8, 9, 12)
+# The operators that read the residual stream (the 1st and 2nd layernorm): a run of recomputed
+# operators starts at each, keeping the residual as its checkpoint (module docstring)
+RESIDUAL_OPS = (0, 8)
 
 
 def operator_seconds(
@@ -114,8 +124,8 @@ def stage_meshes(
                 names = [block_names[block]]
                 w, kept = weights[k] / total, nbytes[k] / total_saved
                 # a run of recomputed operators re-runs from its first one's inputs, which
-                # the forward keeps: the run's checkpoint
-                checkpoint = kept if previous == "0" else 0.0
+                # the forward keeps: the run's checkpoint; one at each residual point too
+                checkpoint = kept if previous == "0" or k in RESIDUAL_OPS else 0.0
                 part = (w, w, checkpoint) if flag == "1" else (w, 0.0, kept)
             previous = flag
             for name in names:

@@ -185,6 +185,32 @@ def test_acesos_shipped_plans_cover_every_layer_once_on_their_devices():
     assert rerun == pytest.approx(want)
 
 
+def test_an_aceso_recompute_run_keeps_the_residual_at_each_layer_and_mid_layer():
+    """Two layers wholly recomputed in one run keep, each, its input and its post-attention
+    residual (the 1st and 2nd layernorm's saved bytes), not the run's first input alone; a
+    run of the MLP's GEMM and GELU alone keeps the GEMM's input only."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from aceso_plans import RESIDUAL_OPS, operator_saved_bytes, operator_seconds, stage_meshes
+
+    names = ["emb", "blocks.0", "blocks.1", "ln_f", "head"]
+    weights = operator_seconds(1024, 1024, 16, 125e12, 600e9)
+    nbytes = operator_saved_bytes(1024, 1024, 16)
+    ops = "0" + "1" * 26 + "00"  # the embedding, two whole layers recomputed, the tail
+    plan = {"num_layers": 2, "stages": [{"ops": len(ops), "tp": 1, "dp": 1, "recompute": ops}]}
+    (stage,) = stage_meshes(plan, names, names[1:3], weights, lambda tp: nbytes)
+    layers = {p.layer: p for p in stage.parts if p.layer.startswith("blocks")}
+    kept = sum(nbytes[k] for k in RESIDUAL_OPS) / sum(nbytes)
+    assert RESIDUAL_OPS == (0, 8)
+    assert [p.keeps for p in layers.values()] == pytest.approx([kept, kept])
+    assert [p.recompute for p in layers.values()] == pytest.approx([1.0, 1.0])
+    mlp = "0" + "0" * 9 + "111" + "0" + "0" * 13 + "00"  # layer 0's ops 9-11 recomputed
+    plan["stages"][0]["recompute"] = mlp
+    (stage,) = stage_meshes(plan, names, names[1:3], weights, lambda tp: nbytes)
+    first = next(p for p in stage.parts if p.layer == "blocks.0")
+    skipped = nbytes[10] + nbytes[11]  # the GELU's and the down GEMM's inputs re-made
+    assert first.keeps == pytest.approx(1 - skipped / sum(nbytes))
+
+
 def test_the_public_function_prices_a_users_stages_as_the_estimator_does():
     from autopar.models import zoo
 
