@@ -1,20 +1,21 @@
 """Aceso's plans stage by stage: predicted against what each stage's rank measured.
 
-data/aceso_stages.json holds, for the stages of the first node of each Aceso run, what one
-of their ranks measured in the step published_grids.csv reports (Megatron's forward and
-backward compute timers, PyTorch's peak reserved bytes). Every plan on a shipped profile is
-priced by `Estimator.evaluate_stages` (`aceso_plans.price_plan`) and compared per stage:
-compute, the stage's forward + backward over the step (its tensor-parallel collectives
-included, as Megatron's compute timers include them), and memory, the stage's peak against the
-allocator's peak reserved. Printed: one line per stage (with the same stage's compute in the
-source's other runs of the plan, where more than 2% apart: data/aceso_stages.json `runs`), then
-the median and worst |error| of each; per run also its step against what Aceso's own cost model
-predicted when its search chose the plan (the info csv beside its config: the slowest stage's
-time), with both models' median and worst error and how far the plan each prices fastest in a
-grid measures from the grid's best. Per multi-node run also its wait per micro-batch: the
-step less the busiest measured stage's compute, over the micro-batches, against the priced step
-less the busiest stage's (the bubble, the sends between stages, the optimizer), where the hops
-between nodes show, with how many of the stage boundaries lie between nodes.
+data/aceso_stages.json holds, for the stages of the first node of each Aceso run, what one of
+their ranks measured in the step published_grids.csv reports (Megatron's forward and backward
+compute timers, PyTorch's peak reserved bytes). Every plan on a shipped profile is priced by
+`Estimator.evaluate_stages` (`aceso_plans.price_plan`) and compared per stage: compute, the
+stage's forward + backward over the step (its tensor-parallel collectives included, as
+Megatron's compute timers include them), and memory, the stage's peak against the allocator's
+peak reserved. Printed: one line per stage (with the same stage's compute in the source's other
+runs of the plan, where more than 2% apart: data/aceso_stages.json `runs`), then the median and
+worst |error| of each (memory also Aceso's own prediction of it); per run also its step against
+what Aceso's own cost model predicted when its search chose the plan (the info csv beside its
+config: the slowest stage's time), with both models' median and worst error and how far the plan
+each prices fastest in a grid measures from the grid's best. Per multi-node run also its wait
+per micro-batch: the step less the busiest measured stage's compute, over the micro-batches,
+against the priced step less the busiest stage's (the bubble, the sends between stages, the
+optimizer), where the hops between nodes show, with how many of the stage boundaries lie between
+nodes.
 
     python3 benchmarks/aceso_stages.py
 """
@@ -40,6 +41,7 @@ def main() -> int:
     runs = [r for r in read_grids() if r.stage_plan and r.profile and not r.skip]
     plans = load_plans()
     compute, memory, graphs = [], [], {}
+    memory_aceso = []  # Aceso's own prediction of each measured stage's peak
     waits: dict[str, list[float]] = {}  # testbed -> priced over measured wait
     steps: dict[str, list[float]] = {"aceso": [], "autopar": []}  # each model's step error
     grids: dict[str, list[tuple[float, float, float]]] = {}  # one batch and cluster a grid
@@ -71,6 +73,7 @@ def main() -> int:
             peak, peak_meas = priced.memory.total_bytes, measured["max_reserved_bytes"]
             compute.append(busy / busy_meas - 1)
             memory.append(peak / peak_meas - 1)
+            memory_aceso.append(stage["aceso_predicted"]["memory_bytes"] / peak_meas - 1)
             others = [  # the same stage in the source's other runs of the plan, where apart
                 run_s["compute_s"][str(i)]
                 for run_s in plans[run.stage_plan].get("runs", ())
@@ -108,7 +111,8 @@ def main() -> int:
               f"{max(errors, key=abs):+.1%}; its pick in each of {len(picks)} grids: "
               f"median {statistics.median(picks):+.1%}, worst {max(picks):+.1%} from the "
               "best")  # fmt: skip
-    for name, errors in (("compute", compute), ("memory", memory)):
+    both = (("compute", compute), ("memory", memory), ("memory, Aceso's own", memory_aceso))
+    for name, errors in both:
         worst = max(errors, key=abs)
         print(f"{name}: {len(errors)} stages, median |error| "
               f"{statistics.median(abs(e) for e in errors):.1%}, worst {worst:+.1%}")  # fmt: skip
