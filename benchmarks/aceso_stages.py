@@ -43,7 +43,7 @@ def main() -> int:
     compute, memory, graphs = [], [], {}
     memory_aceso = []  # Aceso's own prediction of each measured stage's peak
     waits: dict[str, list[float]] = {}  # testbed -> priced over measured wait
-    steps: dict[str, list[float]] = {"aceso": [], "autopar": []}  # each model's step error
+    steps: dict[str, list[float]] = {"Aceso": [], "autopar": []}  # each model's step error
     grids: dict[str, list[tuple[float, float, float]]] = {}  # one batch and cluster a grid
     for run in runs:
         if run.dims not in graphs:
@@ -56,12 +56,12 @@ def main() -> int:
         theirs = [s["aceso_predicted"]["step_s"] for s in plans[run.stage_plan]["stages"]
                   if "aceso_predicted" in s]  # fmt: skip
         if theirs and run.measured_step_s:  # the step as its slowest stage sees it
-            steps["aceso"].append(max(theirs) / run.measured_step_s - 1)
+            steps["Aceso"].append(max(theirs) / run.measured_step_s - 1)
             steps["autopar"].append(estimate.step_time_s / run.measured_step_s - 1)
             rows = grids.setdefault(run.grid, [])  # (measured, Aceso's, autopar's)
             rows.append((run.measured_step_s, max(theirs), estimate.step_time_s))
             print(f"  step measured {run.measured_step_s:7.2f} s; Aceso's own prediction "
-                  f"{max(theirs):7.2f} s {steps['aceso'][-1]:+6.1%}, autopar's "
+                  f"{max(theirs):7.2f} s {steps['Aceso'][-1]:+6.1%}, autopar's "
                   f"{estimate.step_time_s:7.2f} s {steps['autopar'][-1]:+6.1%}")  # fmt: skip
         for i, stage in enumerate(plans[run.stage_plan]["stages"]):
             measured = stage.get("measured")
