@@ -86,9 +86,10 @@ def test_a_diloco_run_resumed_from_its_checkpoint_takes_the_outer_steps_of_one_n
     """H = 4 in 2 fragments, streamed: a fragment syncs every 2 steps, in turn, its all-reduce
     started a step ahead. Asked to checkpoint every 6 steps, the run saves at whole outer
     periods only (8); run again to step 12, it resumes there. Step 9 starts fragment 0's
-    all-reduce (chosen by torchft's step; its pseudo-gradient from its outer parameters of
-    step 6), step 10 takes its outer step (its momentum from steps 2 and 6), so the losses of
-    steps 11 and 12 equal the uninterrupted run's only if all that outer state came back."""
+    all-reduce (its pseudo-gradient from its outer parameters of step 6), step 10 takes its
+    outer step (its momentum from steps 2 and 6), so the losses of steps 11 and 12 equal the
+    uninterrupted run's only if those came back. torchft's step, which picks the fragment, is
+    read from the file: at a multiple of H its parity is the same either way."""
     torchft = pytest.importorskip("torchft._torchft")
     cfg = C(fsdp=2, zero_stage=3, micro_batch_size=4)
     checkpoint = CheckpointOptions(str(tmp_path), every=6)
