@@ -27,6 +27,7 @@ block, the post-process the layers after the last.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -38,8 +39,9 @@ PLANS = Path(__file__).resolve().parents[1] / "data" / "aceso_stages.json"
 BLOCK_OPS = 13  # Aceso's operators per GPT layer (data/aceso_stages.json "operators")
 
 
+@functools.cache  # read once: `price_plan` looks its plan up for every run it prices
 def load_plans(path: Path = PLANS) -> dict[str, dict]:
-    """The plans by the config path the csv's source names."""
+    """The plans by the config path the csv's source names (shared: read, do not change)."""
     return json.loads(path.read_text())["plans"]
 
 

@@ -35,6 +35,8 @@ from published_grids_mapping import read_grids  # noqa: E402
 import autopar  # noqa: E402
 
 GiB = 2**30
+# whose step predictions are set beside the measured, as the per-run lines name them
+MODELS = {"Aceso": "Aceso's own prediction", "autopar": "autopar's"}
 
 
 def main() -> int:
@@ -43,8 +45,8 @@ def main() -> int:
     compute, memory, graphs = [], [], {}
     memory_aceso = []  # Aceso's own prediction of each measured stage's peak
     waits: dict[str, list[float]] = {}  # testbed -> priced over measured wait
-    steps: dict[str, list[float]] = {"Aceso": [], "autopar": []}  # each model's step error
-    grids: dict[str, list[tuple[float, float, float]]] = {}  # one batch and cluster a grid
+    # per grid (one batch and cluster), each run's step: measured, Aceso's and autopar's
+    grids: dict[str, list[dict[str, float]]] = {}
     for run in runs:
         if run.dims not in graphs:
             graphs[run.dims] = autopar.trace(*_model(run))
@@ -55,14 +57,13 @@ def main() -> int:
         print(f"{run.id} ({estimate.notes[0].split(': ')[1]}), m = {m}")
         theirs = [s["aceso_predicted"]["step_s"] for s in plans[run.stage_plan]["stages"]
                   if "aceso_predicted" in s]  # fmt: skip
-        if theirs and run.measured_step_s:  # the step as its slowest stage sees it
-            steps["Aceso"].append(max(theirs) / run.measured_step_s - 1)
-            steps["autopar"].append(estimate.step_time_s / run.measured_step_s - 1)
-            rows = grids.setdefault(run.grid, [])  # (measured, Aceso's, autopar's)
-            rows.append((run.measured_step_s, max(theirs), estimate.step_time_s))
-            print(f"  step measured {run.measured_step_s:7.2f} s; Aceso's own prediction "
-                  f"{max(theirs):7.2f} s {steps['Aceso'][-1]:+6.1%}, autopar's "
-                  f"{estimate.step_time_s:7.2f} s {steps['autopar'][-1]:+6.1%}")  # fmt: skip
+        if theirs and run.measured_step_s:  # Aceso's: the step as its slowest stage sees it
+            step = {"measured": run.measured_step_s, "Aceso": max(theirs),
+                    "autopar": estimate.step_time_s}  # fmt: skip
+            grids.setdefault(run.grid, []).append(step)
+            print(f"  step measured {step['measured']:7.2f} s; " + ", ".join(
+                f"{label} {step[who]:7.2f} s {step[who] / step['measured'] - 1:+6.1%}"
+                for who, label in MODELS.items()))  # fmt: skip
         for i, stage in enumerate(plans[run.stage_plan]["stages"]):
             measured = stage.get("measured")
             if measured is None:
@@ -102,10 +103,11 @@ def main() -> int:
     for testbed, ratios in waits.items():
         print(f"wait per micro-batch, {testbed}: priced over measured, median "
               f"{statistics.median(ratios):.2f} over {len(ratios)} multi-node runs")  # fmt: skip
-    for k, (who, errors) in enumerate(steps.items(), 1):
+    for who in MODELS:
+        errors = [r[who] / r["measured"] - 1 for rows in grids.values() for r in rows]
         # each grid's pick: the plan the model prices fastest, measured against the grid's best
-        picks = [min(rows, key=lambda r: r[k])[0] / min(r[0] for r in rows) - 1
-                 for rows in grids.values() if len(rows) > 1]  # fmt: skip
+        picks = [min(rows, key=lambda r: r[who])["measured"] / min(r["measured"] for r in rows)
+                 - 1 for rows in grids.values() if len(rows) > 1]  # fmt: skip
         print(f"step, {who}'s cost model: {len(errors)} plans, median |error| "
               f"{statistics.median(abs(e) for e in errors):.1%}, worst "
               f"{max(errors, key=abs):+.1%}; its pick in each of {len(picks)} grids: "

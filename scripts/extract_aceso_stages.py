@@ -40,8 +40,7 @@ def main(repo: str, commit: str = "HEAD") -> None:
         rows = [r for r in csv.DictReader(fh) if "aceso" in r["source_id"]]
     for row in rows:
         path = re.search(r"config (\S+\.json)", row["source"]).group(1)
-        text = subprocess.run(["git", "-C", repo, "show", f"{sha}:{path}"], capture_output=True,
-                              text=True, check=True).stdout  # fmt: skip
+        text = _show(repo, sha, path)
         config = json.loads(text)
         stages = []
         for i in range(config["num_stages"]):
@@ -83,18 +82,32 @@ def main(repo: str, commit: str = "HEAD") -> None:
     print(f"{len(plans)} plans -> {target}")
 
 
+def _show(repo: str, sha: str, name: str) -> str:
+    """File ``name`` of ``repo`` at commit ``sha``."""
+    return subprocess.run(["git", "-C", repo, "show", f"{sha}:{name}"], capture_output=True,
+                          text=True, check=True).stdout  # fmt: skip
+
+
+def _stem(path: str) -> str:
+    """A plan's config file name without .json: the csvs and logs of its runs begin with it."""
+    return path.rsplit("/", 1)[1].removesuffix(".json")
+
+
+def _runtime_dir(path: str) -> str:
+    """Where the runs of the plan at config ``path`` left their csvs and logs."""
+    return path.split("/configs/")[0] + "/runtime/"
+
+
 def _measured(repo: str, sha: str, files: list[str], path: str) -> dict[int, dict]:
     """Per stage with a runtime csv beside the plan's config, what its first rank measured."""
-    stem = path.rsplit("/", 1)[1].removesuffix(".json")
-    where = path.split("/configs/")[0] + "/runtime/"
+    stem, where = _stem(path), _runtime_dir(path)
     out: dict[int, dict] = {}
     for name in sorted(files):
         found = re.fullmatch(re.escape(where) + r".*/csv/" + re.escape(stem) +
                              r"_stage(\d+)_rank(\d+)\.csv", name)  # fmt: skip
         if not found or int(found.group(1)) in out:
             continue
-        text = subprocess.run(["git", "-C", repo, "show", f"{sha}:{name}"], capture_output=True,
-                              text=True, check=True).stdout  # fmt: skip
+        text = _show(repo, sha, name)
         row = next(csv.DictReader(text.splitlines()))
         out[int(found.group(1))] = {
             "rank": int(found.group(2)),
@@ -110,12 +123,10 @@ def _measured(repo: str, sha: str, files: list[str], path: str) -> dict[int, dic
 def _predicted(repo: str, sha: str, files: list[str], path: str) -> dict[int, dict]:
     """Per stage, Aceso's prediction for the plan (its search's info csv), where there is one:
     the step's time as that stage sees it and its memory (total, the allocator's reserve in)."""
-    folder, name = path.rsplit("/", 1)
-    info = f"{folder}/csv/info_{name.removesuffix('.json')}.csv"
+    info = f"{path.rsplit('/', 1)[0]}/csv/info_{_stem(path)}.csv"
     if info not in files:
         return {}
-    text = subprocess.run(["git", "-C", repo, "show", f"{sha}:{info}"], capture_output=True,
-                          text=True, check=True).stdout  # fmt: skip
+    text = _show(repo, sha, info)
     out = {}
     for row in csv.DictReader(text.splitlines()):
         stage = int(row["stage-index"].removeprefix("stage-"))
@@ -132,14 +143,12 @@ def _runs(repo: str, sha: str, files: list[str], path: str) -> list[dict]:
     """Per full log of the plan's runs, in the order they ran: the last step time it logged
     (None: it logged none) and per stage one rank's (the lowest logged) forward + backward
     compute over the step, from Megatron's timers in the log."""
-    stem = path.rsplit("/", 1)[1].removesuffix(".json")
-    where = path.split("/configs/")[0] + "/runtime/"
+    stem, where = _stem(path), _runtime_dir(path)
     out = []
     for name in sorted(files):
         if not (name.startswith(where) and f"/full_log_{stem}_rank" in name):
             continue
-        text = subprocess.run(["git", "-C", repo, "show", f"{sha}:{name}"], capture_output=True,
-                              text=True, check=True).stdout  # fmt: skip
+        text = _show(repo, sha, name)
         steps = _STEP.findall(text)
         busy: dict[tuple[int, int], float] = {}  # (stage, rank) -> its last step's
         for stage, rank, rest in _TIMES.findall(text):

@@ -90,13 +90,14 @@ def _lighthouse_command(groups: Groups, port: str, quote: str = '"') -> str:
 
 
 def _group_flags(groups: Groups, index: str, lighthouse: str, checkpoints: str) -> str:
-    saves = f'--lighthouse "{lighthouse}" --checkpoint-dir "{checkpoints}" --checkpoint-every auto'
+    # every group: torchft's lighthouse, and its own checkpoints under the directory
+    common = f'--lighthouse "{lighthouse}" --checkpoint-dir "{checkpoints}" --checkpoint-every auto'
     if groups.kind == "ft":
         return (
             f'--ft-group "{index}" --ft-groups {groups.count} --ft-timeout '
-            f"{groups.timeout_s:g} {saves}"
+            f"{groups.timeout_s:g} {common}"
         )
-    return f'--diloco-group "{index}" --diloco-groups {groups.count} {saves}'
+    return f'--diloco-group "{index}" --diloco-groups {groups.count} {common}'
 
 
 def slurm_lines(groups: Groups, uses_gpus: bool) -> list[str]:
