@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.runtime.replica_groups import group_manager
+from autopar.runtime.replica_groups import LocalShards, group_manager
 
 
 @dataclass(frozen=True)
@@ -104,9 +104,12 @@ def attach_diloco(
     # imported here: torchft is an optional dependency of the DiLoCo path only
     from torchft.local_sgd import DiLoCo
 
-    manager = group_manager(  # every group in every outer step
+    # every group in every outer step; a group behind the others at `start_step`'s quorum is
+    # handed a peer's local shards; no copy at step 0, where every group starts alike (seeded)
+    shards = LocalShards(model, inner)
+    manager = group_manager(
         group.replica_id, group.lighthouse, rank, world_size, group.timeout_s,
-        group.num_replicas,
+        group.num_replicas, (shards.load, shards.save), init_sync=False,
     )  # fmt: skip
     traffic = OuterTraffic()
     sends = manager.allreduce
@@ -137,17 +140,36 @@ def attach_diloco(
     return context, traffic
 
 
-# torchft has no public call for DiLoCo's state: its Manager's `_manager_state_dict` (what its
-# checkpoint transport sends a healing peer), `_load_state_dict_fns` (how that peer takes it in)
-# and DiLoCo's `_local_step` are read here as torchft itself uses them
+def start_step(context: Any, resumed: int) -> int:
+    """The step this group's loop starts at, agreed with the other groups before the first
+    inner step: a quorum of every group (torchft's), which hands any group behind the newest
+    -- one whose newest checkpoint is older than the others', or that has none -- a peer's
+    state at that step (its model and inner optimizer shards, each fragment's outer parameters
+    and momentum, torchft's step). ``resumed``: the steps this group's own checkpoint had done.
+    Checkpoints land on whole outer periods, so torchft's step, a fragment sync each H / F
+    inner steps, gives the inner step."""
+    manager = context._manager
+    manager.start_quorum()  # heals this group where it is behind
+    return max(resumed, manager.current_step() * context._sync_every)
+
+
+# torchft has no public call for DiLoCo's state: its Manager's `_user_state_dicts` and
+# `_load_state_dict_fns` (what its checkpoint transport sends a healing peer, and how that peer
+# takes it in) and DiLoCo's `_local_step`, `_sync_every` are read here as torchft itself uses them
+FRAGMENT = "StreamingDiLoCoFragment_"
+
+
 def outer_state(context: Any) -> dict[str, Any]:
     """This rank's DiLoCo state that the model and the inner optimizer do not hold: torchft's
-    own checkpoint of it (what its Manager hands a healing peer: each fragment's parameters at
-    its last outer step -- this rank's local shards -- and its outer optimizer's momentum; the
-    Manager's step, which picks the next fragment to sync) and the inner steps since the last
-    sync. Read after an optimizer step (torchft's hooks allow it then)."""
+    own checkpoint of it (what its Manager hands a healing peer, less the model's shards the
+    checkpoint holds already: each fragment's parameters at its last outer step -- this rank's
+    local shards -- and its outer optimizer's momentum; the Manager's step, which picks the
+    next fragment to sync) and the inner steps since the last sync. Read after an optimizer
+    step (torchft's hooks allow it then)."""
+    manager = context._manager
+    user = {k: save() for k, save in manager._user_state_dicts.items() if k.startswith(FRAGMENT)}
     return {
-        "torchft": context._manager._manager_state_dict(),
+        "torchft": {"user": user, "torchft": manager.state_dict()},
         "local_step": context._local_step,
     }
 
@@ -166,7 +188,7 @@ def load_outer_state(context: Any, state: dict[str, Any]) -> None:
             f"{len(context._fragments)}: resume under the plan and ranks it was saved with"
         )
     for i, fragment in enumerate(context._fragments):
-        theirs = saved[f"StreamingDiLoCoFragment_{i}"]["original_parameters"]
+        theirs = saved[f"{FRAGMENT}{i}"]["original_parameters"]
         for name, mine in fragment.original_parameters.items():
             there = tuple(theirs[name].shape) if name in theirs else None
             if there != tuple(mine.shape):
@@ -176,6 +198,7 @@ def load_outer_state(context: Any, state: dict[str, Any]) -> None:
                     "ranks it was saved with (the state is this rank's own shards)"
                 )
     for key, load in manager._load_state_dict_fns.items():
-        load(saved[key])
+        if key.startswith(FRAGMENT):
+            load(saved[key])
     manager.load_state_dict(state["torchft"]["torchft"])
     context._local_step = int(state["local_step"])

@@ -42,15 +42,13 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from autopar.runtime.collectives import all_reduce_flat
-from autopar.runtime.replica_groups import group_manager
+from autopar.runtime.replica_groups import LocalShards, group_manager, local
 
 
 @dataclass(frozen=True)
@@ -94,10 +92,6 @@ def group_step(step: int) -> int:
     return step
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class FaultTolerantGroups:
     """The loop's hooks into torchft for one rank (module docstring)."""
 
@@ -109,37 +103,13 @@ class FaultTolerantGroups:
         rank: int,
         world_size: int,
     ) -> None:
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = optimizer
+        shards = LocalShards(model, optimizer)  # what a healthy peer hands a rejoining group
+        self.params = shards.params
         self._spent: dict[str, list[float]] = {"quorum": [], "all_reduce": [], "commit": []}
         self.manager = group_manager(
             group.replica_id, group.lighthouse, rank, world_size, group.timeout_s,
-            group.min_replicas, (self._load, self._state),
+            group.min_replicas, (shards.load, shards.save),
         )  # fmt: skip
-
-    # ---- the state a healthy peer hands a rejoining group: this rank's local shards
-    def _state(self) -> dict[str, Any]:
-        with torch.no_grad():
-            params = [_local(p).detach().clone() for p in self.params]
-            moments = [
-                {k: _local(v).detach().clone() for k, v in self.optimizer.state[p].items()}
-                for p in self.params
-            ]
-        return {"params": params, "optimizer": moments}
-
-    def _load(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            for p, value in zip(self.params, state["params"], strict=True):
-                _local(p).copy_(value)
-            for p, saved in zip(self.params, state["optimizer"], strict=True):
-                if not saved:
-                    continue
-                mine = self.optimizer.state[p]
-                for key, value in saved.items():
-                    if key not in mine:  # no step taken here yet: a moment shaped as p
-                        # (its placements kept), or a scalar as the peer's (AdamW's step)
-                        mine[key] = torch.zeros_like(p) if value.dim() else value.clone()
-                    _local(mine[key]).copy_(value)
 
     def resume_at(self, step: int) -> None:
         """Start from ``step`` steps done (this group's checkpoint): the first quorum then
@@ -165,7 +135,7 @@ class FaultTolerantGroups:
         parameter cost a millisecond of torchft's own work each on CPU: 46 ms a step for
         gpt-tiny's tensors, against 3 in chunks; the estimate prices the same chunks)."""
         t0 = time.perf_counter()
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
         all_reduce_flat(grads, None, reduce=lambda t: self.manager.allreduce(t).wait())
         self._spent["all_reduce"].append(time.perf_counter() - t0)
 
@@ -185,7 +155,7 @@ class FaultTolerantGroups:
         rank of every group that committed the same steps."""
         h = hashlib.sha256()
         for p in self.params:
-            h.update(_local(p).detach().contiguous().numpy().tobytes())
+            h.update(local(p).detach().contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
 
     def shutdown(self) -> None:

@@ -2,8 +2,9 @@
 
 In: the group's index, the lighthouse, this rank's rank and world in its group, the timeout,
 the fewest groups a step commits with, and the state a healthy peer hands a rejoining group
-(None: DiLoCo's own). Out: a `torchft.Manager` on a fault-tolerant gloo group, meeting its
-group through the group's own TCPStore (MASTER_ADDR / MASTER_PORT, as torchrun sets them).
+(`LocalShards`: this rank's parameter shards and their optimizer state). Out: a
+`torchft.Manager` on a fault-tolerant gloo group, meeting its group through the group's own
+TCPStore (MASTER_ADDR / MASTER_PORT, as torchrun sets them).
 Synchronous quorum (`use_async_quorum=False`): DiLoCo requires it, and a rejoining group is
 healed before its forward rather than during it. Timeouts ordered as torchft needs them
 (`ft_timeouts`): a collective with a dead group fails first, then a quorum that waits for it,
@@ -16,6 +17,10 @@ import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def ft_timeouts(timeout_s: float) -> tuple[float, float, float]:
@@ -33,8 +38,11 @@ def group_manager(
     timeout_s: float,
     min_replicas: int,
     state: tuple[Callable[[Any], None], Callable[[], Any]] | None = None,
+    init_sync: bool = True,
 ) -> Any:
-    """A torchft Manager for this rank (module docstring); ``state``: (load, save)."""
+    """A torchft Manager for this rank (module docstring); ``state``: (load, save);
+    ``init_sync``: whether the first quorum copies the first group's state to the others (off
+    where every group starts from the same seed or checkpoint and must keep its own)."""
     # imported here: torchft is an optional dependency of the replica-group paths only
     from torchft import Manager, ProcessGroupGloo
 
@@ -56,4 +64,43 @@ def group_manager(
         timeout=timeout,
         quorum_timeout=timedelta(seconds=quorum),
         connect_timeout=timedelta(seconds=connect),
+        init_sync=init_sync,
     )
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` (``t`` itself where it is not a DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class LocalShards:
+    """The state a healthy peer hands a rejoining group's same rank: this rank's local shards
+    of the model's trainable parameters and of their optimizer state (the same rank of every
+    group holds the same shapes)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = optimizer
+
+    def save(self) -> dict[str, Any]:
+        with torch.no_grad():
+            params = [local(p).detach().clone() for p in self.params]
+            moments = [
+                {k: local(v).detach().clone() for k, v in self.optimizer.state[p].items()}
+                for p in self.params
+            ]
+        return {"params": params, "optimizer": moments}
+
+    def load(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for p, value in zip(self.params, state["params"], strict=True):
+                local(p).copy_(value)
+            for p, saved in zip(self.params, state["optimizer"], strict=True):
+                if not saved:
+                    continue
+                mine = self.optimizer.state[p]
+                for key, value in saved.items():
+                    if key not in mine:  # no step taken here yet: a moment shaped as p
+                        # (its placements kept), or a scalar as the peer's (AdamW's step)
+                        mine[key] = torch.zeros_like(p) if value.dim() else value.clone()
+                    local(mine[key]).copy_(value)

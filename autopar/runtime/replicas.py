@@ -21,7 +21,11 @@ group that is down saves nothing, and the others' checkpoints do not wait for it
   back after the model, so a run stopped and started again takes the same outer steps as one
   never stopped. Saves land on outer-step boundaries only (the interval rounded up to a
   multiple of H), where no fragment's all-reduce is in flight; every group saves at the same
-  steps, so a job started again resumes them together.
+  steps, so a job started again resumes them together. Where one group's newest checkpoint is
+  older (or it has none), the quorum before the first inner step (`diloco.start_step`) heals it
+  from a peer -- model and optimizer shards, outer state, step -- and it goes on at theirs. A
+  group restarted alone while the others train is not healed so (their next quorum falls
+  mid-period): the job is started again whole.
 """
 
 from __future__ import annotations
@@ -34,7 +38,13 @@ from typing import Any
 
 from torch import nn
 
-from autopar.runtime.diloco import DiLoCoGroup, attach_diloco, load_outer_state, outer_state
+from autopar.runtime.diloco import (
+    DiLoCoGroup,
+    attach_diloco,
+    load_outer_state,
+    outer_state,
+    start_step,
+)
 from autopar.runtime.fault_tolerance import FaultTolerantGroups, FTGroup
 
 __all__ = ["DiLoCoGroup", "FTGroup", "ReplicaRun", "replica_share"]
@@ -97,8 +107,8 @@ class ReplicaRun:
         named = set(pm.blocks)
         blocks = [m for path, m in model.named_modules() if path in named]
         self.context = contextlib.ExitStack()
-        self.traffic = self.groups = None
-        self.ft = options.ft
+        self.traffic = self.groups = self.diloco = None
+        self.ft, self.log = options.ft, options.log and rank == 0
         if options.diloco is not None:  # torchft's DiLoCo on the inner optimizer's steps
             diloco, self.traffic = attach_diloco(
                 model, blocks, optimizer, options.diloco, rank, world
@@ -112,7 +122,7 @@ class ReplicaRun:
                     "(saved by another kind of run): the outer steps start from its weights",
                     flush=True,
                 )
-            self.context.enter_context(diloco)
+            self.diloco = self.context.enter_context(diloco)
             if checkpointer is not None:  # saved beside the model at each checkpoint
                 checkpointer.extra = lambda: outer_state(diloco)
         if options.ft is not None:
@@ -123,8 +133,21 @@ class ReplicaRun:
 
     def steps(self, first: int, total: int) -> Iterable[int]:
         """The steps to run: from torchft's quorum with ft groups (a healed group's from its
-        peers'), else ``first`` .. ``total`` - 1."""
-        return self.groups.steps(total) if self.groups else range(first, total)
+        peers'); with DiLoCo from the step the groups agree on (`diloco.start_step`: a group
+        behind is healed to the newest); else ``first`` .. ``total`` - 1."""
+        if self.groups:
+            return self.groups.steps(total)
+        if self.diloco is not None:
+            agreed = start_step(self.diloco, first)
+            if agreed != first and self.log:
+                print(
+                    f"[autopar] DiLoCo: the other groups stood at step {agreed}, this one at "
+                    f"{first}: healed to step {agreed} from a peer (its model, optimizer and "
+                    "outer state)",
+                    flush=True,
+                )
+            first = agreed
+        return range(first, total)
 
     def sync_gradients(self) -> None:
         if self.groups is not None:  # averaged over the groups alive

@@ -18,6 +18,8 @@ Nesterov step. Checked:
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from diloco_ranks import BATCH, MODEL, SEQ, diloco_rank, sync_rank
@@ -118,3 +120,50 @@ def test_a_diloco_run_resumed_from_its_checkpoint_takes_the_outer_steps_of_one_n
         assert [step for step, *_ in after] == [9, 10, 11, 12]
         assert after == before[8:]  # losses and bytes between groups, bitwise
         assert sum(b for *_, b in after) > 0  # outer steps in the resumed stretch
+
+
+@pytest.mark.multiprocess
+def test_a_diloco_group_behind_the_others_is_healed_to_their_step(tmp_path):
+    """One site lost its newest checkpoint: H = 4, one fragment, saves at 4, 8 and 12; then
+    step 12 is deleted from both groups and step 8 from group 1, and the job is started again.
+    Group 0 resumes at 8, group 1 reads its step 4 -- and the quorum before the first inner
+    step (`diloco.start_step`) hands it group 0's state at step 8, so both take steps 9-12:
+    - group 0's losses and bytes are the uninterrupted run's, bitwise (nothing of group 1's
+      reaches it before the outer step at 12);
+    - group 1's loss at step 9 is too: at a whole outer period every group holds the outer
+      parameters, so the healed ones are its own of step 8, and it reads its batch of step 9
+      (its later losses differ: the inner optimizer's moments came from group 0);
+    - after the outer step at 12 both groups hold the same outer parameters and torchft step
+      (their step-12 outer state), which they would not had group 1 kept its step-4 ones."""
+    torchft = pytest.importorskip("torchft._torchft")
+    cfg = C(fsdp=2, zero_stage=3, micro_batch_size=4)
+    checkpoint = CheckpointOptions(str(tmp_path), every=4)
+
+    def run():
+        lighthouse = torchft.LighthouseServer(bind="[::]:0", min_replicas=2)
+        try:
+            return run_groups(2, 2, diloco_rank, cfg, 12, lighthouse.address(), 4, 1, checkpoint)
+        finally:
+            lighthouse.shutdown()
+
+    straight = run()
+    for g in (0, 1):
+        shutil.rmtree(tmp_path / f"group{g}" / "step-00000012")
+    shutil.rmtree(tmp_path / "group1" / "step-00000008")
+    resumed = run()  # ranks 0-1 are group 0's, 2-3 group 1's
+    for rank in resumed:
+        assert [step for step, *_ in rank] == [9, 10, 11, 12]
+    for before, after in zip(straight[:2], resumed[:2], strict=True):
+        assert after == before[8:]
+    for before, after in zip(straight[2:], resumed[2:], strict=True):
+        assert after[0] == before[8]
+    for r in (0, 1):
+        states = [
+            torch.load(tmp_path / f"group{g}" / "step-00000012" / f"extra-rank{r}.pt")["torchft"]
+            for g in (0, 1)
+        ]
+        assert states[0]["torchft"] == states[1]["torchft"] == {"step": 3, "batches_committed": 6}
+        ours, theirs = (s["user"]["StreamingDiLoCoFragment_0"] for s in states)
+        assert ours["original_parameters"].keys() == theirs["original_parameters"].keys()
+        for name, value in ours["original_parameters"].items():
+            assert torch.equal(value, theirs["original_parameters"][name]), name
