@@ -1,6 +1,6 @@
 """Predicted vs measured step time of many plans of one model on the local CPU ranks.
 
-    python3 benchmarks/local_validation.py                 # 2 and 4 ranks, ~8 minutes
+    python3 benchmarks/local_validation.py                 # 2 and 4 ranks, ~9 minutes
     python3 benchmarks/local_validation.py --quick         # plain DP/FSDP/TP/PP + the plan
     python3 benchmarks/local_validation.py --all --world-sizes 2 --json out.json
     python3 benchmarks/local_validation.py --world-sizes 4 --config "dp=2 pp=2 | mbs=1 1f1b"
@@ -29,10 +29,12 @@ Per world size:
      best (target: within 5%), issue 46's targets (`TARGETS`).
 
 Profile: ``--profile fresh`` first measures this machine with ``autopar profile`` (2 ranks,
-about 90 s) and prices against that; the shipped ``local_cpu`` was measured on a machine of this
-kind on another day, and a shared machine drifts (on 2026-11-26 this one measured 41% less
-memory bandwidth and 2.5x the per-layer host time of the shipped profile, and every config ran
-20-48% slower than the shipped profile prices).
+about 90 s) and prices against that. The default, ``auto``, prices against the shipped
+``local_cpu`` where that was measured on this machine's CPU model and measures afresh where it
+was not: machines of "this kind" come with an AMD EPYC or an Intel Xeon, whose rates differ (on
+2026-11-29 a Xeon ran the configs 26% and 43% off the EPYC profile's prices in the median), and
+one CPU drifts from day to day too (on 2026-11-26 an EPYC measured 41% less memory bandwidth
+and 2.5x the per-layer host time of the shipped profile).
 
 Threads: every rank computes with one intra-op thread (`--threads`), as `autopar profile`
 measured the per-rank rates of hardware_profiles/local_cpu.toml; on this 2-core machine 4
@@ -446,8 +448,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--launcher", choices=("pool", "torchrun"), default="pool")
     p.add_argument(
         "--profile",
-        default=PROFILE,
-        help="profile name or .toml path, or 'fresh': measure this machine first (~90 s)",
+        default="auto",
+        help="profile name or .toml path; 'fresh': measure this machine first (~90 s); "
+        f"'auto' (default): {PROFILE} where it was measured on this machine's CPU, else fresh",
     )
     p.add_argument("--json", help="write the rows and figures here")
     p.add_argument(
@@ -480,7 +483,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     os.environ["OMP_NUM_THREADS"] = str(settings.threads)
     print(f"load average before: {_load()}; {settings}", flush=True)
-    if settings.profile != "fresh" and (note := other_cpu_note(settings.profile)):
+    if settings.profile == "auto":
+        note = other_cpu_note(PROFILE)
+        print(note or f"{PROFILE} was measured on this machine's CPU: pricing against it")
+        settings = replace(settings, profile="fresh" if note else PROFILE)
+    elif settings.profile != "fresh" and (note := other_cpu_note(settings.profile)):
         print(note, flush=True)
     if settings.profile == "fresh":
         _wait_for_quiet(settings)
@@ -505,7 +512,7 @@ def other_cpu_note(profile_name: str) -> str | None:
     measured = profile.device.name.rsplit(" rank", 1)[0]
     return (
         f"note: {profile.name} was measured on {measured}; this machine is {here}, whose "
-        "rates differ: --profile fresh measures this one"
+        "rates differ: --profile fresh (the default, auto, here) measures this one"
     )
 
 
