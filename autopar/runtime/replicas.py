@@ -22,16 +22,18 @@ group that is down saves nothing, and the others' checkpoints do not wait for it
   never stopped. Saves land on outer-step boundaries only (the interval rounded up to a
   multiple of H), where no fragment's all-reduce is in flight; every group saves at the same
   steps, so a job started again resumes them together. Where one group's newest checkpoint is
-  older (or it has none), the quorum before the first inner step (`diloco.start_step`) heals it
-  from a peer -- model and optimizer shards, outer state, step -- and it goes on at theirs. A
-  group restarted alone while the others train is not healed so (their next quorum falls
-  mid-period): the job is started again whole.
+  older (or it has none), the quorum before the first inner step (`diloco.agree`) heals it
+  from a peer -- model and optimizer shards, outer state, its `diloco.Position` -- and it goes
+  on at their step. A group torchrun restarted while the others train asks for no quorum of
+  its own (theirs falls mid-period, at an outer step): it resumes from its checkpoint and meets
+  them at its first outer step; where its checkpoint is from their current period it redoes
+  those steps and takes part, where it is older it is healed there and jumps to their step.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -40,10 +42,12 @@ from torch import nn
 
 from autopar.runtime.diloco import (
     DiLoCoGroup,
+    Position,
+    agree,
     attach_diloco,
     load_outer_state,
     outer_state,
-    start_step,
+    restarted_alone,
 )
 from autopar.runtime.fault_tolerance import FaultTolerantGroups, FTGroup
 
@@ -133,21 +137,34 @@ class ReplicaRun:
 
     def steps(self, first: int, total: int) -> Iterable[int]:
         """The steps to run: from torchft's quorum with ft groups (a healed group's from its
-        peers'); with DiLoCo from the step the groups agree on (`diloco.start_step`: a group
-        behind is healed to the newest); else ``first`` .. ``total`` - 1."""
+        peers'); with DiLoCo from ``first`` or, where this group was behind the others and
+        healed (before its first step, or at its first outer step after a restart), from
+        theirs (`_diloco_steps`); else ``first`` .. ``total`` - 1."""
         if self.groups:
             return self.groups.steps(total)
         if self.diloco is not None:
-            agreed = start_step(self.diloco, first)
-            if agreed != first and self.log:
-                print(
-                    f"[autopar] DiLoCo: the other groups stood at step {agreed}, this one at "
-                    f"{first}: healed to step {agreed} from a peer (its model, optimizer and "
-                    "outer state)",
-                    flush=True,
-                )
-            first = agreed
+            return self._diloco_steps(first, total)
         return range(first, total)
+
+    def _diloco_steps(self, first: int, total: int) -> Iterator[int]:
+        position = Position(self.diloco, first)
+        if not restarted_alone():  # the whole job (re)started: the groups agree first
+            agree(self.diloco)
+        step = first
+        while True:
+            if (healed := position.healed()) is not None and healed != step:
+                if self.log:
+                    print(
+                        f"[autopar] DiLoCo: healed from a peer at its step {healed} (this "
+                        f"group stood at {step}): its model, optimizer and outer state",
+                        flush=True,
+                    )
+                step = healed
+            if step >= total:
+                return
+            position.done = step + 1  # what a peer healing during this step is told
+            yield step
+            step += 1
 
     def sync_gradients(self) -> None:
         if self.groups is not None:  # averaged over the groups alive

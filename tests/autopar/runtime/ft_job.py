@@ -1,7 +1,7 @@
 """One replica group of the fault-tolerance test, as torchrun starts it.
 
     torchrun --nproc-per-node=2 --max-restarts=3 ft_job.py GROUP LIGHTHOUSE OUT KILL_AT STEPS \
-        PACE DELAY [CHECKPOINT_DIR EVERY]
+        PACE DELAY [CHECKPOINT_DIR EVERY [H]]
 
 Trains the tiny Llama under FSDP2 over the group's 2 ranks as one of 2 fault-tolerant replica
 groups (autopar.runtime.fault_tolerance) on the shipped token file. Group 1's rank 0 kills its
@@ -13,7 +13,8 @@ sleeps), so that group 0 has steps to take alone in between. Each rank writes
 OUT/g{GROUP}r{RANK}p{PID}.json: the steps it committed; the program's last line per rank
 gives its parameters' digest. With CHECKPOINT_DIR the run checkpoints there every EVERY steps
 (each group under its own group<g>/, `autopar.runtime.replicas`) and resumes from it,
-keeping 3.
+keeping 3. With H the groups are DiLoCo's (`autopar.runtime.diloco`: an outer step every H,
+one fragment), not fault-tolerant ones.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from autopar.config import ParallelConfig
 from autopar.models.source import ZOO_FACTORY
 from autopar.runtime.checkpoint import CheckpointOptions
 from autopar.runtime.data import TokenFile
+from autopar.runtime.diloco import DiLoCoGroup
 from autopar.runtime.fault_tolerance import FTGroup
 from autopar.runtime.mesh import init_distributed, shutdown_distributed
 from autopar.runtime.task import task_from_source
@@ -67,12 +69,15 @@ def main() -> None:
         started.touch()
     while group == 1 and not started.exists():
         time.sleep(0.1)
-    ft = FTGroup(group, 2, lighthouse, min_replicas=1, timeout_s=5.0)
-    checkpoint = None
+    checkpoint = diloco = ft = None
     if len(sys.argv) > 8:
         checkpoint = CheckpointOptions(sys.argv[8], every=int(sys.argv[9]), keep=3)
+    if len(sys.argv) > 10:
+        diloco = DiLoCoGroup(group, 2, lighthouse, inner_steps=int(sys.argv[10]), timeout_s=30)
+    else:
+        ft = FTGroup(group, 2, lighthouse, min_replicas=1, timeout_s=5.0)
     # every rank prints its digest
-    options = TrainOptions(steps=steps, lr=3e-3, ft=ft, checkpoint=checkpoint)
+    options = TrainOptions(steps=steps, lr=3e-3, ft=ft, diloco=diloco, checkpoint=checkpoint)
     config = ParallelConfig(fsdp=2, zero_stage=3, micro_batch_size=4)
     results = train(task, config, BATCH, options=options)
     record = {"pid": os.getpid(), "steps": [r.step for r in results]}

@@ -8,7 +8,9 @@ grad norm) of every rank, and the same for the single-process reference
 
 One spawn per world size runs all its cases, because starting processes is the slow part on
 a shared 2-core machine; each spawn takes a free port (bound to port 0) so concurrent test
-runs do not collide.
+runs do not collide. `run_groups` spawns replica groups (each its own world) the same way;
+`run_group_jobs` starts two groups of ft_job.py each under its own torchrun, for the tests that
+kill and restart one.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ import faulthandler
 import multiprocessing
 import os
 import pickle
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -36,6 +41,7 @@ from autopar.runtime.task import task_from_source
 from autopar.runtime.tensor_parallel import tp_plan
 from autopar.runtime.trainer import TrainOptions, reference_run, train
 
+HERE = Path(__file__).resolve().parent
 # no collective of these tiny models waits minutes, even at a load of 10 on 2 cores
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 OPTIONS = TrainOptions(steps=3, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, log=False)
@@ -316,3 +322,31 @@ def run_groups(groups: int, group_size: int, fn: Any, *args: Any) -> list[Any]:
         )
         n = groups * group_size
         return [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(n)]
+
+
+def run_group_jobs(min_replicas: int, job) -> list[str]:
+    """Both groups of ft_job.py (fault-tolerant or DiLoCo replica groups), each its own torchrun
+    of two ranks, through a lighthouse in this process that forms a quorum of ``min_replicas``
+    groups; ``job(url)``: torchrun's arguments from the script on ("{group}" becomes the
+    group's index). Returns each group's log, after checking both ended well."""
+    torchft = pytest.importorskip("torchft._torchft")
+    lighthouse = torchft.LighthouseServer(
+        bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=10000, quorum_tick_ms=100
+    )
+    env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1", RUST_LOG="error",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # fmt: skip
+    jobs = []
+    try:
+        for group in (0, 1):
+            args = [a.replace("{group}", str(group)) for a in job(lighthouse.address())]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node=2", *args]  # fmt: skip
+            jobs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        logs = [job.communicate(timeout=600)[0] for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+        lighthouse.shutdown()
+    assert [job.returncode for job in jobs] == [0, 0], logs[1][-3000:]
+    return logs

@@ -18,12 +18,14 @@ Nesterov step. Checked:
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 
 import pytest
 import torch
 from diloco_ranks import BATCH, MODEL, SEQ, diloco_rank, sync_rank
-from harness import run_groups, run_ranks
+from harness import HERE, run_group_jobs, run_groups, run_ranks
 
 import autopar
 from autopar.config import ParallelConfig as C
@@ -127,7 +129,7 @@ def test_a_diloco_group_behind_the_others_is_healed_to_their_step(tmp_path):
     """One site lost its newest checkpoint: H = 4, one fragment, saves at 4, 8 and 12; then
     step 12 is deleted from both groups and step 8 from group 1, and the job is started again.
     Group 0 resumes at 8, group 1 reads its step 4 -- and the quorum before the first inner
-    step (`diloco.start_step`) hands it group 0's state at step 8, so both take steps 9-12:
+    step (`diloco.agree`) hands it group 0's state at step 8, so both take steps 9-12:
     - group 0's losses and bytes are the uninterrupted run's, bitwise (nothing of group 1's
       reaches it before the outer step at 12);
     - group 1's loss at step 9 is too: at a whole outer period every group holds the outer
@@ -165,5 +167,49 @@ def test_a_diloco_group_behind_the_others_is_healed_to_their_step(tmp_path):
         assert states[0]["torchft"] == states[1]["torchft"] == {"step": 3, "batches_committed": 6}
         ours, theirs = (s["user"]["StreamingDiLoCoFragment_0"] for s in states)
         assert ours["original_parameters"].keys() == theirs["original_parameters"].keys()
+        for name, value in ours["original_parameters"].items():
+            assert torch.equal(value, theirs["original_parameters"][name]), name
+
+
+@pytest.mark.multiprocess
+def test_a_killed_diloco_group_restarts_and_rejoins_at_the_others_step(tmp_path):
+    """Two DiLoCo groups of ft_job.py, each its own torchrun --max-restarts, H = 4, 24 steps,
+    a checkpoint every 8. Group 1's rank 0 SIGKILLs itself reading step 14's batch; torchrun
+    restarts the group, which resumes from its step 8 -- a period behind group 0, which waits
+    in its quorum at step 16 for it (DiLoCo's outer steps take every group). Restarted alone,
+    group 1 does not ask for a quorum of its own before training (`diloco.restarted_alone`):
+    it meets group 0's at its first outer step (after steps 9-12), is healed there to group 0's
+    step 16 (model and optimizer shards, outer state, step), and goes on from 17. torchft's
+    synchronous quorum counts a group healed in it as taking part, and group 1's
+    pseudo-gradient at 16 is group 0's own (it holds group 0's state), so that outer step is
+    group 0's period alone; the steps 13-16 group 1 lost are not in it.
+
+    Checked: group 0 ran once and took steps 1-24; group 1's restarted ranks took 9-12, then
+    17-24; at step 24 both groups hold the same outer parameters and torchft step (their
+    step-24 outer state): 6 outer steps, every 4 inner steps."""
+    checkpoints = tmp_path / "checkpoints"
+    logs = run_group_jobs(min_replicas=2, job=lambda url: [
+        "--max-restarts=3", str(HERE / "ft_job.py"), "{group}", url, str(tmp_path), "13",
+        "24", "0", "0", str(checkpoints), "8", "4"])  # fmt: skip
+
+    killed = int((tmp_path / "killed").read_text())
+    records = {}
+    for f in tmp_path.glob("g*r*p*.json"):
+        g, r, pid = map(int, re.match(r"g(\d)r(\d)p(\d+)", f.stem).groups())
+        records[(g, r, pid)] = json.loads(f.read_text())["steps"]
+    group0 = [steps for (g, _, _), steps in records.items() if g == 0]
+    group1 = [steps for (g, _, pid), steps in records.items() if g == 1 and pid != killed]
+    assert group0 == [list(range(1, 25))] * 2, records
+    assert "restarting workers" not in logs[0].lower()
+    assert group1 == [[9, 10, 11, 12, *range(17, 25)]] * 2, records
+    assert "healed from a peer at its step 16 (this group stood at 12)" in logs[1]
+    for r in (0, 1):
+        states = [
+            torch.load(checkpoints / f"group{g}" / "step-00000024" / f"extra-rank{r}.pt")
+            for g in (0, 1)
+        ]
+        ours, theirs = (s["torchft"] for s in states)
+        assert ours["torchft"]["step"] == theirs["torchft"]["step"] == 6
+        ours, theirs = (s["user"]["StreamingDiLoCoFragment_0"] for s in (ours, theirs))
         for name, value in ours["original_parameters"].items():
             assert torch.equal(value, theirs["original_parameters"][name]), name

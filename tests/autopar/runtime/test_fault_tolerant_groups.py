@@ -25,16 +25,13 @@ on some of them) stop with the steps named, on 2 real gloo ranks (`group_step`).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import run_group_jobs, run_ranks
 
 from autopar.runtime.collectives import all_reduce_flat
 from autopar.runtime.fault_tolerance import group_step
@@ -48,7 +45,7 @@ DIGEST = re.compile(r"replica group (\d), rank (\d): parameters (\w+) after step
 
 @pytest.mark.multiprocess
 def test_a_killed_group_rejoins_from_its_peer_while_the_other_keeps_stepping(tmp_path):
-    logs = _run_groups(min_replicas=1, job=lambda url: [
+    logs = run_group_jobs(min_replicas=1, job=lambda url: [
         "--max-restarts=3", str(HERE / "ft_job.py"), "{group}", url, str(tmp_path),
         str(KILL_AT), str(STEPS), str(PACE), str(DELAY)])  # fmt: skip
 
@@ -75,38 +72,10 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_keeps_stepping(tmp
     print(f"group 1 healed at step {group1[0][0] - 1}; digests {digests}")
 
 
-def _run_groups(min_replicas: int, job) -> list[str]:
-    """Both groups of ft_job.py, each its own torchrun of two ranks, through a lighthouse in
-    this process that forms a quorum of ``min_replicas`` groups; ``job(url)``: torchrun's
-    arguments from the script on ("{group}" becomes the group's index). Returns each group's
-    log, after checking both ended well."""
-    torchft = pytest.importorskip("torchft._torchft")
-    lighthouse = torchft.LighthouseServer(
-        bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=10000, quorum_tick_ms=100
-    )
-    env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1", RUST_LOG="error",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")  # fmt: skip
-    jobs = []
-    try:
-        for group in (0, 1):
-            args = [a.replace("{group}", str(group)) for a in job(lighthouse.address())]
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node=2", *args]  # fmt: skip
-            jobs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, text=True))  # fmt: skip
-        logs = [job.communicate(timeout=600)[0] for job in jobs]
-    finally:
-        for job in jobs:
-            job.kill()
-        lighthouse.shutdown()
-    assert [job.returncode for job in jobs] == [0, 0], logs[1][-3000:]
-    return logs
-
-
 def _checkpointing(tmp_path: Path, checkpoints: Path) -> list[str]:
     """Both groups to step 12, checkpointing every 4 into ``checkpoints``; the lighthouse
     waits for both, so the first quorum holds both (the test below)."""
-    return _run_groups(min_replicas=2, job=lambda url: [
+    return run_group_jobs(min_replicas=2, job=lambda url: [
         str(HERE / "ft_job.py"), "{group}", url, str(tmp_path), "999", "12", "0", "0",
         str(checkpoints), "4"])  # fmt: skip
 
