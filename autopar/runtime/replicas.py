@@ -28,6 +28,8 @@ group that is down saves nothing, and the others' checkpoints do not wait for it
   its own (theirs falls mid-period, at an outer step): it resumes from its checkpoint and meets
   them at its first outer step; where its checkpoint is from their current period it redoes
   those steps and takes part, where it is older it is healed there and jumps to their step.
+  (Restarted by its scheduler instead, a new torchrun, it is taken for a job started whole:
+  not handled yet.)
 """
 
 from __future__ import annotations
