@@ -8,10 +8,9 @@ entered around the training loop, runs torchft's DiLoCo on the inner optimizer's
 post-step hook counts them and, every H, all-reduces each fragment's pseudo-gradient over the
 groups and takes the outer Nesterov step), and an `OuterTraffic` record of the bytes each
 all-reduce between groups moved from this rank; `outer_state` / `load_outer_state`: this rank's
-DiLoCo state beyond the model and the inner optimizer, for its checkpoint; `Position`, `agree`,
-`restarted_alone`: how a group that stands behind the others is brought to their step (a quorum
-before the first inner step where the whole job starts, torchft's own at the first outer step
-where torchrun restarted this group alone; `replicas.ReplicaRun` drives them).
+DiLoCo state beyond the model and the inner optimizer, for its checkpoint; `Position`: where
+the loop stands, which brings a group behind the others to their step at its first outer step
+(`replicas.ReplicaRun` drives it).
 
 The groups are separate torch.distributed jobs (each its own torchrun, or its own spawned
 world in the tests): a group's rank r all-reduces with rank r of every other group through a
@@ -28,7 +27,6 @@ them to an autopar group and counting the bytes they send.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,9 +106,9 @@ def attach_diloco(
     # imported here: torchft is an optional dependency of the DiLoCo path only
     from torchft.local_sgd import DiLoCo
 
-    # every group in every outer step; a group behind the others at a quorum (`agree`'s, or an
-    # outer step's) is handed a peer's local shards; no copy at step 0, where every group
-    # starts alike (seeded)
+    # every group in every outer step; a group behind the others at an outer step's quorum is
+    # handed a peer's local shards (`Position`); no copy at step 0, where every group starts
+    # alike (seeded), and a copy then would land mid-period
     shards = LocalShards(model, inner)
     manager = group_manager(
         group.replica_id, group.lighthouse, rank, world_size, group.timeout_s,
@@ -147,40 +145,32 @@ def attach_diloco(
 
 class Position:
     """Where this group's loop stands, handed to a healing peer beside torchft's own state:
-    ``done``, the steps done once the step in flight completes. A group healed from a peer
-    goes on from the peer's (`healed`: read once, None where no heal came since)."""
+    ``done``, the steps done once the step in flight completes.
+
+    A group behind the others -- resumed from an older checkpoint than theirs, or from none,
+    or restarted while they train -- runs from where it stands until its first outer step,
+    whose quorum (every group's: the others wait there) hands it a peer's state: its model and
+    inner optimizer shards, each fragment's outer parameters and momentum, torchft's step, and
+    this record, so that it goes on from the peer's step (`healed`, read once; `pending`
+    without taking it). torchft's synchronous quorum counts it as taking part in that outer
+    step, with the peer's pseudo-gradient. A group level with the others takes no state: from a
+    checkpoint of their current period, it redoes those steps and takes part with its own."""
 
     KEY = "autopar_loop"
 
     def __init__(self, context: Any, done: int) -> None:
-        self.done, self._healed = done, None
+        self.done, self.pending = done, None
         context._manager.register_state_dict_fn(self.KEY, self._load, self._save)
 
     def _save(self) -> dict[str, int]:
         return {"done": self.done}
 
     def _load(self, state: dict[str, int]) -> None:
-        self._healed = int(state["done"])
+        self.pending = int(state["done"])
 
     def healed(self) -> int | None:
-        healed, self._healed = self._healed, None
+        healed, self.pending = self.pending, None
         return healed
-
-
-def restarted_alone() -> bool:
-    """Whether torchrun restarted this group while the others train (its restart count): then
-    the others are mid-period, and this group meets them at its first outer step's quorum
-    (torchft's own), not in `agree`'s."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-
-
-def agree(context: Any) -> None:
-    """A quorum of every group before the first inner step of a job (re)started whole: any
-    group behind the newest -- one whose newest checkpoint is older than the others', or that
-    has none -- is handed a peer's state there (its model and inner optimizer shards, each
-    fragment's outer parameters and momentum, torchft's step, its `Position`), so it goes on
-    from the peer's step and takes part in the first outer step."""
-    context._manager.start_quorum()
 
 
 # torchft has no public call for DiLoCo's state: its Manager's `_user_state_dicts` and

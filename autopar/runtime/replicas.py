@@ -21,15 +21,12 @@ group that is down saves nothing, and the others' checkpoints do not wait for it
   back after the model, so a run stopped and started again takes the same outer steps as one
   never stopped. Saves land on outer-step boundaries only (the interval rounded up to a
   multiple of H), where no fragment's all-reduce is in flight; every group saves at the same
-  steps, so a job started again resumes them together. Where one group's newest checkpoint is
-  older (or it has none), the quorum before the first inner step (`diloco.agree`) heals it
-  from a peer -- model and optimizer shards, outer state, its `diloco.Position` -- and it goes
-  on at their step. A group torchrun restarted while the others train asks for no quorum of
-  its own (theirs falls mid-period, at an outer step): it resumes from its checkpoint and meets
-  them at its first outer step; where its checkpoint is from their current period it redoes
-  those steps and takes part, where it is older it is healed there and jumps to their step.
-  (Restarted by its scheduler instead, a new torchrun, it is taken for a job started whole:
-  not handled yet.)
+  steps, so a job started again resumes them together. A group behind the others -- its
+  newest checkpoint older than theirs, or none, or restarted while they train -- runs from
+  where it stands to its first outer step, where the others wait for it; that quorum heals it
+  from a peer (model and optimizer shards, outer state, `diloco.Position`) and the loop jumps
+  to their step (`steps`; its next checkpoint is labelled so, `done`). A group level with them
+  (a checkpoint of their current period) redoes those steps and takes part with its own.
 """
 
 from __future__ import annotations
@@ -45,11 +42,9 @@ from torch import nn
 from autopar.runtime.diloco import (
     DiLoCoGroup,
     Position,
-    agree,
     attach_diloco,
     load_outer_state,
     outer_state,
-    restarted_alone,
 )
 from autopar.runtime.fault_tolerance import FaultTolerantGroups, FTGroup
 
@@ -113,7 +108,7 @@ class ReplicaRun:
         named = set(pm.blocks)
         blocks = [m for path, m in model.named_modules() if path in named]
         self.context = contextlib.ExitStack()
-        self.traffic = self.groups = self.diloco = None
+        self.traffic = self.groups = self.diloco = self.position = None
         self.ft, self.log = options.ft, options.log and rank == 0
         if options.diloco is not None:  # torchft's DiLoCo on the inner optimizer's steps
             diloco, self.traffic = attach_diloco(
@@ -139,22 +134,22 @@ class ReplicaRun:
 
     def steps(self, first: int, total: int) -> Iterable[int]:
         """The steps to run: from torchft's quorum with ft groups (a healed group's from its
-        peers'); with DiLoCo from ``first`` or, where this group was behind the others and
-        healed (before its first step, or at its first outer step after a restart), from
-        theirs (`_diloco_steps`); else ``first`` .. ``total`` - 1."""
+        peers'); with DiLoCo from ``first``, jumping to the others' step where this group was
+        behind them and was healed at an outer step (`diloco.Position`); else ``first`` ..
+        ``total`` - 1."""
         if self.groups:
             return self.groups.steps(total)
         if self.diloco is not None:
+            self.position = Position(self.diloco, first)
             return self._diloco_steps(first, total)
         return range(first, total)
 
-    def _diloco_steps(self, first: int, total: int) -> Iterator[int]:
-        position = Position(self.diloco, first)
-        if not restarted_alone():  # the whole job (re)started: the groups agree first
-            agree(self.diloco)
-        step = first
-        while True:
-            if (healed := position.healed()) is not None and healed != step:
+    def _diloco_steps(self, step: int, total: int) -> Iterator[int]:
+        while step < total:
+            self.position.done = step + 1  # what a peer healing during this step is told
+            yield step
+            step += 1
+            if (healed := self.position.healed()) is not None and healed != step:
                 if self.log:
                     print(
                         f"[autopar] DiLoCo: healed from a peer at its step {healed} (this "
@@ -162,11 +157,12 @@ class ReplicaRun:
                         flush=True,
                     )
                 step = healed
-            if step >= total:
-                return
-            position.done = step + 1  # what a peer healing during this step is told
-            yield step
-            step += 1
+
+    def done(self, steps: int) -> int:
+        """The steps this group's state stands for once a step ends that ran ``steps``: the
+        peer's where an outer step in it healed the group (what a checkpoint is labelled)."""
+        pending = self.position.pending if self.position is not None else None
+        return steps if pending is None else pending
 
     def sync_gradients(self) -> None:
         if self.groups is not None:  # averaged over the groups alive

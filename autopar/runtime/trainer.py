@@ -418,7 +418,7 @@ def train(
         if metrics is not None:
             metrics.write(results[-1], lr)
         if ckpt:  # CHECKPOINT: log the step, save when due
-            ckpt.after_step(step + 1, mean_loss, grad_norm)
+            ckpt.after_step(replicas.done(step + 1), mean_loss, grad_norm)
     replicas.close(options.log)  # DiLoCo's hooks off; torchft's manager shut down
     if ckpt:
         ckpt.close()  # completes a pending asynchronous save
