@@ -33,9 +33,14 @@ the one that reaches the token budget first.
                 blocking (one fragment) it adds t_o / H to each step; streaming (F > 1
                 fragments, each synced in turn while the inner steps go on: Douillard et al.
                 2025, arXiv:2501.18512) only what the H inner steps do not cover,
-                max(0, t_o - H x T) / H. A failed group loses its inner steps since the last
-                outer step (H / 2 on average) and its rejoin: waste per failure
-                (H T / 2 + R + S / link) / M; no step of the others is lost.
+                max(0, t_o - H x T) / H. Every outer step takes every group (the runtime's
+                Manager asks for all M), so a failure stops them all at the next fragment
+                sync until the failed group is back: it restarts (R), resumes from its
+                checkpoint and redoes its steps since the last sync (H / (2F) on average)
+                while the others finish theirs, and is healed there (S / link, a peer's
+                model, optimizer and outer state, `runtime.diloco.Position`, where its
+                checkpoint is older): waste per failure R + H T / (2F) + S / link, for the
+                whole job, not one group's share.
 
 Cross-site bytes are per site and direction, per step: for sync and ft what the plan's
 collectives over axes that span sites move through a site's uplink (a ring's
@@ -283,8 +288,8 @@ def price_diloco(
     if reliability is not None:
         rate = cluster.world_size * reliability.failure_rate_per_device_hour / 3600.0
         heal = _heal_s(num_params, optimizer, _group_link(cluster, m))
-        lost = h * inner_step_s / 2 + reliability.restart_s + heal
-        good = 1.0 - _failure_waste(rate, lost / m)
+        lost = reliability.restart_s + h * inner_step_s / (2 * fragments) + heal
+        good = 1.0 - _failure_waste(rate, lost)  # the others wait for it (module docstring)
     multiplier = 1.0 + options.diloco_token_overhead
     steps = budget / tokens_per_step
     how = "blocking" if fragments == 1 else f"streaming in {fragments} fragments"

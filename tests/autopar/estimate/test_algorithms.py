@@ -99,6 +99,23 @@ def test_diloco_moves_one_h_th_of_the_synchronous_gradient_sum(model_and_ids):
     assert dl.token_multiplier == 1.05 and dl.time_to_budget_s > 0
 
 
+def test_a_diloco_failure_stops_every_group_until_the_failed_one_is_back():
+    """Every outer step takes every group (the runtime's DiLoCo Manager asks for all), so a
+    failure costs the whole job the failed group's restart, the inner steps it redoes since
+    the last fragment sync (H / 2F on average) and its heal -- not one group's share of them,
+    as where the others could step on without it (fault-tolerant groups)."""
+    c = autopar.Cluster.from_profile("dgx_h100", 32, sites=2, site_link_gbps=100)  # 256 GPUs
+    rel = c.profile.reliability
+    options = AlgorithmOptions()
+    args = (5.0, C(dp=2, fsdp=16, tp=8), 4e6, 1e12, c, rel, 70e9, "adamw", options, 500)
+    blocking, streaming = price_diloco(*args, 1), price_diloco(*args, 4)
+    rate = c.world_size * rel.failure_rate_per_device_hour / 3600
+    heal = blocking.extra["heal_s"]
+    assert blocking.goodput == pytest.approx(1 - rate * (rel.restart_s + 500 * 5.0 / 2 + heal))
+    assert streaming.goodput == pytest.approx(1 - rate * (rel.restart_s + 500 * 5.0 / 8 + heal))
+    assert blocking.goodput < streaming.goodput < 1
+
+
 def test_fault_tolerant_groups_lose_less_than_a_restart():
     c = autopar.Cluster.from_profile("dgx_h100", 128)
     rel = c.profile.reliability
