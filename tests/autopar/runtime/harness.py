@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import json
 import multiprocessing
 import os
 import pickle
+import re
 import subprocess
 import sys
 import tempfile
@@ -350,3 +352,17 @@ def run_group_jobs(min_replicas: int, job) -> list[str]:
         lighthouse.shutdown()
     assert [job.returncode for job in jobs] == [0, 0], logs[1][-3000:]
     return logs
+
+
+def job_steps(out: Path) -> tuple[list[list[int]], list[list[int]], dict]:
+    """What ft_job.py's ranks wrote under ``out``: the steps each of group 0's ranks committed,
+    the same for group 1's ranks after its restart (not the killed process's), and every
+    (group, rank, pid) record."""
+    killed = int((out / "killed").read_text())
+    records = {}
+    for f in out.glob("g*r*p*.json"):
+        g, r, pid = map(int, re.match(r"g(\d)r(\d)p(\d+)", f.stem).groups())
+        records[(g, r, pid)] = json.loads(f.read_text())["steps"]
+    group0 = [steps for (g, _, _), steps in records.items() if g == 0]
+    group1 = [steps for (g, _, pid), steps in records.items() if g == 1 and pid != killed]
+    return group0, group1, records

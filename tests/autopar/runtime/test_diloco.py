@@ -18,14 +18,12 @@ Nesterov step. Checked:
 
 from __future__ import annotations
 
-import json
-import re
 import shutil
 
 import pytest
 import torch
 from diloco_ranks import BATCH, MODEL, SEQ, diloco_rank, sync_rank
-from harness import HERE, run_group_jobs, run_groups, run_ranks
+from harness import HERE, job_steps, run_group_jobs, run_groups, run_ranks
 
 import autopar
 from autopar.config import ParallelConfig as C
@@ -188,13 +186,7 @@ def test_a_killed_diloco_group_restarts_and_rejoins_at_the_others_step(tmp_path)
         "--max-restarts=3", str(HERE / "ft_job.py"), "{group}", url, str(tmp_path), "13",
         "24", "0", "0", str(checkpoints), "8", "4"])  # fmt: skip
 
-    killed = int((tmp_path / "killed").read_text())
-    records = {}
-    for f in tmp_path.glob("g*r*p*.json"):
-        g, r, pid = map(int, re.match(r"g(\d)r(\d)p(\d+)", f.stem).groups())
-        records[(g, r, pid)] = json.loads(f.read_text())["steps"]
-    group0 = [steps for (g, _, _), steps in records.items() if g == 0]
-    group1 = [steps for (g, _, pid), steps in records.items() if g == 1 and pid != killed]
+    group0, group1, records = job_steps(tmp_path)
     assert group0 == [list(range(1, 25))] * 2, records
     assert "restarting workers" not in logs[0].lower()
     assert group1 == [[9, 10, 11, 12, *range(17, 25)]] * 2, records

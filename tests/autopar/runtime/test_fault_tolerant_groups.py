@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_group_jobs, run_ranks
+from harness import job_steps, run_group_jobs, run_ranks
 
 from autopar.runtime.collectives import all_reduce_flat
 from autopar.runtime.fault_tolerance import group_step
@@ -49,20 +49,14 @@ def test_a_killed_group_rejoins_from_its_peer_while_the_other_keeps_stepping(tmp
         "--max-restarts=3", str(HERE / "ft_job.py"), "{group}", url, str(tmp_path),
         str(KILL_AT), str(STEPS), str(PACE), str(DELAY)])  # fmt: skip
 
-    killed = int((tmp_path / "killed").read_text())
-    records = {}
-    for f in tmp_path.glob("g*r*p*.json"):
-        g, r, pid = map(int, re.match(r"g(\d)r(\d)p(\d+)", f.stem).groups())
-        records[(g, r, pid)] = json.loads(f.read_text())["steps"]
-    group0 = [steps for (g, _, _), steps in records.items() if g == 0]
-    group1 = [steps for (g, _, pid), steps in records.items() if g == 1 and pid != killed]
+    group0, group1, records = job_steps(tmp_path)
     # group 0: one attempt, every step from where it began (the first quorum may have been
     # group 1's alone, group 0 healed into it) to the last, no gap
     assert len(group0) == 2 and all(s == list(range(s[0], STEPS + 1)) for s in group0)
     assert "restarting workers" not in logs[0].lower()  # group 0: one attempt, no restart
     assert len(group1) == 2, records
     # group 1 came back past steps group 0 took alone (healed, not from step 1)
-    assert all(s[-1] == STEPS and s[0] > KILL_AT + 2 for s in group1), (records, killed)
+    assert all(s[-1] == STEPS and s[0] > KILL_AT + 2 for s in group1), records
     digests = {}
     for log in logs:
         for g, r, digest, step in DIGEST.findall(log):
