@@ -175,7 +175,7 @@ class Position:
 
 # torchft has no public call for DiLoCo's state: its Manager's `_user_state_dicts` and
 # `_load_state_dict_fns` (what its checkpoint transport sends a healing peer, and how that peer
-# takes it in) and DiLoCo's `_local_step`, `_sync_every` are read here as torchft itself uses them
+# takes it in) and DiLoCo's `_local_step` are read here as torchft itself uses them
 FRAGMENT = "StreamingDiLoCoFragment_"
 
 
