@@ -113,8 +113,8 @@ def main() -> int:
               f"{max(errors, key=abs):+.1%}; its pick in each of {len(picks)} grids: "
               f"median {statistics.median(picks):+.1%}, worst {max(picks):+.1%} from the "
               "best")  # fmt: skip
-    both = (("compute", compute), ("memory", memory), ("memory, Aceso's own", memory_aceso))
-    for name, errors in both:
+    figures = (("compute", compute), ("memory", memory), ("memory, Aceso's own", memory_aceso))
+    for name, errors in figures:
         worst = max(errors, key=abs)
         print(f"{name}: {len(errors)} stages, median |error| "
               f"{statistics.median(abs(e) for e in errors):.1%}, worst {worst:+.1%}")  # fmt: skip

@@ -485,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before: {_load()}; {settings}", flush=True)
     if settings.profile == "auto":
         note = other_cpu_note(PROFILE)
-        print(note or f"{PROFILE} was measured on this machine's CPU: pricing against it")
+        here = f"{PROFILE} was measured on this machine's CPU: pricing against it"
+        print(note or here, flush=True)
         settings = replace(settings, profile="fresh" if note else PROFILE)
     elif settings.profile != "fresh" and (note := other_cpu_note(settings.profile)):
         print(note, flush=True)
@@ -512,7 +513,7 @@ def other_cpu_note(profile_name: str) -> str | None:
     measured = profile.device.name.rsplit(" rank", 1)[0]
     return (
         f"note: {profile.name} was measured on {measured}; this machine is {here}, whose "
-        "rates differ: --profile fresh (the default, auto, here) measures this one"
+        "rates differ: --profile fresh (what the default, auto, does here) measures this one"
     )
 
 

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
+from torch.distributed.tensor import DTensor
 
 from cost_models.comm import DDP_BUCKET_BYTES, flat_chunks
 
@@ -323,3 +324,8 @@ def _pieces(flats: list[torch.Tensor], start: int, end: int):
         if a < b:
             yield f, a - offset, b - offset
         offset += f.numel()
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` (``t`` itself where it is not a DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t

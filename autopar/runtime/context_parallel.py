@@ -71,6 +71,7 @@ from autopar.runtime.collectives import (
     all_gather_seq,
     all_reduce_flat,
     attended,
+    local_shard,
     ring_attention,
 )
 from autopar.runtime.tensor_parallel import is_projection
@@ -282,7 +283,7 @@ class ContextParallel:
         (`all_reduce_flat`); call after backward, before the data-parallel average. ``skip``:
         parameters summed elsewhere (expert parallelism's experts, folded over cp)."""
         grads = [
-            _local(p.grad)
+            local_shard(p.grad)
             for name, p in model.named_parameters()
             if p.grad is not None and name not in skip
         ]
@@ -318,10 +319,6 @@ def take_positions(model: nn.Module) -> nn.Module:
     model.register_forward_pre_hook(before, with_kwargs=True, prepend=True)
     model.register_forward_hook(after, with_kwargs=True)
     return model
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class DirectSDPA(TorchFunctionMode):

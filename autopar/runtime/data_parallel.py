@@ -60,11 +60,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from autopar.config import ParallelConfig
-from autopar.runtime.collectives import all_reduce_flat
+from autopar.runtime.collectives import all_reduce_flat, local_shard
 from autopar.runtime.mesh import RuntimeMesh
 from autopar.runtime.tensor_parallel import find_vocab_layers
 from autopar.tracing.layers import ancestors
@@ -98,7 +97,7 @@ class DataParallel:
         if self.kind != "replicate":
             return
         grads = [
-            _local(p.grad)
+            local_shard(p.grad)
             for name, p in self.model.named_parameters()
             if p.grad is not None and name not in self.skip
         ]
@@ -169,10 +168,6 @@ class _SharedCasts:
             weakref.finalize(x, self.casts.pop, key, None)
         self.casts[key] = (weakref.ref(x), x._version, cast)
         return (cast, *rest)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def end_units(

@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.runtime.collectives import all_reduce_flat
-from autopar.runtime.replica_groups import LocalShards, group_manager, local
+from autopar.runtime.collectives import all_reduce_flat, local_shard
+from autopar.runtime.replica_groups import LocalShards, group_manager
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class FaultTolerantGroups:
         parameter cost a millisecond of torchft's own work each on CPU: 46 ms a step for
         gpt-tiny's tensors, against 3 in chunks; the estimate prices the same chunks)."""
         t0 = time.perf_counter()
-        grads = [local(p.grad) for p in self.params if p.grad is not None]
+        grads = [local_shard(p.grad) for p in self.params if p.grad is not None]
         all_reduce_flat(grads, None, reduce=lambda t: self.manager.allreduce(t).wait())
         self._spent["all_reduce"].append(time.perf_counter() - t0)
 
@@ -155,7 +155,7 @@ class FaultTolerantGroups:
         rank of every group that committed the same steps."""
         h = hashlib.sha256()
         for p in self.params:
-            h.update(local(p).detach().contiguous().numpy().tobytes())
+            h.update(local_shard(p).detach().contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
 
     def shutdown(self) -> None:

@@ -48,9 +48,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from autopar.config import ParallelConfig
+from autopar.runtime.collectives import local_shard
 from autopar.runtime.mesh import RuntimeMesh
 from autopar.runtime.parts import has_parts, parts_of, tied_parameters
 from autopar.runtime.stages import (
@@ -265,7 +265,7 @@ class Pipeline:
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         loss = torch.zeros((), dtype=torch.float32)
         if self.has_last_chunk:
-            loss = torch.stack([_local(x).detach().float().cpu() for x in losses]).sum()
+            loss = torch.stack([local_shard(x).detach().float().cpu() for x in losses]).sum()
         device_loss = loss.to(self.stages[0].device)
         dist.broadcast(device_loss, group_src=self._loss_rank, group=self.group)
         return device_loss.cpu()
@@ -303,15 +303,11 @@ class Pipeline:
         )
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _grad_of(p: nn.Parameter) -> torch.Tensor:
     """The local gradient of ``p`` (zeros when backward left none)."""
     if p.grad is None:
         p.grad = torch.zeros_like(p)
-    return _local(p.grad)
+    return local_shard(p.grad)
 
 
 def tie_group_of(mesh: RuntimeMesh, layout: ChunkLayout) -> dist.ProcessGroup | None:

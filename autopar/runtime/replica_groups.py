@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from autopar.runtime.collectives import local_shard
 
 
 def ft_timeouts(timeout_s: float) -> tuple[float, float, float]:
@@ -68,11 +69,6 @@ def group_manager(
     )
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of ``t`` (``t`` itself where it is not a DTensor)."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class LocalShards:
     """The state a healthy peer hands a rejoining group's same rank: this rank's local shards
     of the model's trainable parameters and of their optimizer state (the same rank of every
@@ -84,9 +80,9 @@ class LocalShards:
 
     def save(self) -> dict[str, Any]:
         with torch.no_grad():
-            params = [local(p).detach().clone() for p in self.params]
+            params = [local_shard(p).detach().clone() for p in self.params]
             moments = [
-                {k: local(v).detach().clone() for k, v in self.optimizer.state[p].items()}
+                {k: local_shard(v).detach().clone() for k, v in self.optimizer.state[p].items()}
                 for p in self.params
             ]
         return {"params": params, "optimizer": moments}
@@ -94,7 +90,7 @@ class LocalShards:
     def load(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
             for p, value in zip(self.params, state["params"], strict=True):
-                local(p).copy_(value)
+                local_shard(p).copy_(value)
             for p, saved in zip(self.params, state["optimizer"], strict=True):
                 if not saved:
                     continue
@@ -103,4 +99,4 @@ class LocalShards:
                     if key not in mine:  # no step taken here yet: a moment shaped as p
                         # (its placements kept), or a scalar as the peer's (AdamW's step)
                         mine[key] = torch.zeros_like(p) if value.dim() else value.clone()
-                    local(mine[key]).copy_(value)
+                    local_shard(mine[key]).copy_(value)

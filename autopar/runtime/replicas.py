@@ -108,7 +108,7 @@ class ReplicaRun:
         named = set(pm.blocks)
         blocks = [m for path, m in model.named_modules() if path in named]
         self.context = contextlib.ExitStack()
-        self.traffic = self.groups = self.diloco = self.position = None
+        self.traffic = self.groups = self.position = None
         self.ft, self.log = options.ft, options.log and rank == 0
         if options.diloco is not None:  # torchft's DiLoCo on the inner optimizer's steps
             diloco, self.traffic = attach_diloco(
@@ -117,13 +117,14 @@ class ReplicaRun:
             outer = checkpointer.resumed_extra if checkpointer else None
             if outer is not None:  # after the model's weights: their outer step's, and momentum
                 load_outer_state(diloco, outer)
-            elif resumed and options.log and rank == 0:
+            elif resumed and self.log:
                 print(
                     f"[autopar] DiLoCo: the checkpoint of step {resumed} holds no outer state "
                     "(saved by another kind of run): the outer steps start from its weights",
                     flush=True,
                 )
-            self.diloco = self.context.enter_context(diloco)
+            self.context.enter_context(diloco)
+            self.position = Position(diloco, resumed)  # handed to a peer that heals from here
             if checkpointer is not None:  # saved beside the model at each checkpoint
                 checkpointer.extra = lambda: outer_state(diloco)
         if options.ft is not None:
@@ -139,8 +140,7 @@ class ReplicaRun:
         ``total`` - 1."""
         if self.groups:
             return self.groups.steps(total)
-        if self.diloco is not None:
-            self.position = Position(self.diloco, first)
+        if self.position is not None:
             return self._diloco_steps(first, total)
         return range(first, total)
 
@@ -162,7 +162,7 @@ class ReplicaRun:
         """The steps this group's state stands for once a step ends that ran ``steps``: the
         peer's where an outer step in it healed the group (what a checkpoint is labelled)."""
         pending = self.position.pending if self.position is not None else None
-        return steps if pending is None else pending
+        return pending if pending is not None else steps
 
     def sync_gradients(self) -> None:
         if self.groups is not None:  # averaged over the groups alive

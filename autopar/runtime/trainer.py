@@ -70,7 +70,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from autopar.config import ParallelConfig
 from autopar.config.precision import ALIASES
 from autopar.runtime.checkpoint import CheckpointOptions, open_checkpointer
-from autopar.runtime.collectives import ROUTED_ROWS
+from autopar.runtime.collectives import ROUTED_ROWS, local_shard
 from autopar.runtime.hf_export import save_run_as_hf
 from autopar.runtime.host_memory import release_freed_memory
 from autopar.runtime.low_precision import RUNTIME_PRECISIONS
@@ -185,10 +185,6 @@ class StepResult:
     outer_bytes: float = 0.0  # DiLoCo: the bytes this rank sent other groups this step
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _norm_share(grad: torch.Tensor, pp: int, world: int) -> float:
     """The weight of this rank's squared local gradient in the world sum (module docstring)."""
     shards = 1
@@ -207,10 +203,12 @@ def memory_of(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict
     """This rank's parameter, gradient and optimizer-state bytes (local shards) and peak."""
     params = list(model.parameters())
     out = {
-        "parameters": float(sum(_local(p).numel() * p.element_size() for p in params)),
+        "parameters": float(sum(local_shard(p).numel() * p.element_size() for p in params)),
         "gradients": float(
             sum(
-                _local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None
+                local_shard(p.grad).numel() * p.grad.element_size()
+                for p in params
+                if p.grad is not None
             )
         ),
         "optimizer": 0.0,
@@ -219,7 +217,7 @@ def memory_of(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict
         for state in optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:  # not the step count
-                    out["optimizer"] += _local(value).numel() * value.element_size()
+                    out["optimizer"] += local_shard(value).numel() * value.element_size()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["peak"] = float(torch.cuda.max_memory_allocated())
         # what the caching allocator held at most: the figure an OOM is decided on, and the
@@ -397,7 +395,7 @@ def train(
         with torch.no_grad():
             for p in model.parameters():
                 if p.grad is not None:
-                    _local(p.grad).mul_(coef)
+                    local_shard(p.grad).mul_(coef)
         lr = options.lr_at(step)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -483,7 +481,7 @@ def _accumulate(
             del out
             pm.data_parallel.before_backward(is_last_microbatch=i == num_micro - 1)
             loss.backward()
-        loss_sum += _local(loss.detach()).double().cpu()
+        loss_sum += local_shard(loss.detach()).double().cpu()
     return loss_sum
 
 
@@ -504,7 +502,7 @@ def _global_norm_and_loss(
     total = torch.zeros(2, dtype=torch.float64, device=mesh.mesh.device_type)
     for p in params:
         if p.grad is not None:
-            local = _local(p.grad).detach().double()
+            local = local_shard(p.grad).detach().double()
             share = _norm_share(p.grad, pp, world) * fewer.get(id(p), 1)
             total[0] += local.pow(2).sum() * share
     total[1] = loss / world

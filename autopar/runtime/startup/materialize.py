@@ -32,8 +32,8 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from autopar.runtime.collectives import local_shard
 from autopar.runtime.startup.record import Const, InitRecord, InitRecordError
 from autopar.runtime.startup.regions import HandSlice, Region, region_of
 from autopar.runtime.startup.replay import Evaluator
@@ -111,10 +111,6 @@ class Materialized:
     num_elements: int
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _to_empty(model: nn.Module, device: torch.device | str) -> None:
     """``model.to_empty(device)`` keeping each parameter one object: swapped in place
     (`torch.utils.swap_tensors`), so a parameter two modules share (a tied head) stays shared
@@ -166,7 +162,7 @@ def materialize(
         # buffers under every name: to_empty gives each module's slot a tensor of its own
         named = [*model.named_parameters(), *model.named_buffers(remove_duplicate=False)]
         for name, tensor in named:
-            local = _local(tensor)
+            local = local_shard(tensor)
             if name in lifted:
                 if lifted[name] is not None:
                     local.copy_(lifted[name])

@@ -31,13 +31,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import job_steps, run_group_jobs, run_ranks
+from harness import HERE, job_steps, run_group_jobs, run_ranks
 
 from autopar.runtime.collectives import all_reduce_flat
 from autopar.runtime.fault_tolerance import group_step
 from cost_models.comm import DDP_BUCKET_BYTES
 
-HERE = Path(__file__).resolve().parent
 STEPS, KILL_AT = 60, 5  # 0-based: step 6's batch
 PACE, DELAY = 0.25, 5.0  # seconds a batch takes; the restarted group waits this long
 DIGEST = re.compile(r"replica group (\d), rank (\d): parameters (\w+) after step (\d+)")
