@@ -218,19 +218,19 @@ class _Runner:
         stage_backward_weight(model.parameters(), groups)
 
     def optimizer_step(self) -> float:  # as the trainer: global norm, clip, AdamW
-        from autopar.runtime.trainer import _local
+        from autopar.runtime.collectives import local_shard
 
         dist.barrier()
         start = time.perf_counter()
         grads = [p.grad for p in self.pm.model.parameters() if p.grad is not None]
         norm = torch.zeros((), dtype=torch.float64)
         for g in grads:
-            norm += _local(g).detach().double().pow(2).sum()
+            norm += local_shard(g).detach().double().pow(2).sum()
         dist.all_reduce(norm)
         coef = min(1.0, 1.0 / (math.sqrt(norm.item()) + 1e-6))
         with torch.no_grad():
             for g in grads:
-                _local(g).mul_(coef)
+                local_shard(g).mul_(coef)
         self.optimizer.step()
         self._sync()
         return time.perf_counter() - start
