@@ -70,6 +70,14 @@ class CostOptions:
     # reshard-after-backward off until the last micro-batch. One gather and one reduce-scatter
     # per step; False: both per micro-batch, two layers gathered at a time.
     pp_keeps_unsharded: bool = False
+    # A pipeline rank waits for its own send to land before it runs its next micro-batch
+    # (Megatron's non-interleaved 1F1B: send_forward_recv_backward and its mirror wait on
+    # their requests; DeepSpeed's pipeline engine sends synchronously), so each forward but
+    # the last stage's and each backward but the first stage's hold the rank for one hop;
+    # False: the send runs beside the next task and only delays its receiver (PyTorch's
+    # pipelining schedules post isend and wait at the step's end). Priced for schedules of
+    # one model chunk per rank (`StageTimer.pipeline`); interleaved ones overlap their sends.
+    pipeline_blocking_sends: bool = False
     # Host time of the gradient hook DeepSpeed's ZeRO-2 and ZeRO-3 run per parameter tensor per
     # micro-batch (the gradient copied into its reduction bucket); 0 where sharding works per
     # layer without per-tensor hooks (FSDP, DDP buckets).

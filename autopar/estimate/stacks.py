@@ -30,7 +30,7 @@ Format (schema_version 1; every key of a table but ``source`` may be left out, t
                  replicated_grad_overlap, overlap_param_gather, fsdp_prefetch, offload_overlap,
                  fsdp_per_tensor, fsdp_list_copies, grad_bytes, comm_interference,
                  fp8_all_gather, param_hook_s, param_fetch_hook_s, fsdp_over_cp,
-                 pp_keeps_unsharded, source
+                 pp_keeps_unsharded, pipeline_blocking_sends, source
     [precision]  recipes (the low-precision recipes the stack trains, `config.precision`
                  names; without it, every recipe), torchao_linears (the recipe runs only
                  the linears torchao converts), source; optional: without it, every recipe
@@ -95,6 +95,7 @@ _TABLES = {
         "param_fetch_hook_s",
         "fsdp_over_cp",
         "pp_keeps_unsharded",
+        "pipeline_blocking_sends",
     ),
 }
 

@@ -309,6 +309,8 @@ class StageTimer:
         if gathered:  # the chunk's ends gather the sequence (one each way)
             p2p = tuple(t + mesh.time("all_gather", sent, "tp") for t in p2p)
         fwd, bin_, wgrad = _task_times(cfg, per_stage)
+        if self.options.pipeline_blocking_sends and cfg.virtual_stages == 1:
+            fwd, bin_, p2p = _blocking_sends(fwd, bin_, p2p)
         step, inflight = self.pipeline_timer(
             cfg.schedule, cfg.pp, m, fwd, bin_, wgrad, p2p, cfg.virtual_stages
         )
@@ -489,3 +491,16 @@ def _task_times(
     wgrad = tuple(s["weight_grad"] if split else 0.0 for s in per_stage)
     b_in = tuple(s["backward"] - w for s, w in zip(per_stage, wgrad, strict=True))
     return tuple(s["forward"] for s in per_stage), b_in, wgrad
+
+
+def _blocking_sends(
+    fwd: tuple[float, ...], b_in: tuple[float, ...], hops: tuple[float, ...]
+) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """Sends that hold their rank (`CostOptions.pipeline_blocking_sends`), for one chunk per
+    rank: stage s's forward ends when its activation reached s + 1 (hop s) and its backward
+    when its gradient reached s - 1 (hop s - 1), so the receivers wait no longer."""
+    p = len(fwd)
+    hop = hops * p if len(hops) == 1 else hops
+    fwd = tuple(f + (hop[s] if s < p - 1 else 0.0) for s, f in enumerate(fwd))
+    b_in = tuple(b + (hop[s - 1] if s > 0 else 0.0) for s, b in enumerate(b_in))
+    return fwd, b_in, (0.0,) * p
