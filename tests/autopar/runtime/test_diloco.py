@@ -13,7 +13,9 @@ Nesterov step. Checked:
   same learning rate; measured 3.73 against 3.82 when written);
 - a run stopped and started again from its checkpoint takes the same outer steps, bitwise, as
   one never stopped (the outer state -- each fragment's last outer parameters, the momentum,
-  torchft's step -- saved beside the model).
+  torchft's step -- saved beside the model);
+- a group behind the others (its newest checkpoint lost, or killed mid-run) is healed to their
+  step at its first outer step: the outer state, and with 2 fragments the peer's model shards.
 """
 
 from __future__ import annotations
@@ -164,6 +166,59 @@ def test_a_diloco_group_behind_the_others_is_healed_to_their_step(tmp_path):
         assert ours["original_parameters"].keys() == theirs["original_parameters"].keys()
         for name, value in ours["original_parameters"].items():
             assert torch.equal(value, theirs["original_parameters"][name]), name
+
+
+@pytest.mark.multiprocess
+def test_a_group_behind_takes_a_peers_model_shards_with_its_fragments_outer_state(tmp_path):
+    """As above with 2 fragments, streamed: H = 4, a fragment syncs every 2 steps in turn, its
+    all-reduce started a step ahead. Group 1 resumes at 4 and meets group 0, resumed at 8, at
+    its first fragment all-reduce: group 0's for step 10, started in step 9; group 1's for
+    step 6, started in step 5. Group 1 is healed there to group 0's step 9 and runs 10-12.
+
+    Between two syncs of a fragment the other one trains on, so the model a healed group
+    takes is not the outer state alone: the peer's local shards of every fragment and their
+    optimizer moments come with it (`replica_groups.LocalShards`). Checked through the losses:
+    group 1's steps after the heal are within 1% of the uninterrupted run's (the peer's model
+    a step ahead of where its own stood; measured 0.06-0.2% when written), where keeping its
+    own step-5 shards of the fragment not being synced put step 10 17% over. Group 0's steps
+    9 and 10 and group 1's step 5 are the uninterrupted run's bitwise (no state of the other
+    group has reached them yet), and both groups save step 12 with the same outer state of
+    each fragment and torchft step."""
+    torchft = pytest.importorskip("torchft._torchft")
+    cfg = C(fsdp=2, zero_stage=3, micro_batch_size=4)
+    checkpoint = CheckpointOptions(str(tmp_path), every=4, keep=3)
+
+    def run():
+        lighthouse = torchft.LighthouseServer(bind="[::]:0", min_replicas=2)
+        try:
+            return run_groups(2, 2, diloco_rank, cfg, 12, lighthouse.address(), 4, 2, checkpoint)
+        finally:
+            lighthouse.shutdown()
+
+    straight = run()
+    for g in (0, 1):
+        shutil.rmtree(tmp_path / f"group{g}" / "step-00000012")
+    shutil.rmtree(tmp_path / "group1" / "step-00000008")
+    resumed = run()  # ranks 0-1 are group 0's, 2-3 group 1's
+    for before, after in zip(straight[:2], resumed[:2], strict=True):
+        assert [step for step, *_ in after] == [9, 10, 11, 12]
+        assert after[:2] == before[8:10]
+    for before, after in zip(straight[2:], resumed[2:], strict=True):
+        assert [step for step, *_ in after] == [5, 10, 11, 12]
+        assert after[0] == before[4]
+        for (step, loss, _), (_, want, _) in zip(after[1:], before[9:], strict=True):
+            assert loss == pytest.approx(want, rel=0.01), (step, loss, want)
+    for r in (0, 1):
+        states = [
+            torch.load(tmp_path / f"group{g}" / "step-00000012" / f"extra-rank{r}.pt")["torchft"]
+            for g in (0, 1)
+        ]
+        assert states[0]["torchft"] == states[1]["torchft"] == {"step": 6, "batches_committed": 12}
+        for fragment in ("StreamingDiLoCoFragment_0", "StreamingDiLoCoFragment_1"):
+            ours, theirs = (s["user"][fragment]["original_parameters"] for s in states)
+            assert ours.keys() == theirs.keys()
+            for name, value in ours.items():
+                assert torch.equal(value, theirs[name]), (fragment, name)
 
 
 @pytest.mark.multiprocess
