@@ -124,6 +124,30 @@ def test_a_diloco_run_resumed_from_its_checkpoint_takes_the_outer_steps_of_one_n
         assert sum(b for *_, b in after) > 0  # outer steps in the resumed stretch
 
 
+def _resumed_with_group_1_behind(tmp_path, fragments: int) -> tuple[list, list]:
+    """Per rank, (step, loss, outer bytes) of a 12-step run of two groups, H = 4, saving at 4,
+    8 and 12; then of the same job started again after step 12 is deleted from both groups and
+    step 8 from group 1 (ranks 0-1 are group 0's, 2-3 group 1's)."""
+    torchft = pytest.importorskip("torchft._torchft")
+    cfg = C(fsdp=2, zero_stage=3, micro_batch_size=4)
+    checkpoint = CheckpointOptions(str(tmp_path), every=4, keep=3)
+
+    def run():
+        lighthouse = torchft.LighthouseServer(bind="[::]:0", min_replicas=2)
+        try:
+            return run_groups(
+                2, 2, diloco_rank, cfg, 12, lighthouse.address(), 4, fragments, checkpoint
+            )
+        finally:
+            lighthouse.shutdown()
+
+    straight = run()
+    for g in (0, 1):
+        shutil.rmtree(tmp_path / f"group{g}" / "step-00000012")
+    shutil.rmtree(tmp_path / "group1" / "step-00000008")
+    return straight, run()
+
+
 @pytest.mark.multiprocess
 def test_a_diloco_group_behind_the_others_is_healed_to_their_step(tmp_path):
     """One site lost its newest checkpoint: H = 4, one fragment, saves at 4, 8 and 12; then
@@ -136,22 +160,7 @@ def test_a_diloco_group_behind_the_others_is_healed_to_their_step(tmp_path):
     group 1's reaches it before that outer step); after it both groups hold the same outer
     parameters and torchft step (their step-12 outer state), which they would not had group 1
     kept its step-4 ones."""
-    torchft = pytest.importorskip("torchft._torchft")
-    cfg = C(fsdp=2, zero_stage=3, micro_batch_size=4)
-    checkpoint = CheckpointOptions(str(tmp_path), every=4, keep=3)
-
-    def run():
-        lighthouse = torchft.LighthouseServer(bind="[::]:0", min_replicas=2)
-        try:
-            return run_groups(2, 2, diloco_rank, cfg, 12, lighthouse.address(), 4, 1, checkpoint)
-        finally:
-            lighthouse.shutdown()
-
-    straight = run()
-    for g in (0, 1):
-        shutil.rmtree(tmp_path / f"group{g}" / "step-00000012")
-    shutil.rmtree(tmp_path / "group1" / "step-00000008")
-    resumed = run()  # ranks 0-1 are group 0's, 2-3 group 1's
+    straight, resumed = _resumed_with_group_1_behind(tmp_path, fragments=1)
     for before, after in zip(straight[:2], resumed[:2], strict=True):
         assert after == before[8:]  # steps 9-12
     for before, after in zip(straight[2:], resumed[2:], strict=True):
@@ -184,22 +193,7 @@ def test_a_group_behind_takes_a_peers_model_shards_with_its_fragments_outer_stat
     9 and 10 and group 1's step 5 are the uninterrupted run's bitwise (no state of the other
     group has reached them yet), and both groups save step 12 with the same outer state of
     each fragment and torchft step."""
-    torchft = pytest.importorskip("torchft._torchft")
-    cfg = C(fsdp=2, zero_stage=3, micro_batch_size=4)
-    checkpoint = CheckpointOptions(str(tmp_path), every=4, keep=3)
-
-    def run():
-        lighthouse = torchft.LighthouseServer(bind="[::]:0", min_replicas=2)
-        try:
-            return run_groups(2, 2, diloco_rank, cfg, 12, lighthouse.address(), 4, 2, checkpoint)
-        finally:
-            lighthouse.shutdown()
-
-    straight = run()
-    for g in (0, 1):
-        shutil.rmtree(tmp_path / f"group{g}" / "step-00000012")
-    shutil.rmtree(tmp_path / "group1" / "step-00000008")
-    resumed = run()  # ranks 0-1 are group 0's, 2-3 group 1's
+    straight, resumed = _resumed_with_group_1_behind(tmp_path, fragments=2)
     for before, after in zip(straight[:2], resumed[:2], strict=True):
         assert [step for step, *_ in after] == [9, 10, 11, 12]
         assert after[:2] == before[8:10]
