@@ -125,7 +125,8 @@ class Stack:
             f"reserve {o.reserve_fraction:.0%}\n"
             f"  overlap  tp {o.tp_comm_overlap:g}, grad reduce {o.overlap_grad_reduce}, param "
             f"gather {o.overlap_param_gather}, fsdp prefetch {o.fsdp_prefetch}, compute lost "
-            f"to hidden communication {o.comm_interference:.0%}"
+            f"to hidden communication {o.comm_interference:.0%}, pipeline sends "
+            f"{'held by the sender' if o.pipeline_blocking_sends else 'beside the next task'}"
         )
 
 
