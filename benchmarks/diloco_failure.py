@@ -7,15 +7,16 @@ their next outer step. Run here: the gpt-tiny plan of `benchmarks/goodput.py` on
 --diloco-group G`, one fragment, a checkpoint every H steps), torchft's lighthouse in this
 process, each step paced by PACE seconds of data loading (the data hook below) so that a step
 is long against the run's noise. One run without failures gives T; then, for each kill point
-k, group 1's worker is SIGKILLed once its metrics show step k committed: torchrun restarts it,
-it resumes from its checkpoint at the period's start, redoes the steps to the period's end and
-is healed there by group 0, which has waited at that outer step since it got there.
+k, group 1's worker is SIGKILLed once its metrics show step H + k committed (k steps into the
+second outer period): torchrun restarts it, it resumes from its checkpoint at the period's
+start, redoes the steps to the period's end and is healed there by group 0, which has waited
+at that outer step since it got there.
 
-Measured: group 0's stall, the gap between its steps at that outer step less T. Predicted for
-a kill after k - s of the period's steps (s its start): R + (k - s) T + heal, with R the
-profile's restart_s (`benchmarks/goodput.py calibrate`: from a kill to the group's first step
-again, less a step) and heal `algorithms._heal_s`; the mean of that over k uniform in the
-period is the price's R + H T / 2 + heal.
+Measured: group 0's stall, its step that takes the outer step less the same step of the run
+without failures. Predicted for a kill after k of the period's steps: R + k T + heal, with R
+the profile's restart_s (`benchmarks/goodput.py calibrate`: from a kill to the group's first
+step again, less a step) and heal `algorithms._heal_s`; over kills spread evenly across the
+period that is the price's R + H T / 2 + heal.
 
     python3 benchmarks/diloco_failure.py                  # H = 8, kills after 2 and 6 steps
     python3 benchmarks/diloco_failure.py --kills 1,4,7 --inner-steps 8
@@ -165,9 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"more at step {2 * h}, predicted {want:.2f} s ({want / stall - 1:+.1%}); "
                   f"group 1's restart took {again - lost - t:.2f} s", flush=True)  # fmt: skip
         if errors:
-            mean_k = (h + 1) / 2  # kills uniform over the period
             print(
-                f"\nper failure, the price's mean: {restart + mean_k * t + heal:.2f} s "
+                f"\nper failure, the price's mean: {restart + h * t / 2 + heal:.2f} s "
                 f"(R + H T / 2 + heal); worst |predicted/measured - 1| "
                 f"{max(abs(e) for e in errors):.1%}"
             )
