@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -128,8 +129,7 @@ def _gap_into(log: list[dict], step: int) -> float:
 
 def step_time(log: list[dict]) -> float:
     """The median gap between consecutive steps of one group's run."""
-    gaps = sorted(b["time"] - a["time"] for a, b in zip(log, log[1:], strict=False))
-    return gaps[len(gaps) // 2]
+    return statistics.median(b["time"] - a["time"] for a, b in zip(log, log[1:], strict=False))
 
 
 def main(argv: list[str] | None = None) -> int:

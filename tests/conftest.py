@@ -16,11 +16,8 @@ HEAVY = ("slow", "multiprocess")
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
-    weight: Counter[str] = Counter()
-    first_seen: dict[str, int] = {}
-    for i, item in enumerate(items):
-        path = str(item.path)
-        first_seen.setdefault(path, i)
-        if any(item.get_closest_marker(m) for m in HEAVY):
-            weight[path] += 1
-    items.sort(key=lambda item: (-weight[str(item.path)], first_seen[str(item.path)]))
+    weight: Counter[str] = Counter(
+        str(item.path) for item in items if any(item.get_closest_marker(m) for m in HEAVY)
+    )
+    # a stable sort: files of equal weight, and each file's tests, keep the collection order
+    items.sort(key=lambda item: -weight[str(item.path)])

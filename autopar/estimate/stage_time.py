@@ -499,8 +499,7 @@ def _blocking_sends(
     """Sends that hold their rank (`CostOptions.pipeline_blocking_sends`), for one chunk per
     rank: stage s's forward ends when its activation reached s + 1 (hop s) and its backward
     when its gradient reached s - 1 (hop s - 1), so the receivers wait no longer."""
-    p = len(fwd)
-    hop = hops * p if len(hops) == 1 else hops
-    fwd = tuple(f + (hop[s] if s < p - 1 else 0.0) for s, f in enumerate(fwd))
-    b_in = tuple(b + (hop[s - 1] if s > 0 else 0.0) for s, b in enumerate(b_in))
+    p = len(fwd)  # one hop per rank (`MeshGroups.hop_times`)
+    fwd = tuple(f + (hops[s] if s < p - 1 else 0.0) for s, f in enumerate(fwd))
+    b_in = tuple(b + (hops[s - 1] if s > 0 else 0.0) for s, b in enumerate(b_in))
     return fwd, b_in, (0.0,) * p
