@@ -13,10 +13,13 @@ start, redoes the steps to the period's end and is healed there by group 0, whic
 at that outer step since it got there.
 
 Measured: group 0's stall, its step that takes the outer step less the same step of the run
-without failures. Predicted for a kill after k of the period's steps: R + k T + heal, with R
-the profile's restart_s (`benchmarks/goodput.py calibrate`: from a kill to the group's first
-step again, less a step) and heal `algorithms._heal_s`; over kills spread evenly across the
-period that is the price's R + H T / 2 + heal.
+without failures; and group 1's own parts of it: its restart (from the kill to its first step
+again, less a step) and its rejoining (its step into the outer step, where it meets the others'
+quorum and is healed, less that step of the run without failures). Predicted for a kill after
+k of the period's steps: R + k T + J + heal, with R the profile's restart_s
+(`benchmarks/goodput.py calibrate`), J its rejoin_s (measured here: the median of the printed
+rejoins) and heal `algorithms._heal_s`; over kills spread evenly across the period that is the
+price's R + H T / 2 + J + heal.
 
     python3 benchmarks/diloco_failure.py                  # H = 8, kills after 2 and 6 steps
     python3 benchmarks/diloco_failure.py --kills 1,4,7 --inner-steps 8
@@ -149,27 +152,31 @@ def main(argv: list[str] | None = None) -> int:
         base = _gap_into(quiet[0], 2 * h)  # the outer step's own cost is in both runs
         cluster = autopar.Cluster.from_profile("local_cpu", num_devices=1)
         restart = cluster.profile.reliability.restart_s
+        rejoin = cluster.profile.reliability.rejoin_s
         heal = _heal_s(plan.num_params, plan.optimizer, _group_link(cluster, 1))
         print(f"failure-free: step {t:.3f} s (pace {args.pace} s), step {2 * h} with its outer "
-              f"step {base:.3f} s; priced: restart {restart:.2f} s, heal {heal * 1e3:.1f} ms",
-              flush=True)  # fmt: skip
-        errors = []
+              f"step {base:.3f} s; priced: restart {restart:.2f} s, rejoin {rejoin:.2f} s, heal "
+              f"{heal * 1e3:.1f} ms", flush=True)  # fmt: skip
+        errors, rejoins = [], []
         for k in (int(x) for x in args.kills.split(",") if x):
             survivor, failed = run(directory, steps, h, args.pace, h + k)
             stall = _gap_into(survivor, 2 * h) - base
             # the failed group's own restart: its kill came as it committed step h + k
             lost = next(r["time"] for r in failed if r["step"] == h + k)
             again = next(r["time"] for r in failed if r["time"] > lost and r["step"] == h + 1)
-            want = restart + k * t + heal
+            rejoins.append(_gap_into(failed, 2 * h) - _gap_into(quiet[1], 2 * h))
+            want = restart + k * t + rejoin + heal
             errors.append(want / stall - 1)
             print(f"killed after {k} of the period's {h} steps: group 0 waited {stall:.2f} s "
                   f"more at step {2 * h}, predicted {want:.2f} s ({want / stall - 1:+.1%}); "
-                  f"group 1's restart took {again - lost - t:.2f} s", flush=True)  # fmt: skip
+                  f"group 1's restart took {again - lost - t:.2f} s, its rejoining "
+                  f"{rejoins[-1]:.2f} s", flush=True)  # fmt: skip
         if errors:
             print(
-                f"\nper failure, the price's mean: {restart + h * t / 2 + heal:.2f} s "
-                f"(R + H T / 2 + heal); worst |predicted/measured - 1| "
-                f"{max(abs(e) for e in errors):.1%}"
+                f"\nper failure, the price's mean: {restart + h * t / 2 + rejoin + heal:.2f} s "
+                f"(R + H T / 2 + J + heal); worst |predicted/measured - 1| "
+                f"{max(abs(e) for e in errors):.1%}; rejoining measured: median "
+                f"{statistics.median(rejoins):.2f} s"
             )
     return 0
 

@@ -13,11 +13,12 @@ the one that reaches the token budget first.
     ft          the same steps, the data-parallel ranks split into M replica groups that fail
                 alone (torchft's Manager and quorum; HSDP with the groups on the replicate
                 axis): a failure costs the step in flight, which every group discards, and
-                the failed group's absence -- its restart R and its heal, copying the state S
-                from a healthy peer over the slowest link between groups -- while the other
+                the failed group's absence -- its restart R, its rejoining J (its first quorum
+                and the heal's set-up, `Reliability.rejoin_s`) and its heal, copying the state
+                S from a healthy peer over the slowest link between groups -- while the other
                 M - 1 keep stepping; before they drop that step they wait out the collective
                 timeout D (`AlgorithmOptions.ft_timeout_s`, the runtime's
-                `FTGroup.timeout_s`): waste per failure D + T + (R + S / link) / M.
+                `FTGroup.timeout_s`): waste per failure D + T + (R + J + S / link) / M.
                 Each step also pays torchft's own work (`ft_step_cost`): the gradients'
                 all-reduce over the groups, which the runtime runs after the backward in
                 the flat chunks of its other gradient syncs (`flat_chunks`; what the
@@ -37,10 +38,10 @@ the one that reaches the token budget first.
                 Manager asks for all M), so a failure stops them all at the next fragment
                 sync until the failed group is back: it restarts (R), resumes from its
                 checkpoint and redoes its steps since the last sync (H / (2F) on average)
-                while the others finish theirs, and is healed there (S / link, a peer's
-                model, optimizer and outer state, `runtime.diloco.Position`, where its
-                checkpoint is older): waste per failure R + H T / (2F) + S / link, for the
-                whole job, not one group's share.
+                while the others finish theirs, and rejoins and is healed there (J + S / link,
+                a peer's model, optimizer and outer state, `runtime.diloco.Position`, where
+                its checkpoint is older): waste per failure R + H T / (2F) + J + S / link,
+                for the whole job, not one group's share.
 
 Cross-site bytes are per site and direction, per step: for sync and ft what the plan's
 collectives over axes that span sites move through a site's uplink (a ring's
@@ -247,15 +248,17 @@ def price_ft(
     link = _group_link(cluster, replicas)
     heal = _heal_s(num_params, optimizer, link)
     step = step_time_s + step_cost_s
-    lost = timeout_s + step + (reliability.restart_s + heal) / replicas
+    lost = timeout_s + step + (reliability.restart_s + reliability.rejoin_s + heal) / replicas
     waste = _failure_waste(rate, lost)
     good = 1.0 - waste
     steps = budget / tokens_per_step
     return AlgorithmEstimate(
         "ft", replicas, 1, 1, cfg.as_text(), step, cross_bytes, good, 1.0,
         steps * step / max(good, 1e-9),
-        f"a failed group of {replicas} restarts ({reliability.restart_s:.0f} s) and heals "
-        f"from a peer ({heal:.0f} s) while the others step; they lose the step in flight and "
+        f"a failed group of {replicas} restarts ({reliability.restart_s:.0f} s"
+        + (f", {reliability.rejoin_s:.1f} s more to rejoin" if reliability.rejoin_s else "")
+        + f") and heals from a peer ({heal:.0f} s) while the others step; they lose the step "
+        "in flight and "
         f"the {timeout_s:.0f} s timeout that drops it; torchft adds "
         f"{step_cost_s * 1e3:.1f} ms a step (quorum, commit, the gradient all-reduce after "
         "the backward)",
@@ -288,7 +291,8 @@ def price_diloco(
     if reliability is not None:
         rate = cluster.world_size * reliability.failure_rate_per_device_hour / 3600.0
         heal = _heal_s(num_params, optimizer, _group_link(cluster, m))
-        lost = reliability.restart_s + h * inner_step_s / (2 * fragments) + heal
+        redo = h * inner_step_s / (2 * fragments)
+        lost = reliability.restart_s + redo + reliability.rejoin_s + heal
         good = 1.0 - _failure_waste(rate, lost)  # the others wait for it (module docstring)
     multiplier = 1.0 + options.diloco_token_overhead
     steps = budget / tokens_per_step

@@ -67,6 +67,11 @@ class Reliability:
         quorum (an RPC to the lighthouse, answered when every live group has asked, so it
         also waits out the groups' step-to-step jitter) and the commit (an RPC through the
         group's manager). Optional in a profile; `FT_CONTROL_S` where it is not measured.
+    rejoin_s: a restarted fault-tolerant replica group's return beyond its restart: its
+        torchft manager's first quorum with the live groups and the heal's transport set up
+        around the state it copies (the copy itself is priced from the link's bandwidth).
+        Optional in a profile; 0 where it is not measured (an estimated `restart_s` counts
+        rendezvous and communicator setup already).
     """
 
     failure_rate_per_device_hour: float
@@ -75,6 +80,7 @@ class Reliability:
     host_copy_bytes_per_s: float
     checkpoint_overhead_s: float = 0.0
     ft_control_s: float = FT_CONTROL_S
+    rejoin_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -311,6 +317,11 @@ def _reliability(f: _Fields, sources: dict[str, str]) -> Reliability | None:
             f.number("reliability.ft_control_s")
             if f.get("reliability.ft_control_s", required=False) is not None
             else FT_CONTROL_S
+        ),
+        rejoin_s=(
+            f.number("reliability.rejoin_s", strict=False)
+            if f.get("reliability.rejoin_s", required=False) is not None
+            else 0.0
         ),
     )
 

@@ -8,6 +8,9 @@ to failures than checkpoint-restart; bad inputs are refused naming the field.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 
 import autopar
@@ -129,6 +132,36 @@ def test_fault_tolerant_groups_lose_less_than_a_restart():
     assert ft.goodput == pytest.approx(1 - rate * (30.0 + 10.0 + (rel.restart_s + heal) / 8))
     assert ft.goodput > sync.goodput
     assert ft.time_to_budget_s < sync.time_to_budget_s
+
+
+def test_a_rejoining_group_costs_diloco_all_of_it_and_ft_groups_their_share(tmp_path):
+    """The restarted group's rejoining (its first quorum and the heal's set-up,
+    `Reliability.rejoin_s`) comes on top of its restart: every DiLoCo group waits for it at the
+    outer step, while fault-tolerant groups lose one group's share of it; a profile that does
+    not state it prices 0, and a negative one is refused."""
+    c = autopar.Cluster.from_profile("dgx_h100", 32, sites=2, site_link_gbps=100)
+    rel = c.profile.reliability
+    assert rel.rejoin_s == 0.0  # not measured for the GPU profiles
+    slow = replace(rel, rejoin_s=120.0)
+    cfg = C(dp=2, fsdp=16, tp=8)
+    rate = c.world_size * rel.failure_rate_per_device_hour / 3600
+    args = (5.0, cfg, 4e6, 1e12, c)
+    tail = (70e9, "adamw", AlgorithmOptions(), 500, 4)
+    before, after = price_diloco(*args, rel, *tail), price_diloco(*args, slow, *tail)
+    assert before.goodput - after.goodput == pytest.approx(rate * 120.0)
+    ft = [price_ft(*args[:4], 1e12, c, r, 70e9, "adamw", 2) for r in (rel, slow)]
+    assert ft[0].goodput - ft[1].goodput == pytest.approx(rate * 120.0 / 2)
+    assert "120.0 s more to rejoin" in ft[1].detail and "rejoin" not in ft[0].detail
+    assert autopar.Cluster.from_profile("local_cpu", num_devices=2).profile.reliability.rejoin_s
+    text = (
+        Path(c.profile.path)
+        .read_text()
+        .replace("[reliability]\n", "[reliability]\nrejoin_s = -1.0\n")
+    )
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text)
+    with pytest.raises(ProfileError, match=r"reliability.rejoin_s: must be >= 0, got -1"):
+        autopar.Cluster.from_profile(bad, num_devices=8)
 
 
 def test_torchft_adds_its_exposed_all_reduce_and_control_to_each_step():
