@@ -71,6 +71,27 @@ def test_fp32_matmuls_take_their_own_curve_where_the_device_gives_one():
     )
 
 
+def test_fp32_attention_runs_at_the_fp32_gemms_rate_where_the_device_gives_one():
+    """No tensor-core kernel takes fp32, so fp32 attention's products run as fp32 GEMMs do:
+    on the device's `matmul_fp32` curve where it has one; the tensor-core dtypes, and a device
+    without that curve (a CPU profile, whose attention curve is measured in fp32), keep the
+    attention curve."""
+    from dataclasses import replace
+
+    flops = 1e10
+    fp32 = replace(DEVICE, matmul_fp32=EfficiencyCurve(0.9, 1e8))
+    assert op_time_s(fp32, "attention", flops, 0, "fp32") == pytest.approx(
+        op_time_s(fp32, "matmul", flops, 0, "fp32")
+    )
+    assert op_time_s(fp32, "attention", flops, 0, "bf16") == op_time_s(
+        DEVICE, "attention", flops, 0, "bf16"
+    )
+    curve = DEVICE.attention
+    assert op_time_s(DEVICE, "attention", flops, 0, "fp32") == pytest.approx(
+        5e-6 + flops / (60e12 * curve.at(flops))
+    )
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="unknown dtype 'int4'; known dtypes: fp32"):
         op_time_s(DEVICE, "matmul", 1e9, 0, "int4")  # type: ignore[arg-type]
