@@ -322,8 +322,11 @@ def _dims(row: dict[str, str], notes: list[str]) -> tuple[ModelDims, str]:
         return dims, "llama"
     if model.startswith("GPT3-175B"):
         layers, hidden, heads = GPT3_175B
-        notes.append(f"GPT-3 175B: {layers}L h{hidden} {heads}H, ffn 4h, vocab {GPT2_VOCAB}")
-        dims = ModelDims(layers, hidden, 4 * hidden, heads, heads, GPT2_VOCAB, seq)
+        # hidden_dropout and attention_dropout 0.1: the benchmark's own config
+        # (NVIDIA/dgxc-benchmarking nemo_megatron/gpt3_175b_hydra.yaml)
+        notes.append(f"GPT-3 175B: {layers}L h{hidden} {heads}H, ffn 4h, vocab {GPT2_VOCAB}, "
+                     "hidden and attention dropout 0.1 (the benchmark's hydra config)")  # fmt: skip
+        dims = ModelDims(layers, hidden, 4 * hidden, heads, heads, GPT2_VOCAB, seq, dropout=0.1)
         return dims, "gpt"
     if shape is None:
         raise ValueError(f"{row['grid_id']}: cannot read a shape from {model!r}")
