@@ -252,14 +252,13 @@ def price_ft(
     waste = _failure_waste(rate, lost)
     good = 1.0 - waste
     steps = budget / tokens_per_step
+    rejoin = f", {reliability.rejoin_s:.1f} s more to rejoin" if reliability.rejoin_s else ""
     return AlgorithmEstimate(
         "ft", replicas, 1, 1, cfg.as_text(), step, cross_bytes, good, 1.0,
         steps * step / max(good, 1e-9),
-        f"a failed group of {replicas} restarts ({reliability.restart_s:.0f} s"
-        + (f", {reliability.rejoin_s:.1f} s more to rejoin" if reliability.rejoin_s else "")
-        + f") and heals from a peer ({heal:.0f} s) while the others step; they lose the step "
-        "in flight and "
-        f"the {timeout_s:.0f} s timeout that drops it; torchft adds "
+        f"a failed group of {replicas} restarts ({reliability.restart_s:.0f} s{rejoin}) and "
+        f"heals from a peer ({heal:.0f} s) while the others step; they lose the step in "
+        f"flight and the {timeout_s:.0f} s timeout that drops it; torchft adds "
         f"{step_cost_s * 1e3:.1f} ms a step (quorum, commit, the gradient all-reduce after "
         "the backward)",
         {"heal_s": heal, "torchft_step_s": step_cost_s},
