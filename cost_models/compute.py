@@ -12,9 +12,10 @@ elementwise and reduction ops, whose arithmetic does not run on tensor cores. An
 a GPU (TF32 off) runs on the vector units too, where a device may reach another fraction of
 that peak over a shorter ramp than its tensor-core GEMMs: its own curve where the profile gives
 one (`DeviceSpec.matmul_fp32`), else the matmul curve; so does fp32 attention, whose products
-are such GEMMs (`DeviceSpec.attention_curve`). eff rises from 0
-towards e_max, reaching e_max/2 at x_half: so F / (P * eff(F)) = (F + x_half) / (P * e_max), a
-fixed cost plus a rate, which is how small GEMMs and short messages behave in practice.
+are such GEMMs, never faster than the tensor-core kernels in bf16 (`DeviceSpec.attention_s`).
+eff rises from 0 towards e_max, reaching e_max/2 at x_half: so
+F / (P * eff(F)) = (F + x_half) / (P * e_max), a fixed cost plus a rate, which is how small
+GEMMs and short messages behave in practice.
 
 A collective called with a list of n per-rank views (torch.distributed.all_gather(list, x),
 reduce_scatter(y, list)) makes torch's ProcessGroupNCCL copy the flat buffer to or from each
@@ -82,15 +83,19 @@ class DeviceSpec:
             return self.matmul_fp32
         return self.matmul
 
-    def attention_curve(self, dtype: str) -> EfficiencyCurve:
-        """The efficiency curve of attention in ``dtype``: in fp32, on a device with a curve
-        for fp32 GEMMs on its vector units (`matmul_fp32`), that one -- no tensor-core kernel
-        takes fp32, so the score and value products run as those GEMMs do (an eager
-        attention's batched matmuls, or the fp32 path of a fused kernel) -- else `attention`,
-        the tensor-core kernels' curve."""
-        if dtype == "fp32" and self.matmul_fp32 is not None:
-            return self.matmul_fp32
-        return self.attention
+    def attention_s(self, flops: float, dtype: str) -> float:
+        """Compute time of an attention op of ``flops`` in ``dtype``: on the `attention` curve
+        at the dtype's peak; in fp32, on a device with a curve for fp32 GEMMs on its vector
+        units (`matmul_fp32`), at that curve and the fp32 peak -- no tensor-core kernel takes
+        fp32, so the score and value products run as those GEMMs do (an eager attention's
+        batched matmuls, or the fp32 path of a fused kernel) -- but never faster than the
+        tensor-core kernels run it in bf16 (their ramp is the longer one: a small fp32
+        attention is not priced under its bf16 twin)."""
+        tensor = flops / (self.peak(dtype) * self.attention.at(flops))
+        if dtype != "fp32" or self.matmul_fp32 is None:
+            return tensor
+        vector = flops / (self.peak("fp32") * self.matmul_fp32.at(flops))
+        return max(vector, flops / (self.peak("bf16") * self.attention.at(flops)))
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype``; fp16 falls back to bf16 and back, tf32 to fp32."""
@@ -134,7 +139,7 @@ def op_time_s(
     if op_class == "matmul":
         compute_s = flops / (device.peak(dtype) * device.matmul_curve(dtype).at(flops))
     elif op_class == "attention":
-        compute_s = flops / (device.peak(dtype) * device.attention_curve(dtype).at(flops))
+        compute_s = device.attention_s(flops, dtype)
     else:
         # Vector units, not tensor cores: the fp32 peak with the memory curve's shape.
         compute_s = flops / (device.peak("fp32") * device.memory.max)
