@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet = run(directory, steps, h, args.pace, None)
         t = step_time(quiet[0])
         base = _gap_into(quiet[0], 2 * h)  # the outer step's own cost is in both runs
+        base_1 = _gap_into(quiet[1], 2 * h)  # group 1's, without its rejoining
         cluster = autopar.Cluster.from_profile("local_cpu", num_devices=1)
         restart = cluster.profile.reliability.restart_s
         rejoin = cluster.profile.reliability.rejoin_s
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             # the failed group's own restart: its kill came as it committed step h + k
             lost = next(r["time"] for r in failed if r["step"] == h + k)
             again = next(r["time"] for r in failed if r["time"] > lost and r["step"] == h + 1)
-            rejoins.append(_gap_into(failed, 2 * h) - _gap_into(quiet[1], 2 * h))
+            rejoins.append(_gap_into(failed, 2 * h) - base_1)
             want = restart + k * t + rejoin + heal
             errors.append(want / stall - 1)
             print(f"killed after {k} of the period's {h} steps: group 0 waited {stall:.2f} s "

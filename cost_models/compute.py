@@ -91,9 +91,8 @@ class DeviceSpec:
         batched matmuls, or the fp32 path of a fused kernel) -- but never faster than the
         tensor-core kernels run it in bf16 (their ramp is the longer one: a small fp32
         attention is not priced under its bf16 twin)."""
-        tensor = flops / (self.peak(dtype) * self.attention.at(flops))
         if dtype != "fp32" or self.matmul_fp32 is None:
-            return tensor
+            return flops / (self.peak(dtype) * self.attention.at(flops))
         vector = flops / (self.peak("fp32") * self.matmul_fp32.at(flops))
         return max(vector, flops / (self.peak("bf16") * self.attention.at(flops)))
 

@@ -234,6 +234,12 @@ class _Fields:
             raise self.error(path, f"must be {bound}, got {value!r}")
         return float(value)
 
+    def optional_number(self, path: str, default: float, *, strict: bool = True) -> float:
+        """`number` where the profile states ``path``, else ``default``."""
+        if self.get(path, required=False) is None:
+            return default
+        return self.number(path, strict=strict)
+
     def integer(self, path: str, *, minimum: int = 1) -> int:
         value = self.get(path)
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -313,16 +319,8 @@ def _reliability(f: _Fields, sources: dict[str, str]) -> Reliability | None:
         storage_bytes_per_s_per_device=f.number("reliability.storage_bytes_per_s_per_device"),
         host_copy_bytes_per_s=f.number("reliability.host_copy_bytes_per_s"),
         checkpoint_overhead_s=f.number("reliability.checkpoint_overhead_s", strict=False),
-        ft_control_s=(
-            f.number("reliability.ft_control_s")
-            if f.get("reliability.ft_control_s", required=False) is not None
-            else FT_CONTROL_S
-        ),
-        rejoin_s=(
-            f.number("reliability.rejoin_s", strict=False)
-            if f.get("reliability.rejoin_s", required=False) is not None
-            else 0.0
-        ),
+        ft_control_s=f.optional_number("reliability.ft_control_s", FT_CONTROL_S),
+        rejoin_s=f.optional_number("reliability.rejoin_s", 0.0, strict=False),
     )
 
 
