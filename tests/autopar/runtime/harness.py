@@ -22,9 +22,11 @@ import multiprocessing
 import os
 import pickle
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,11 @@ from autopar.runtime.trainer import TrainOptions, reference_run, train
 HERE = Path(__file__).resolve().parent
 # no collective of these tiny models waits minutes, even at a load of 10 on 2 cores
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+# a spawn's ranks all done within this, or its test fails with each rank's stack: the
+# collective timeout above holds for the default group only, and the subgroups of a mesh get
+# torch's own 30 minutes (`new_group`'s default), so a deadlock there would hold a CI worker
+# that long, then say nothing of where the ranks stood. The longest spawn takes about 2 min.
+RANKS_DEADLINE_S = 15 * 60
 OPTIONS = TrainOptions(steps=3, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, log=False)
 
 
@@ -110,7 +117,7 @@ def tp_of(case: Case) -> dict[str, str] | None:
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Any, args: tuple, out_dir: str) -> None:
-    faulthandler.enable()  # a rank that crashes (SIGSEGV) prints where, into the test's stderr
+    _dump_stack_on_signal(out_dir, rank)
     os.environ.update(rank_environment(rank, world_size, port))
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -148,18 +155,54 @@ if _START_METHOD == "forkserver":  # read when the server starts, by the first r
     multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
 
 
-def run_ranks(world_size: int, fn: Any, *args: Any) -> list[Any]:
+def run_ranks(
+    world_size: int, fn: Any, *args: Any, deadline_s: float = RANKS_DEADLINE_S
+) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` gloo ranks (forked from a server that has imported
-    torch and autopar's runtime); their return values by rank."""
+    torch and autopar's runtime); their return values by rank. Ranks still running after
+    ``deadline_s`` fail the test with their stacks (`_join_by_deadline`)."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(
+        context = mp.start_processes(
             _entry,
             args=(world_size, free_port(), fn, args, tmp),
             nprocs=world_size,
-            join=True,
+            join=False,
             start_method=_START_METHOD,
         )
+        _join_by_deadline(context, tmp, deadline_s)
         return [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+def _dump_stack_on_signal(out_dir: str, rank: int) -> None:
+    """A crash (SIGSEGV) prints where into the test's stderr; SIGUSR1 (`_join_by_deadline`)
+    writes every thread's stack to ``out_dir``/stack{rank}.txt, which the test reports:
+    a rank forked from the server writes to the server's stderr, which no test captures."""
+    faulthandler.enable()
+    stacks = open(Path(out_dir, f"stack{rank}.txt"), "w")  # noqa: SIM115 (open for the rank's life)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+
+
+def _join_by_deadline(context: Any, out_dir: str, deadline_s: float = RANKS_DEADLINE_S) -> None:
+    """Join the ranks of ``context`` (`mp.start_processes`, join=False) as `join=True` would,
+    raising the first rank's error; past ``deadline_s``, each rank still running writes its
+    stacks, is killed, and the test fails with them."""
+    end = time.monotonic() + deadline_s
+    while not context.join(timeout=1):
+        if time.monotonic() < end:
+            continue
+        alive = [(r, p) for r, p in enumerate(context.processes) if p.is_alive()]
+        for _, p in alive:
+            os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(2)
+        for _, p in alive:
+            p.kill()
+        stacks = "\n".join(
+            f"rank {r}:\n{Path(out_dir, f'stack{r}.txt').read_text()[-4000:]}" for r, _ in alive
+        )
+        raise AssertionError(
+            f"ranks {[r for r, _ in alive]} still running after {deadline_s:.0f} s (a deadlock?);"
+            f" where each stood:\n{stacks}"
+        )
 
 
 def run_cases(cases: list[Case]) -> list[list[tuple[float, float]]]:
@@ -290,7 +333,7 @@ def _group_entry(
     """A rank of one of several independent worlds (replica groups): world ``rank //
     group_size`` on ``ports[world]``, a TCP store (torchft's Manager reads MASTER_ADDR and
     MASTER_PORT to meet its group there)."""
-    faulthandler.enable()
+    _dump_stack_on_signal(out_dir, rank)
     group, local = divmod(rank, group_size)
     os.environ.update(rank_environment(local, group_size, ports[group]))
     torch.set_num_threads(1)
@@ -315,13 +358,14 @@ def run_groups(groups: int, group_size: int, fn: Any, *args: Any) -> list[Any]:
     each (DiLoCo's replica groups); the return values by global rank (group-major)."""
     with tempfile.TemporaryDirectory() as tmp:
         ports = [free_port() for _ in range(groups)]
-        mp.start_processes(
+        context = mp.start_processes(
             _group_entry,
             args=(group_size, ports, fn, args, tmp),
             nprocs=groups * group_size,
-            join=True,
+            join=False,
             start_method=_START_METHOD,
         )
+        _join_by_deadline(context, tmp)
         n = groups * group_size
         return [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(n)]
 
