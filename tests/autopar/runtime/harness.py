@@ -148,6 +148,7 @@ _PRELOAD = [
     "torch.distributed",
     "torch.distributed.pipelining",
     "autopar.runtime.trainer",
+    "transformers.modeling_utils",
     "harness",
 ]
 _START_METHOD = os.environ.get("AUTOPAR_TEST_START_METHOD", "forkserver")
