@@ -142,7 +142,10 @@ def _entry(rank: int, world_size: int, port: int, fn: Any, args: tuple, out_dir:
 # a few hundred ranks on 2 cores. The server runs no torch op, so no thread pool is forked.
 # torch's pipelining (and torch._dynamo with it, which torch.export needs too) is preloaded
 # as well: the runtime imports it only when a pipeline is built, and many ranks here build
-# one or trace. AUTOPAR_TEST_START_METHOD=spawn starts every rank afresh instead.
+# one or trace. So is transformers' modeling core, which every rank building a Hugging Face
+# model imported afresh (about 1.9 s of CPU: scipy, torchao, accelerate and more come with
+# it); each family's own modeling module is still imported where it is built.
+# AUTOPAR_TEST_START_METHOD=spawn starts every rank afresh instead.
 _PRELOAD = [
     "torch",
     "torch.distributed",
