@@ -189,7 +189,9 @@ def _dump_stack_on_signal(out_dir: str, rank: int) -> None:
 def _join_by_deadline(context: Any, out_dir: str, deadline_s: float = RANKS_DEADLINE_S) -> None:
     """Join the ranks of ``context`` (`mp.start_processes`, join=False) as `join=True` would,
     raising the first rank's error; past ``deadline_s``, each rank still running writes its
-    stacks, is killed, and the test fails with them."""
+    stacks, is killed, and the test fails with them. (Not `faulthandler.dump_traceback_later`
+    in each rank: the first rank it ends makes torch's join kill the others, which may not
+    have written theirs yet.)"""
     end = time.monotonic() + deadline_s
     while not context.join(timeout=1):
         if time.monotonic() < end:
@@ -200,6 +202,7 @@ def _join_by_deadline(context: Any, out_dir: str, deadline_s: float = RANKS_DEAD
         time.sleep(2)
         for _, p in alive:
             p.kill()
+            p.join()
         stacks = "\n".join(
             f"rank {r}:\n{Path(out_dir, f'stack{r}.txt').read_text()[-4000:]}" for r, _ in alive
         )
