@@ -44,6 +44,14 @@ def test_a_grid_within_the_noise_is_not_ranked_and_an_ordered_one_is():
     assert "1 grids all ties" in ranking and "pick worst +21.0% over 2 grids" in ranking
 
 
+def test_the_step_line_names_the_worst_row_and_the_nemo_rows_median():
+    rows = _rows("DGXC_X", [10.0, 10.0, 10.0], [10.5, 9.0, 10.1]) + _rows("OTHER", [1.0], [1.4])
+    step = next(line for line in pg.summary(rows) if line.startswith("step time:"))
+    assert "4 rows, median |error| 7.5%" in step
+    assert "worst +40.0% OTHER#1 (<= 30%)" in step
+    assert "NeMo H100 BF16: 3 rows, median 5.0% (<= 8%)" in step
+
+
 def test_a_tie_is_ordered_as_predicted_and_never_costs_spearman():
     # 10.0 and 10.1 tie; 12.0 is beyond the noise
     tied = pg.noise_ties([10.1, 10.0, 12.0])
