@@ -424,6 +424,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices={RUNTIME_PRECISIONS!r}, default={precision!r})
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        help="seconds a collective waits for its peers before the run fails, in every group "
+        "(default torch's: 30 min on gloo, 10 on NCCL)",
+    )
     parser.add_argument("--checkpoint-dir", help="save and resume checkpoints here")
     parser.add_argument(
         "--checkpoint-every",
@@ -528,7 +534,10 @@ def main() -> None:
 
     task = None if args.hf_dataset else make_task(args.tokens, args.tokens_dtype)
     owns_group = not dist.is_initialized()  # False when a launcher runs main() in its ranks
-    init_distributed(args.device)  # RANK, WORLD_SIZE, ... from torchrun; gloo or nccl
+    if args.collective_timeout is not None and args.collective_timeout <= 0:
+        raise ValueError(f"--collective-timeout must be > 0 s, not {{args.collective_timeout}}")
+    # RANK, WORLD_SIZE, ... from torchrun; gloo or nccl; the mesh's groups take the timeout
+    init_distributed(args.device, args.collective_timeout)
     # refuses a world size other than {plan.world_size} (divided by the groups with --ft-group)
     mesh = build_mesh(config, args.device)
     if args.hf_dataset:  # tokenized once per node into a cached token file, then read as one

@@ -277,7 +277,9 @@ class Checkpointer:
         # what `resume` read of it (None: the checkpoint has none for this rank)
         self.extra: Callable[[], dict[str, Any]] | None = None
         self.resumed_extra: dict[str, Any] | None = None
-        # async: DCP's collectives run in a thread, so they get a group of their own
+        # async: DCP's collectives run in a thread, so they get a group of their own; it
+        # keeps torch's 30-minute timeout, not the job's (`mesh.collective_timeout`): its
+        # last barrier waits for every rank's writes, which a large model's take minutes
         self._group = dist.new_group(backend="gloo") if options.async_save else None
 
     # ----------------------------------------------------------------- resume

@@ -66,6 +66,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from autopar.runtime.collectives import TokenExchange, all_reduce_flat
 from autopar.runtime.hf_experts import is_hf_experts, shard_hf_experts
+from autopar.runtime.mesh import device_mesh
 
 
 def expert_owner(expert: int, num_experts: int, ep: int) -> int:
@@ -272,7 +273,7 @@ def build_expert_groups(
     base = torch.arange(world) if ranks is None else ranks
     layout = base.reshape(-1, tokens // ep, ep, inner)
     # one mesh over the world: its "ep" and "edp" groups, and "edp" as FSDP2's mesh
-    mesh = DeviceMesh(device_type, layout, mesh_dim_names=("pp", "edp", "ep", "inner"))
+    mesh = device_mesh(device_type, layout, ("pp", "edp", "ep", "inner"))
     replicas = tokens > ep
     return ExpertGroups(
         mesh.get_group("ep"),

@@ -13,11 +13,14 @@ or fsdp inside it and tp across) is the group the program uses. The dims keep th
 order whatever the layout; only which ranks sit at which coordinates changes.
 
 Public functions:
-    init_distributed(device=None) -> (rank, world_size, device)   # process group from torchrun
+    init_distributed(device=None, timeout_s=None) -> (rank, world_size, device)  # from torchrun
+    collective_timeout() -> timedelta | None                      # the default group's
+    device_mesh(device_type, layout, names) -> DeviceMesh         # its groups take that
     shutdown_distributed()                                        # barrier, then destroy it
     free_port() -> int                                            # a loopback port for local ranks
     rank_environment(rank, world_size, port) -> dict              # torchrun's variables, by hand
-    build_mesh(config, device_type=None) -> RuntimeMesh           # refuses a wrong world size
+    build_mesh(config, device_type=None) -> RuntimeMesh           # refuses a wrong world size;
+                                                                  # its groups take the timeout
     mesh_layout(config) -> tensor [pp, dp, fsdp, cp, tp] of ranks  # in the plan's axis order
     check_world_size(config, world_size)                          # the clear error, alone
 """
@@ -27,9 +30,11 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.config import ParallelConfig
@@ -85,11 +90,16 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def init_distributed(device: str | None = None) -> tuple[int, int, torch.device]:
+def init_distributed(
+    device: str | None = None, timeout_s: float | None = None
+) -> tuple[int, int, torch.device]:
     """Initialise the default process group from torchrun's environment (once per process).
 
     Backend: nccl when the device is a CUDA GPU, gloo otherwise. ``device`` "cpu" or "cuda"
     forces one; by default CUDA is used when available, each rank on GPU LOCAL_RANK.
+    ``timeout_s``: how long a collective waits for its peers before it fails (default torch's:
+    30 min on gloo, 10 on NCCL); the mesh's and the runtime's own groups take the same
+    (`collective_timeout`).
 
     Returns:
         (rank, world_size, the torch.device this rank computes on).
@@ -118,8 +128,43 @@ def init_distributed(device: str | None = None) -> tuple[int, int, torch.device]
             rank=int(os.environ["RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]),
             device_id=dev if dev.type == "cuda" else None,
+            timeout=None if timeout_s is None else timedelta(seconds=timeout_s),
         )
     return dist.get_rank(), dist.get_world_size(), dev
+
+
+def collective_timeout() -> timedelta | None:
+    """The default process group's collective timeout, for the groups made after it; None
+    when no group is up or its backend does not say.
+
+    torch gives a group made by `new_group` (and so every DeviceMesh dimension) its own
+    default, 30 minutes on gloo and 10 on NCCL, whatever `init_process_group` was given: a
+    deadlock inside a tensor- or pipeline-parallel group would wait that long however short the
+    job asked for. The runtime passes this to each group it makes. Read from the backend's
+    options (`_timeout`, as DeviceMesh itself reads a dimension's): no public accessor exists.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = dist.distributed_c10d._get_default_group()
+    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):  # a backend without options: torch's defaults
+        return None
+
+
+def device_mesh(device_type: str, layout: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
+    """A DeviceMesh over ``layout`` whose dimensions' groups take `collective_timeout`."""
+    timeout = collective_timeout()
+    override = None
+    if timeout is not None:  # NCCL takes its own options type; gloo reads only the timeout
+        if dist.get_backend() == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+        else:
+            options = C10dBackend.Options(dist.get_backend(), timeout)
+        override = tuple((None, options) for _ in names)
+    return DeviceMesh(device_type, layout, mesh_dim_names=names, backend_override=override)
 
 
 @dataclass(frozen=True)
@@ -182,6 +227,7 @@ def build_mesh(config: ParallelConfig, device_type: str | None = None) -> Runtim
     Args:
         config: the plan's ParallelConfig; its world size must equal the process group's.
         device_type: "cpu" or "cuda"; default: the backend's (nccl -> cuda, else cpu).
+        Each dimension's group takes the default group's timeout (`collective_timeout`).
 
     Raises:
         WorldSizeError: the world size differs from the plan's (the message names both).
@@ -192,7 +238,7 @@ def build_mesh(config: ParallelConfig, device_type: str | None = None) -> Runtim
     check_world_size(config, world_size)
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = DeviceMesh(device_type, mesh_layout(config), mesh_dim_names=AXES)
+    mesh = device_mesh(device_type, mesh_layout(config), AXES)
     rank = dist.get_rank()
     coords = mesh.get_coordinate()
     assert coords is not None  # every rank is in the mesh: it spans the world

@@ -51,7 +51,7 @@ from torch import nn
 
 from autopar.config import ParallelConfig
 from autopar.runtime.collectives import local_shard
-from autopar.runtime.mesh import RuntimeMesh
+from autopar.runtime.mesh import RuntimeMesh, collective_timeout
 from autopar.runtime.parts import has_parts, parts_of, tied_parameters
 from autopar.runtime.stages import (
     ChunkLayout,
@@ -321,7 +321,7 @@ def tie_group_of(mesh: RuntimeMesh, layout: ChunkLayout) -> dist.ProcessGroup | 
     mine = None
     for col in range(grid.shape[1]):
         ranks = [int(grid[first, col]), int(grid[last, col])]
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=collective_timeout())  # the default group's
         if mesh.rank in ranks:
             mine = group
     return mine

@@ -8,11 +8,11 @@ loss that is not a function, names a missing module, returns a vector, an int or
 without gradient, or turns NaN (the run stops at the step, naming where to resume); a data
 hook returning None or float token ids; a checkpoint directory or metrics log that cannot be
 written; a --hf-dataset file that does not parse or a Hub name offline, a --tokenizer that does
-not load; a checkpoint directory holding another model's checkpoint; a DiLoCo or fault-tolerant
-replica group without its lighthouse, or outside the groups. A NaN step is skipped
-where --skip-nonfinite allows it. `--traceback` shows the traceback instead. What is refused
-before the process group starts runs on rank 0 alone: that it stops without waiting for rank 1
-is part of what is shown.
+not load; a collective timeout of 0; a checkpoint directory holding another model's
+checkpoint; a DiLoCo or fault-tolerant replica group without its lighthouse, or outside the
+groups. A NaN step is skipped where --skip-nonfinite allows it. `--traceback` shows the
+traceback instead. What is refused before the process group starts runs on rank 0 alone: that
+it stops without waiting for rank 1 is part of what is shown.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ CASES = {
     "checkpoint dir": (["--checkpoint-dir", "/proc/autopar"], "--checkpoint-dir /proc/autopar"),
     "metrics": (["--metrics", "/proc/x/m.jsonl"], "--metrics /proc/x: cannot write there"),
     "skips negative": (["--skip-nonfinite", "-1"], "--skip-nonfinite must be a whole number"),
+    "timeout zero": (["--collective-timeout", "0"], "--collective-timeout must be > 0 s, not 0.0"),
     "diloco without lighthouse": (["--diloco-group", "0"], "--diloco-group needs --lighthouse"),
     "ft without lighthouse": (["--ft-group", "0"], "--ft-group needs --lighthouse"),
     "diloco group out of range": (
@@ -98,7 +99,7 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # rendezvous would wait there for rank 1 until the timeout), at half the processes
 BEFORE_INIT = {"lr nan", "lr negative", "loss not a function", "loss module missing",
                "checkpoint dir", "metrics", "skips negative", "diloco without lighthouse",
-               "diloco group out of range", "ft without lighthouse"}  # fmt: skip
+               "diloco group out of range", "ft without lighthouse", "timeout zero"}  # fmt: skip
 
 
 def _run(program: Path, args: list[str], ranks: int = 2) -> list[subprocess.CompletedProcess]:
@@ -148,7 +149,9 @@ def test_traceback_on_request(program):
 @pytest.mark.multiprocess
 def test_a_nan_step_is_skipped_where_allowed_and_the_run_goes_on(program, tmp_path):
     metrics = tmp_path / "m.jsonl"
-    args = ["--loss", "hooks:nan_once", "--skip-nonfinite", "1", "--steps", "3"]
+    # with a collective timeout of its own (every group's: test_collective_timeout.py)
+    args = ["--loss", "hooks:nan_once", "--skip-nonfinite", "1", "--steps", "3",
+            "--collective-timeout", "120"]  # fmt: skip
     ranks = _run(program, [*args, "--metrics", str(metrics)])
     assert [r.returncode for r in ranks] == [0, 0], [r.stderr[-2000:] for r in ranks]
     assert "step 1 skipped: the loss is nan" in ranks[0].stdout

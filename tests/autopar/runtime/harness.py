@@ -49,9 +49,10 @@ HERE = Path(__file__).resolve().parent
 # no collective of these tiny models waits minutes, even at a load of 10 on 2 cores
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 # a spawn's ranks all done within this, or its test fails with each rank's stack: the
-# collective timeout above holds for the default group only, and the subgroups of a mesh get
-# torch's own 30 minutes (`new_group`'s default), so a deadlock there would hold a CI worker
-# that long, then say nothing of where the ranks stood. The longest spawn takes about 2 min.
+# collective timeout above holds for the default group and the runtime's mesh groups
+# (`mesh.collective_timeout`), but a group made otherwise gets torch's own 30 minutes
+# (`new_group`'s default), and a rank can hang outside a collective; either would hold a CI
+# worker, then say nothing of where the ranks stood. The longest spawn takes about 2 min.
 RANKS_DEADLINE_S = 15 * 60
 OPTIONS = TrainOptions(steps=3, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, log=False)
 
@@ -116,7 +117,15 @@ def tp_of(case: Case) -> dict[str, str] | None:
     return tp_plan(model, c, case.placements, roles=case.roles, vocab_parallel=c.cp == 1)
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Any, args: tuple, out_dir: str) -> None:
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Any,
+    args: tuple,
+    out_dir: str,
+    timeout: datetime.timedelta = COLLECTIVE_TIMEOUT,
+) -> None:
     _dump_stack_on_signal(out_dir, rank)
     os.environ.update(rank_environment(rank, world_size, port))
     torch.set_num_threads(1)
@@ -128,7 +137,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Any, args: tuple, out_dir:
     # a rank stuck in a collective (a plan the ranks disagree on) fails its test after
     # COLLECTIVE_TIMEOUT, with gloo's message naming the op, not after gloo's 30 minutes
     dist.init_process_group(
-        "gloo", init_method=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
+        "gloo", init_method=store, rank=rank, world_size=world_size, timeout=timeout
     )
     try:
         result = fn(*args)
@@ -160,15 +169,20 @@ if _START_METHOD == "forkserver":  # read when the server starts, by the first r
 
 
 def run_ranks(
-    world_size: int, fn: Any, *args: Any, deadline_s: float = RANKS_DEADLINE_S
+    world_size: int,
+    fn: Any,
+    *args: Any,
+    deadline_s: float = RANKS_DEADLINE_S,
+    collective_timeout: datetime.timedelta = COLLECTIVE_TIMEOUT,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` gloo ranks (forked from a server that has imported
     torch and autopar's runtime); their return values by rank. Ranks still running after
-    ``deadline_s`` fail the test with their stacks (`_join_by_deadline`)."""
+    ``deadline_s`` fail the test with their stacks (`_join_by_deadline`); the default group's
+    collectives wait ``collective_timeout`` for their peers."""
     with tempfile.TemporaryDirectory() as tmp:
         context = mp.start_processes(
             _entry,
-            args=(world_size, free_port(), fn, args, tmp),
+            args=(world_size, free_port(), fn, args, tmp, collective_timeout),
             nprocs=world_size,
             join=False,
             start_method=_START_METHOD,
