@@ -30,11 +30,14 @@ Per world size:
 
 Profile: ``--profile fresh`` first measures this machine with ``autopar profile`` (2 ranks,
 about 90 s) and prices against that. The default, ``auto``, prices against the shipped
-``local_cpu`` where that was measured on this machine's CPU model and measures afresh where it
-was not: machines of "this kind" come with an AMD EPYC or an Intel Xeon, whose rates differ (on
-2026-11-29 a Xeon ran the configs 26% and 43% off the EPYC profile's prices in the median), and
-one CPU drifts from day to day too (on 2026-11-26 an EPYC measured 41% less memory bandwidth
-and 2.5x the per-layer host time of the shipped profile).
+``local_cpu`` where that was measured on this machine's CPU model and a second's probe of a
+few ops (launch, fp32 and bf16 matmul, a copy: `autopar.profiler.check`) agrees with its prices
+within 1.5x, and measures afresh where not: machines of "this kind" come with an AMD EPYC or
+an Intel Xeon, whose rates differ (on 2026-11-29 a Xeon ran the configs 26% and 43% off the
+EPYC profile's prices in the median), two EPYCs of one name can be a Zen 3 and a Zen 4 (on
+2026-12-01 the Zen 3 measured every config about twice its price), and one CPU drifts from day
+to day too (on 2026-11-26 an EPYC measured 41% less memory bandwidth and 2.5x the per-layer
+host time of the shipped profile).
 
 Threads: every rank computes with one intra-op thread (`--threads`), as `autopar profile`
 measured the per-rank rates of hardware_profiles/local_cpu.toml; on this 2-core machine 4
@@ -484,12 +487,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_NUM_THREADS"] = str(settings.threads)
     print(f"load average before: {_load()}; {settings}", flush=True)
     if settings.profile == "auto":
-        note = other_cpu_note(PROFILE)
-        here = f"{PROFILE} was measured on this machine's CPU: pricing against it"
+        note = other_cpu_note(PROFILE) or probe_note(PROFILE)
+        here = (
+            f"{PROFILE} was measured on this machine's CPU and its probe agrees: pricing against it"
+        )
         print(note or here, flush=True)
         settings = replace(settings, profile="fresh" if note else PROFILE)
-    elif settings.profile != "fresh" and (note := other_cpu_note(settings.profile)):
-        print(note, flush=True)
+    elif settings.profile != "fresh":
+        note = other_cpu_note(settings.profile) or probe_note(settings.profile)
+        print(note or f"{settings.profile}: the probe agrees with this machine", flush=True)
     if settings.profile == "fresh":
         _wait_for_quiet(settings)
         settings = replace(settings, profile=_fresh_profile(settings.world_sizes))
@@ -514,6 +520,27 @@ def other_cpu_note(profile_name: str) -> str | None:
     return (
         f"note: {profile.name} was measured on {measured}; this machine is {here}, whose "
         "rates differ: --profile fresh (what the default, auto, does here) measures this one"
+    )
+
+
+def probe_note(profile_name: str) -> str | None:
+    """A line saying a CPU profile's prices are off on this machine now, timing a few ops
+    (`autopar.profiler.check`): the CPU's name alone does not tell a virtual machine's Zen 3
+    from a Zen 4 (on 2026-12-01 one measured every config about twice the shipped profile's
+    price), or None. Each probe is printed."""
+    import autopar
+    from autopar.profiler.check import mismatch_note, probe_profile
+
+    profile = autopar.load_profile(profile_name)
+    if profile.kind != "cpu":
+        return None
+    probes = probe_profile(profile)
+    for p in probes:
+        print(f"  probe {p.as_text()}", flush=True)
+    note = mismatch_note(profile, probes)
+    return (
+        note
+        and f"note: {note}: --profile fresh (what the default, auto, does here) measures this one"
     )
 
 

@@ -9,6 +9,8 @@ Modules:
     comm      all-reduce, all-gather, reduce-scatter, all-to-all, send/recv per topology level
     document  fits (`cost_models.fit`) and the TOML text
     run       the driver: launches itself under torchrun, measures, writes on rank 0
+    check     a second's probe of a few ops against a CPU profile's prices: does it still
+              describe this machine?
 """
 
 from autopar.profiler.run import ProfileOptions, profile

@@ -103,11 +103,11 @@ def measure_compute(
     device: torch.device, plan: ComputePlan, progress: Progress
 ) -> list[ComputeMeasurement]:
     """Run every measurement of ``plan`` on ``device``; see the module docstring."""
-    out = [_launch(device, plan)]
+    out = [launch_op(device, plan)]
     progress(f"launch overhead {out[0].time_s * 1e6:.1f} us")
     for name in DTYPES:
         for n in plan.matmul_sizes:
-            m = _matmul(device, plan, name, n)
+            m = matmul_op(device, plan, name, n)
             out.append(m)
             progress(f"matmul {name} {m.shape}: {m.flops / m.time_s / 1e9:.1f} GFLOP/s")
             if m.time_s >= SLOW_CALL_S:  # a CPU without bf16 units: 1 GFLOP/s, and the
@@ -118,7 +118,7 @@ def measure_compute(
         m = _attention(device, plan, s)
         out.append(m)
         progress(f"attention {m.dtype} {m.shape}: {m.flops / m.time_s / 1e9:.1f} GFLOP/s")
-    memory_ops = {"copy": _copy, "add": _add}
+    memory_ops = {"copy": copy_op, "add": add_op}
     points = [fn(device, plan, n) for fn in memory_ops.values() for n in plan.memory_numels]
     # both ops stream memory: the curve is fitted to them together, so one stalled at its
     # largest size bends it whichever op it is (a copy of 256 MiB slower than an add of
@@ -164,7 +164,7 @@ def _retime_stalls(
     return points
 
 
-def _launch(device: torch.device, plan: ComputePlan) -> ComputeMeasurement:
+def launch_op(device: torch.device, plan: ComputePlan) -> ComputeMeasurement:
     # One tiny op: what every op pays before doing any work (dispatch, kernel launch).
     a = torch.ones(1, device=device)
     b = torch.ones(1, device=device)
@@ -173,7 +173,7 @@ def _launch(device: torch.device, plan: ComputePlan) -> ComputeMeasurement:
     return ComputeMeasurement("launch", "fp32", "1", 1.0, 12.0, t)
 
 
-def _matmul(device: torch.device, plan: ComputePlan, dtype: str, n: int) -> ComputeMeasurement:
+def matmul_op(device: torch.device, plan: ComputePlan, dtype: str, n: int) -> ComputeMeasurement:
     a = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
     b = torch.randn(n, n, device=device, dtype=DTYPES[dtype])
     c = torch.empty(n, n, device=device, dtype=DTYPES[dtype])
@@ -207,14 +207,14 @@ def _attention(device: torch.device, plan: ComputePlan, seq: int) -> ComputeMeas
     )
 
 
-def _copy(device: torch.device, plan: ComputePlan, numel: int) -> ComputeMeasurement:
+def copy_op(device: torch.device, plan: ComputePlan, numel: int) -> ComputeMeasurement:
     src = torch.randn(numel, device=device)
     dst = torch.empty(numel, device=device)
     t = time_call(lambda: dst.copy_(src), device, target_s=plan.target_s, repeats=plan.repeats)
     return ComputeMeasurement("copy", "fp32", str(numel), 0.0, 8.0 * numel, t)
 
 
-def _add(device: torch.device, plan: ComputePlan, numel: int) -> ComputeMeasurement:
+def add_op(device: torch.device, plan: ComputePlan, numel: int) -> ComputeMeasurement:
     a = torch.randn(numel, device=device)
     b = torch.randn(numel, device=device)
     c = torch.empty(numel, device=device)

@@ -49,6 +49,23 @@ def test_a_cpu_profile_from_another_cpu_is_named_with_this_one(monkeypatch):
     assert lv.other_cpu_note("local_cpu") is None
 
 
+def test_a_cpu_profile_whose_probe_is_off_sends_auto_to_a_fresh_profile(monkeypatch, capsys):
+    """One CPU name can cover two machines (a Zen 3 and a Zen 4 "AMD EPYC"): where the probe
+    times an op beyond the tolerance of the profile's price, the benchmark says which and names
+    --profile fresh; within it, or for a GPU profile (not probed), it says nothing."""
+    import autopar.profiler.check as check
+
+    probes = [check.Probe("matmul bf16 128^3", 2e-3, 1e-5), check.Probe("copy 32 MiB", 1.0, 1.2)]
+    monkeypatch.setattr(check, "probe_profile", lambda profile: probes)
+    note = lv.probe_note("local_cpu")
+    assert note and "matmul bf16 128^3" in note and "200.00x" in note
+    assert "copy" not in note and "--profile fresh" in note
+    assert "probe matmul bf16 128^3: 2,000.0 us here" in capsys.readouterr().out
+    probes[0] = check.Probe("matmul bf16 128^3", 1e-5, 1e-5)
+    assert lv.probe_note("local_cpu") is None
+    assert lv.probe_note("dgx_h100") is None
+
+
 @pytest.mark.multiprocess
 def test_one_config_runs_and_measures_near_its_prediction(tmp_path):
     import autopar
